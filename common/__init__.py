@@ -1,0 +1,1 @@
+"""What the producer and the workers share: settings, run config, task contract, Redis keys, budget."""

@@ -1,0 +1,121 @@
+-- The budget of one dataset: admission, exactly-once counting and the row hand-off, atomically.
+--
+-- KEYS[1] budget   HASH   limit, kept (tokens of kept rows), reserved (estimates of admitted
+--                         requests), rows (kept rows), state: active | exhausted | stopped
+-- KEYS[2] done     SET    prompt ids whose row was kept: the exactly-once guard
+-- KEYS[3] leases   HASH   prompt id -> "<lease>|<estimate>|<expires_ms>" of admitted requests
+-- KEYS[4] failed   HASH   prompt id -> JSON {reason, attempts, detail}
+-- KEYS[5] results  STREAM kept rows, fields: id <prompt id>, row <msgpack row>
+--
+-- ARGV[1] is the operation; the rest depends on it:
+--   reserve  id lease now_ms ttl_ms prior_estimate min_rows
+--            -> {"ok", estimate} | {"done"} | {"stopped"} | {"busy", ms_left} | {"over", estimate}
+--            Admits a request only if kept + reserved + estimate fits under limit; the first
+--            request that does not fit turns the dataset "exhausted", which stops admission for
+--            everyone (the producer then purges the queue). Requests already admitted still land.
+--   settle   id lease tokens row  -> {"kept", kept, limit} | {"duplicate"}
+--            Counts a kept row and hands it to the collector in the same step, so a prompt is
+--            counted and written once even when Celery delivers it twice.
+--   fail     id lease failure_json -> {"failed"} | {"duplicate"}
+--   release  id lease             -> {"released"}   (give back an admission, no outcome)
+--   reap     now_ms               -> {"reaped", n}  (expired leases of killed workers)
+--   open     limit                -> {"open", kept, rows}   (start or resume the dataset)
+--   close                         -> {"closed"}
+local budget, done, leases, failed, results = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local op = ARGV[1]
+
+local function parse_lease(raw)
+  local lease, est, exp = string.match(raw, "^(.*)|(%d+)|(%d+)$")
+  return lease, tonumber(est), tonumber(exp)
+end
+
+-- Drops the lease of `id` if it belongs to `lease` (or to anyone, when `lease` is false);
+-- its estimate leaves `reserved`.
+local function drop_lease(id, lease)
+  local raw = redis.call("HGET", leases, id)
+  if not raw then return end
+  local holder, est = parse_lease(raw)
+  if lease and holder ~= lease then return end
+  redis.call("HDEL", leases, id)
+  redis.call("HINCRBY", budget, "reserved", -est)
+end
+
+if op == "reserve" then
+  local id, lease = ARGV[2], ARGV[3]
+  local now, ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
+  local prior, min_rows = tonumber(ARGV[6]), tonumber(ARGV[7])
+  if redis.call("SISMEMBER", done, id) == 1 then return {"done"} end
+  if redis.call("HGET", budget, "state") ~= "active" then return {"stopped"} end
+  local raw = redis.call("HGET", leases, id)
+  if raw then
+    local holder, est, exp = parse_lease(raw)
+    if holder == lease then return {"ok", est} end
+    if exp > now then return {"busy", exp - now} end
+    drop_lease(id, false)  -- its holder died: take its place
+  end
+  local b = redis.call("HMGET", budget, "limit", "kept", "reserved", "rows")
+  local limit, kept = tonumber(b[1]), tonumber(b[2] or "0")
+  local reserved, rows = tonumber(b[3] or "0"), tonumber(b[4] or "0")
+  local estimate = prior
+  if rows >= min_rows then estimate = math.ceil(kept / rows) end
+  if kept + reserved + estimate > limit then
+    redis.call("HSET", budget, "state", "exhausted")
+    return {"over", estimate}
+  end
+  redis.call("HSET", leases, id, lease .. "|" .. estimate .. "|" .. (now + ttl))
+  redis.call("HINCRBY", budget, "reserved", estimate)
+  return {"ok", estimate}
+
+elseif op == "settle" then
+  local id, lease, tokens, row = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+  drop_lease(id, lease)
+  if redis.call("SADD", done, id) == 0 then return {"duplicate"} end
+  local kept = redis.call("HINCRBY", budget, "kept", tokens)
+  redis.call("HINCRBY", budget, "rows", 1)
+  redis.call("HDEL", failed, id)
+  redis.call("XADD", results, "*", "id", id, "row", row)
+  return {"kept", kept, tonumber(redis.call("HGET", budget, "limit"))}
+
+elseif op == "fail" then
+  local id, lease, failure = ARGV[2], ARGV[3], ARGV[4]
+  drop_lease(id, lease)
+  if redis.call("SISMEMBER", done, id) == 1 then return {"duplicate"} end
+  redis.call("HSET", failed, id, failure)
+  return {"failed"}
+
+elseif op == "release" then
+  drop_lease(ARGV[2], ARGV[3])
+  return {"released"}
+
+elseif op == "reap" then
+  local now, n = tonumber(ARGV[2]), 0
+  local all = redis.call("HGETALL", leases)
+  for i = 1, #all, 2 do
+    local _, _, exp = parse_lease(all[i + 1])
+    if exp <= now then
+      drop_lease(all[i], false)
+      n = n + 1
+    end
+  end
+  return {"reaped", n}
+
+elseif op == "open" then
+  -- `reserved` is re-derived from the leases so a crash between two writes can't leak budget.
+  local reserved = 0
+  local all = redis.call("HGETALL", leases)
+  for i = 2, #all, 2 do
+    local _, est = parse_lease(all[i])
+    reserved = reserved + est
+  end
+  redis.call("HSET", budget, "limit", ARGV[2], "state", "active", "reserved", reserved)
+  redis.call("HSETNX", budget, "kept", 0)
+  redis.call("HSETNX", budget, "rows", 0)
+  local b = redis.call("HMGET", budget, "kept", "rows")
+  return {"open", tonumber(b[1]), tonumber(b[2])}
+
+elseif op == "close" then
+  redis.call("HSET", budget, "state", "stopped")
+  return {"closed"}
+end
+
+return redis.error_reply("budget.lua: unknown operation " .. tostring(op))

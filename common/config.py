@@ -1,0 +1,201 @@
+"""The TOML run file: what to generate, from which data, under which budget.
+
+Validated on load with pydantic; every error names the file, the field path and, where it can be
+found, the line (``fleet.toml:14: datasets[1].length: Input should be 'short' or 'long'``).
+Relative paths are resolved against the run file's folder, so a config runs from any cwd.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from common.errors import ConfigError
+
+DEFAULT_BUDGET_TOKENS = 10_000_000
+_DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    #: What OpenRouter is asked for.
+    name: str = Field(min_length=1)
+    #: HF hub id or local folder, loaded with AutoTokenizer.
+    tokenizer: str = Field(min_length=1)
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+
+class LengthClass(_Strict):
+    max_tokens: int = Field(gt=0)
+    #: Read timeout of one HTTP attempt: the only real time limit under gevent.
+    timeout_s: float = Field(gt=0)
+    #: Budget reserved for a request before the first rows give a measured mean.
+    estimate_tokens: int = Field(gt=0)
+
+
+def _default_lengths() -> dict[str, LengthClass]:
+    return {
+        "short": LengthClass(max_tokens=8_192, timeout_s=600, estimate_tokens=1_500),
+        "long": LengthClass(max_tokens=32_768, timeout_s=3_600, estimate_tokens=8_000),
+    }
+
+
+class RequestConfig(_Strict):
+    """Passed through to OpenRouter's chat completions body (see shared openrouter.md)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    #: OpenRouter ``reasoning``: {effort = "high"} or {max_tokens = N}, exclude, enabled.
+    reasoning: dict[str, Any] | None = None
+    #: OpenRouter ``provider`` routing: order, allow_fallbacks, require_parameters, data_collection…
+    provider: dict[str, Any] | None = None
+    #: Any other body keys, sent as they are (e.g. ``transforms``).
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.model_dump(exclude={"extra"}).items() if v is not None}
+        out.update(self.extra)
+        return out
+
+
+class RetryConfig(_Strict):
+    max_attempts: int = Field(default=6, ge=1)
+    backoff_base_s: float = Field(default=1.0, gt=0)
+    backoff_max_s: float = Field(default=60.0, gt=0)
+
+
+class OutputConfig(_Strict):
+    dir: Path = Path("out")
+    #: A shard is closed after this many rows; shards are what a trainer reads in parallel.
+    shard_rows: int = Field(default=10_000, gt=0)
+
+
+class DatasetConfig(_Strict):
+    name: str
+    path: Path
+    length: Literal["short", "long"] = "short"
+    budget_tokens: int = Field(default=DEFAULT_BUDGET_TOKENS, gt=0)
+    #: Take at most this many prompts from the file (None: all).
+    max_prompts: int | None = Field(default=None, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_key(cls, v: str) -> str:
+        if not _DATASET_NAME.match(v):
+            raise ValueError("use letters, digits, '_', '-', '.' (it names a queue and a folder)")
+        return v
+
+
+class RunConfig(_Strict):
+    model: ModelConfig
+    request: RequestConfig = RequestConfig()
+    lengths: dict[Literal["short", "long"], LengthClass] = Field(default_factory=_default_lengths)
+    retry: RetryConfig = RetryConfig()
+    output: OutputConfig = OutputConfig()
+    datasets: list[DatasetConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names_and_both_lengths(self) -> RunConfig:
+        names = [d.name for d in self.datasets]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"dataset names must be unique, repeated: {', '.join(dupes)}")
+        return self
+
+    def worker_view(self) -> dict[str, Any]:
+        """What workers need, as JSON-able data: no dataset paths, no output dir, no secrets."""
+        return {
+            "model": self.model.model_dump(mode="json"),
+            "request": self.request.body(),
+            "lengths": {k: self.length_for(k).model_dump(mode="json") for k in ("short", "long")},
+            "retry": self.retry.model_dump(mode="json"),
+            "datasets": {d.name: d.length for d in self.datasets},
+        }
+
+    def length_for(self, name: Literal["short", "long"]) -> LengthClass:
+        return self.lengths.get(name) or _default_lengths()[name]
+
+    def config_id(self) -> str:
+        canonical = json.dumps(self.worker_view(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _line_of(text: str, loc: tuple[int | str, ...]) -> int | None:
+    """Best-effort line of a field path like ('datasets', 1, 'length'): tomllib keeps no positions."""
+    lines = text.splitlines()
+    start, end = 0, len(lines)
+    path = list(loc)
+    if len(path) >= 2 and isinstance(path[1], int):
+        headers = [i for i, ln in enumerate(lines) if ln.strip() == f"[[{path[0]}]]"]
+        if path[1] < len(headers):
+            start = headers[path[1]]
+            later = [i for i, ln in enumerate(lines) if i > start and ln.strip().startswith("[")]
+            end = later[0] if later else len(lines)
+        path = path[2:]
+    elif path and isinstance(path[0], str):
+        for i, ln in enumerate(lines):
+            if ln.strip() in (f"[{path[0]}]", f"[[{path[0]}]]"):
+                start = i
+                break
+        path = path[1:]
+    key = next((p for p in path if isinstance(p, str)), None)
+    if key is None:
+        return start + 1 if start else None
+    pattern = re.compile(rf"^\s*{re.escape(key)}\s*=")
+    for i in range(start, end):
+        if pattern.match(lines[i]):
+            return i + 1
+    return start + 1 if start else None
+
+
+def _fmt_loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def load_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read run file: {exc.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            line = _line_of(text, loc)
+            where = f"{path}:{line}" if line else str(path)
+            problems.append(f"{where}: {_fmt_loc(loc)}: {err['msg']}")
+        raise ConfigError("invalid run file\n  " + "\n  ".join(problems)) from None
+    return _resolve_paths(cfg, path.resolve().parent)
+
+
+def _resolve_paths(cfg: RunConfig, base: Path) -> RunConfig:
+    datasets = [d.model_copy(update={"path": (base / d.path).resolve()}) for d in cfg.datasets]
+    output = cfg.output.model_copy(update={"dir": (base / cfg.output.dir).resolve()})
+    model = cfg.model
+    local_tokenizer = base / model.tokenizer
+    if local_tokenizer.is_dir():
+        model = model.model_copy(update={"tokenizer": str(local_tokenizer.resolve())})
+    return cfg.model_copy(update={"datasets": datasets, "output": output, "model": model})

@@ -1,0 +1,91 @@
+"""The one error tree of specfleet.
+
+Every failure the product reports is a ``SpecfleetError``. Foreign exceptions (requests, redis,
+tokenizers) are translated at the boundary that meets them, so callers decide on a class, never on
+a library's exception or a message string.
+"""
+
+from __future__ import annotations
+
+
+class SpecfleetError(Exception):
+    """Base of every error specfleet raises on purpose."""
+
+
+# --- input the user gave us -------------------------------------------------------------------
+
+
+class ConfigError(SpecfleetError):
+    """A run file or environment variable is wrong; the message names the file/variable and field."""
+
+
+class DatasetRowError(SpecfleetError):
+    """One dataset row cannot be used. ``where`` is ``file:line``; the rest of the file still runs."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"{where}: {reason}")
+        self.where = where
+        self.reason = reason
+
+
+# --- the upstream API ---------------------------------------------------------------------------
+
+
+class UpstreamError(SpecfleetError):
+    """OpenRouter did not give a usable answer.
+
+    ``status`` is the HTTP status (200 for an error object inside a 200 body, 0 when no response
+    arrived), ``reason`` a short stable word for reports (``http_429``, ``timeout``, ``bad_json`` …).
+    """
+
+    retryable = False
+
+    def __init__(
+        self, reason: str, message: str, *, status: int = 0, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+class RetryableUpstreamError(UpstreamError):
+    """Worth another attempt: 408, 429, 5xx, timeouts, resets, malformed JSON, 200-with-error,
+    and 402 when the server says when to come back (``Retry-After``)."""
+
+    retryable = True
+
+
+class FatalUpstreamError(UpstreamError):
+    """Another attempt cannot help: 400, 401, 403, 402 without ``Retry-After``."""
+
+
+# --- the target tokenizer -----------------------------------------------------------------------
+
+
+class TokenizerError(SpecfleetError):
+    """The target tokenizer cannot be loaded, or fails the start-up round-trip check.
+
+    Raised before any request is sent, so a broken tokenizer never costs money.
+    """
+
+
+class TokenMismatch(SpecfleetError):
+    """A rebuilt row failed its self-check; it is written to ``failed.jsonl``, never as a good row.
+
+    ``position`` is the first differing token index within the completion (or -1 when the check
+    that failed is not positional), ``check`` names which self-check failed.
+    """
+
+    def __init__(self, check: str, position: int, detail: str) -> None:
+        super().__init__(f"token_mismatch ({check}) at completion position {position}: {detail}")
+        self.check = check
+        self.position = position
+        self.detail = detail
+
+
+# --- the store ----------------------------------------------------------------------------------
+
+
+class StoreError(SpecfleetError):
+    """Redis is unreachable or answered something the key layout does not allow."""

@@ -1,0 +1,60 @@
+"""Every Redis key specfleet writes, in one place, under one prefix.
+
+Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
+
+    specfleet:config:<cid>          STRING  run config as JSON (secrets stripped), written by the producer
+    specfleet:active                HASH    queue name -> run-config id: what workers consume now (they poll it)
+    specfleet:ds:<ds>:budget        HASH    limit, kept, reserved, rows, state (see budget.lua)
+    specfleet:ds:<ds>:done          SET     prompt ids whose row was kept (the exactly-once guard)
+    specfleet:ds:<ds>:leases        HASH    prompt id -> "<lease>|<estimate>|<expires_ms>" of admitted requests
+    specfleet:ds:<ds>:failed        HASH    prompt id -> JSON {reason, attempts, detail} (cleared when kept later)
+    specfleet:ds:<ds>:results       STREAM  kept rows (field ``row``: msgpack), drained by the collector
+    specfleet:ds:<ds>:stats         HASH    counters for reports and metrics (billed tokens, errors by class…)
+    specfleet:ds:<ds>:timeline      LIST    JSON samples of progress over time, for the run report's plot
+    specfleet:producer:lock         STRING  one producer per Redis at a time
+    specfleet:run:current           STRING  JSON {config_id, datasets, started_s, out_dir} of the run in progress
+
+Celery's own keys (the queue lists ``specfleet.q.<ds>``, ``unacked``, ``_kombu.*``) are kombu's.
+"""
+
+from __future__ import annotations
+
+PREFIX = "specfleet"
+
+ACTIVE_QUEUES = f"{PREFIX}:active"
+PRODUCER_LOCK = f"{PREFIX}:producer:lock"
+CURRENT_RUN = f"{PREFIX}:run:current"
+
+#: Prefix of the per-dataset Celery queue name (a Redis list of the same name).
+QUEUE_PREFIX = f"{PREFIX}.q."
+
+
+def config(config_id: str) -> str:
+    return f"{PREFIX}:config:{config_id}"
+
+
+def queue(dataset: str) -> str:
+    return f"{QUEUE_PREFIX}{dataset}"
+
+
+class DatasetKeys:
+    """The keys of one dataset; ``budget_keys`` is the KEYS order budget.lua expects."""
+
+    def __init__(self, dataset: str) -> None:
+        base = f"{PREFIX}:ds:{dataset}"
+        self.dataset = dataset
+        self.budget = f"{base}:budget"
+        self.done = f"{base}:done"
+        self.leases = f"{base}:leases"
+        self.failed = f"{base}:failed"
+        self.results = f"{base}:results"
+        self.stats = f"{base}:stats"
+        self.timeline = f"{base}:timeline"
+        self.queue = queue(dataset)
+
+    @property
+    def budget_keys(self) -> list[str]:
+        return [self.budget, self.done, self.leases, self.failed, self.results]
+
+    def all(self) -> list[str]:
+        return [*self.budget_keys, self.stats, self.timeline, self.queue]

@@ -1,0 +1,52 @@
+"""Logging setup for entry points, with the API key scrubbed from every record.
+
+Library modules only do ``logging.getLogger(__name__)``; entry points call ``configure``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+
+# OpenRouter keys look like sk-or-v1-<64 hex>; any bearer token is scrubbed too.
+_KEY_PATTERN = re.compile(r"(sk-or-[A-Za-z0-9-]{8,}|Bearer\s+[A-Za-z0-9._~+/=-]{8,})")
+REDACTED = "[REDACTED]"
+
+
+class RedactSecrets(logging.Filter):
+    """Rewrites a record whose text holds the API key (or anything shaped like one)."""
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        self._secrets = [s for s in secrets if s and len(s) >= 8]
+
+    def scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, REDACTED)
+        return _KEY_PATTERN.sub(REDACTED, text)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = self.scrub(message)
+        if record.exc_info and record.exc_info[1] is not None:
+            # Exceptions can quote request headers; render now so the text can be scrubbed.
+            record.exc_text = self.scrub(logging.Formatter().formatException(record.exc_info))
+            record.exc_info = None
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
+def configure(level: str = "INFO", *, stream: object = None) -> None:
+    handler = logging.StreamHandler(stream or sys.stderr)  # type: ignore[arg-type]
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
+    )
+    handler.addFilter(RedactSecrets([os.environ.get("OPENROUTER_API_KEY", "")]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    # urllib3 logs every retry with the URL only, but its DEBUG level dumps headers.
+    logging.getLogger("urllib3").setLevel(logging.WARNING)

@@ -1,0 +1,93 @@
+"""The one settings object: everything specfleet reads from the environment, read in one place.
+
+The run file (``common/config.py``) says *what* to generate; these say *where* and *how hard*.
+A bad value fails at start with the variable's name, never deep inside a task.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from common.errors import ConfigError
+
+OPENROUTER_DEFAULT_BASE_URL = "https://openrouter.ai"
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r}: not a whole number") from None
+    if value < minimum:
+        raise ConfigError(f"environment variable {name}={raw!r}: must be >= {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r}: not a number") from None
+    if value < minimum:
+        raise ConfigError(f"environment variable {name}={raw!r}: must be >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    #: None means "no Redis given": the CLI then starts a private Valkey (producer/embedded.py).
+    redis_url: str | None
+    #: Kept out of repr so a logged Settings never carries the key.
+    openrouter_api_key: str | None = field(repr=False)
+    openrouter_base_url: str = OPENROUTER_DEFAULT_BASE_URL
+    #: Greenlets per worker process; also the HTTP pool size, so no request waits for a socket.
+    worker_concurrency: int = 1000
+    #: Must exceed the longest task incl. retries, and be the same in every process (the shortest
+    #: wins); redelivery of a SIGKILLed worker's tasks waits this long.
+    visibility_timeout_s: int = 7200
+    #: How often a worker re-reads which dataset queue is active.
+    queue_poll_s: float = 2.0
+    metrics_port: int = 9808
+    log_level: str = "INFO"
+    app_url: str = "https://github.com/specfleet/specfleet"
+    app_title: str = "specfleet"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        base_url = env.get("OPENROUTER_BASE_URL") or OPENROUTER_DEFAULT_BASE_URL
+        if not base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"environment variable OPENROUTER_BASE_URL={base_url!r}: not an http(s) URL")
+        redis_url = env.get("REDIS_URL") or None
+        if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                f"environment variable REDIS_URL={redis_url!r}: expected redis://, rediss:// or unix://"
+            )
+        level = (env.get("SPECFLEET_LOG_LEVEL") or "INFO").upper()
+        if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ConfigError(f"environment variable SPECFLEET_LOG_LEVEL={level!r}: not a log level")
+        return cls(
+            redis_url=redis_url,
+            openrouter_api_key=env.get("OPENROUTER_API_KEY") or None,
+            openrouter_base_url=base_url.rstrip("/"),
+            worker_concurrency=_int(env, "SPECFLEET_CONCURRENCY", 1000, minimum=1),
+            visibility_timeout_s=_int(env, "SPECFLEET_VISIBILITY_TIMEOUT_S", 7200, minimum=10),
+            queue_poll_s=_float(env, "SPECFLEET_QUEUE_POLL_S", 2.0, minimum=0.1),
+            metrics_port=_int(env, "SPECFLEET_METRICS_PORT", 9808),
+            log_level=level,
+            app_url=env.get("SPECFLEET_APP_URL") or cls.app_url,
+            app_title=env.get("SPECFLEET_APP_TITLE") or cls.app_title,
+        )
+
+    def require_redis_url(self) -> str:
+        if not self.redis_url:
+            raise ConfigError("environment variable REDIS_URL is not set (e.g. redis://localhost:6379/0)")
+        return self.redis_url

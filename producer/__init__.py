@@ -1,0 +1,1 @@
+"""specfleet producer: enqueues datasets in order, watches their budgets, collects the rows."""

@@ -1,0 +1,232 @@
+"""``specfleet``: the one command line.
+
+    specfleet run CONFIG        enqueue the config's datasets in order, watch budgets, write rows
+    specfleet worker [ARGS]     a gevent Celery worker (exec's ``celery -A workers worker …``)
+    specfleet demo              everything on embedded defaults: Valkey, simulator, 2 workers, a run
+    specfleet simulate [ARGS]   the local OpenRouter simulator
+    specfleet status [--watch]  progress of the run in Redis
+    specfleet exporter          Prometheus metrics of the run in Redis
+    specfleet check CONFIG      validate a run file and its datasets, send nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+from common import logs
+from common.config import RunConfig, load_config
+from common.contract import IDLE_QUEUE
+from common.datasets import ReadStats, read_prompts
+from common.errors import DatasetRowError, SpecfleetError
+from common.settings import Settings
+
+log = logging.getLogger("specfleet")
+
+EXIT_INTERRUPTED = 130
+
+
+def _redis_for(settings: Settings, out_dir: Path) -> tuple[str, object | None]:
+    """REDIS_URL, or a private Valkey persisted under the output folder."""
+    if settings.redis_url:
+        return settings.redis_url, None
+    from producer.embedded import EmbeddedValkey
+
+    server = EmbeddedValkey(out_dir / ".valkey")
+    url = server.start()
+    log.warning("REDIS_URL is not set: using a private Valkey at %s; workers elsewhere need REDIS_URL=%s",
+                url, url)
+    return url, server
+
+
+def execute(
+    cfg: RunConfig,
+    settings: Settings,
+    redis_url: str,
+    *,
+    progress: bool = True,
+    metrics_port: int | None = None,
+    stall_s: float | None = None,
+) -> int:
+    """Run a config to its end against ``redis_url`` and print the per-dataset report."""
+    from producer.celery_app import make_app
+    from producer.progress import ProgressView
+    from producer.report import write_report
+    from producer.run import Interrupted, Runner, Tuning, report_line
+    from producer.state import read_timeline
+
+    client = redis.Redis.from_url(redis_url)
+    if metrics_port:
+        from producer.metrics import start_metrics_server
+
+        start_metrics_server(client, metrics_port)
+        log.info("metrics on :%d/metrics", metrics_port)
+    names = [d.name for d in cfg.datasets]
+    runner = Runner(
+        cfg,
+        client,
+        make_app(settings, redis_url),
+        progress=ProgressView(names) if progress else None,
+        tuning=Tuning(stall_s=stall_s) if stall_s else Tuning(),
+    )
+    try:
+        summaries = runner.run()
+    except Interrupted:
+        print("interrupted: state is kept in Redis; run the same command again to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    report = write_report(cfg.output.dir, summaries, {n: read_timeline(client, n) for n in names})
+    print()
+    for s in summaries:
+        print(report_line(s))
+    print(f"rows: {cfg.output.dir}/<dataset>/shard-*.jsonl · report: {report}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    cfg = load_config(args.config)
+    url, _server = _redis_for(settings, cfg.output.dir)
+    return execute(cfg, settings, url, progress=not args.no_progress, metrics_port=args.metrics_port,
+                   stall_s=args.stall_s)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    settings.require_redis_url()
+    celery = shutil.which("celery") or "celery"
+    argv = [
+        celery, "-A", "workers", "worker", "-P", "gevent",
+        "-c", str(settings.worker_concurrency),
+        "-Q", IDLE_QUEUE, "-E",
+        "-n", f"worker-{uuid.uuid4().hex[:6]}@%h",
+        "--without-mingle", "--without-gossip",
+        *args.celery_args,
+    ]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.execvp(argv[0], argv)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from simulator.__main__ import main as simulate
+
+    return int(simulate(args.sim_args) or 0)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from producer.progress import ProgressView
+    from producer.state import current_run, read_state
+
+    client = redis.Redis.from_url(Settings.from_env().require_redis_url())
+    run = current_run(client)
+    if run is None:
+        print("no run in this Redis")
+        return 1
+    names = run["datasets"]
+    if args.json:
+        print(json.dumps([read_state(client, n).to_json() for n in names], indent=2))
+        return 0
+    view = ProgressView(names, live=True if args.watch else None)
+    try:
+        while True:
+            view.update([read_state(client, n) for n in names])
+            if not args.watch:
+                break
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        view.close()
+    return 0
+
+
+def cmd_exporter(args: argparse.Namespace) -> int:
+    from producer.metrics import start_metrics_server
+
+    client = redis.Redis.from_url(Settings.from_env().require_redis_url())
+    start_metrics_server(client, args.port)
+    log.info("metrics on :%d/metrics", args.port)
+    while True:
+        time.sleep(3600)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    bad = 0
+    for ds in cfg.datasets:
+        errors: list[DatasetRowError] = []
+        stats = ReadStats()
+        if not ds.path.exists():
+            print(f"{ds.path}: dataset {ds.name!r}: file not found")
+            bad += 1
+            continue
+        for _ in read_prompts(ds.path, errors, stats, limit=ds.max_prompts):
+            pass
+        for err in errors:
+            print(err)
+        print(f"{ds.name}: {stats.prompts:,} prompts, {stats.malformed:,} malformed, "
+              f"{stats.duplicates:,} duplicate ids")
+    return 1 if bad else 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from producer.demo import run_demo
+
+    return run_demo(out_dir=Path(args.out), workers=args.workers, concurrency=args.concurrency)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specfleet", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a config's datasets")
+    run.add_argument("config", type=Path)
+    run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+    run.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
+    run.add_argument("--stall-s", type=float, default=None, help=argparse.SUPPRESS)
+    run.set_defaults(func=cmd_run)
+    worker = sub.add_parser("worker", help="start a gevent worker (extra args go to celery)")
+    worker.add_argument("celery_args", nargs=argparse.REMAINDER)
+    worker.set_defaults(func=cmd_worker)
+    sim = sub.add_parser("simulate", help="the local OpenRouter simulator", add_help=False)
+    sim.add_argument("sim_args", nargs=argparse.REMAINDER)
+    sim.set_defaults(func=cmd_simulate)
+    status = sub.add_parser("status", help="progress of the run in Redis")
+    status.add_argument("--watch", action="store_true")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+    exporter = sub.add_parser("exporter", help="serve Prometheus metrics of the run in Redis")
+    exporter.add_argument("--port", type=int, default=Settings.from_env().metrics_port)
+    exporter.set_defaults(func=cmd_exporter)
+    check = sub.add_parser("check", help="validate a run file and its datasets")
+    check.add_argument("config", type=Path)
+    check.set_defaults(func=cmd_check)
+    demo = sub.add_parser("demo", help="the whole fleet on embedded defaults")
+    demo.add_argument("--out", default="demo-out")
+    demo.add_argument("--workers", type=int, default=2)
+    demo.add_argument("--concurrency", type=int, default=200)
+    demo.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        settings = Settings.from_env()
+        logs.configure(settings.log_level)
+        return int(args.func(args) or 0)
+    except SpecfleetError as exc:
+        print(f"specfleet: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

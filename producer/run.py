@@ -1,0 +1,400 @@
+"""A run: the config's datasets in order, each enqueued, watched and stopped on its budget.
+
+A dataset ends its admission when the budget script marks it exhausted (the next request would not
+fit), or when every prompt has an outcome. Then its queue leaves ``specfleet:active`` and is purged,
+and the next dataset starts at once; the ended one drains in the background (admitted requests are
+paid for, so they land) and is finalized — summary.json, failed.jsonl — when nothing is in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+
+from common import keys
+from common.budget import Budget
+from common.config import DatasetConfig, RunConfig
+from common.contract import CONTRACT_VERSION, TaskPayload
+from common.datasets import Prompt, ReadStats, read_prompts
+from common.errors import DatasetRowError, SpecfleetError
+from producer.collector import Collector
+from producer.enqueue import push
+from producer.lock import ProducerLock
+from producer.state import DatasetState, read_state
+
+log = logging.getLogger(__name__)
+
+ENQUEUE_BATCH = 1000
+TICK_S = 0.25
+SAMPLE_EVERY_S = 2.0
+REAP_EVERY_S = 5.0
+
+
+@dataclass
+class Tuning:
+    """Timings a test may shorten; the defaults suit a real run."""
+
+    #: Queue empty and nothing in flight this long, with prompts lacking an outcome: re-enqueue them.
+    stall_s: float = 60.0
+    max_sweeps: int = 3
+    #: How long an ended dataset may drain its admitted requests before it is finalized anyway.
+    drain_timeout_s: float = 4 * 3600.0
+
+
+@dataclass
+class DatasetRun:
+    cfg: DatasetConfig
+    budget: Budget
+    started_s: float = field(default_factory=time.time)
+    prompts: int = 0  # good prompts in the file (up to max_prompts)
+    malformed: int = 0
+    enqueued: int = 0
+    resumed_rows: int = 0
+    end_reason: str = ""
+    admission_ended_s: float | None = None
+    finished_s: float | None = None
+    sweeps: int = 0
+    enqueue_done: bool = False
+    idle_since_s: float | None = None
+    switch_s: float | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+
+class Interrupted(SpecfleetError):
+    """SIGTERM/SIGINT: the run stopped where it was; running it again resumes."""
+
+
+class Runner:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        client: redis.Redis,
+        app: Celery,
+        *,
+        progress: Any = None,
+        tuning: Tuning | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.app = app
+        self.progress = progress
+        self.tuning = tuning or Tuning()
+        self.config_id = cfg.config_id()
+        self.out_dir = cfg.output.dir
+        self.collector = Collector(client, self.out_dir, cfg.output.shard_rows)
+        self.lock = ProducerLock(client)
+        self._runs: list[DatasetRun] = []
+        self._interrupted = threading.Event()
+        self._last_sample_s = 0.0
+        self._last_reap_s = 0.0
+
+    # --- the run ----------------------------------------------------------------------------
+
+    def run(self) -> list[dict[str, Any]]:
+        self.lock.acquire()
+        self._install_signal_handlers()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.client.set(keys.config(self.config_id), json.dumps(self.cfg.worker_view()))
+        self.client.set(
+            keys.CURRENT_RUN,
+            json.dumps(
+                {
+                    "config_id": self.config_id,
+                    "datasets": [d.name for d in self.cfg.datasets],
+                    "started_s": time.time(),
+                    "out_dir": str(self.out_dir),
+                }
+            ),
+        )
+        self.collector.start()
+        try:
+            self._warn_if_no_workers()
+            for ds in self.cfg.datasets:
+                self._run_dataset(ds)
+            while any(r.finished_s is None for r in self._runs):
+                self._tick()
+                time.sleep(TICK_S)
+        finally:
+            self.collector.stop()
+            if self.progress is not None:
+                self.progress.close()
+            self.lock.release()
+        return [r.summary for r in self._runs]
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, _frame: Any) -> None:
+            log.warning("%s: stopping; run the same config again to resume", signal.Signals(signum).name)
+            self._interrupted.set()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def _warn_if_no_workers(self) -> None:
+        try:
+            replies = self.app.control.ping(timeout=1.0)
+        except Exception:  # control needs the broker only; a failure here is not fatal
+            replies = []
+        if not replies:
+            log.warning("no worker answered a ping: start some with `specfleet worker` (same REDIS_URL)")
+        else:
+            log.info("%d worker(s) online", len(replies))
+
+    # --- one dataset -----------------------------------------------------------------------
+
+    def _run_dataset(self, ds: DatasetConfig) -> None:
+        budget = Budget(self.client, ds.name)
+        run = DatasetRun(cfg=ds, budget=budget)
+        self._runs.append(run)
+        self.collector.add(ds.name)
+        k = budget.keys
+        # Failures of an earlier run get another chance; the queue is rebuilt from the file below.
+        self.client.delete(k.failed, k.queue)
+        kept, rows = budget.open(ds.budget_tokens)
+        run.resumed_rows = rows
+        log.info(
+            "%s: start (%s, budget %s tokens%s)", ds.name, ds.length, f"{ds.budget_tokens:,}",
+            f", resuming with {kept:,} tokens in {rows:,} rows" if rows else "",
+        )
+        self.client.hset(keys.ACTIVE_QUEUES, k.queue, self.config_id)
+        previous = self._runs[-2] if len(self._runs) > 1 else None
+        errors: list[DatasetRowError] = []
+        stats = ReadStats()
+        prompts = read_prompts(ds.path, errors, stats, limit=ds.max_prompts)
+        first_batch = True
+        for batch in _batches(prompts, ENQUEUE_BATCH):
+            if self._admission_over(run):
+                break
+            run.enqueued += self._enqueue(run, batch)
+            if first_batch and previous is not None and previous.admission_ended_s is not None:
+                previous.switch_s = time.time() - previous.admission_ended_s
+                first_batch = False
+            self._tick()
+        for _ in prompts:  # count the rest of the file for the report, nothing more
+            pass
+        run.prompts, run.malformed = stats.prompts, stats.malformed + stats.duplicates
+        run.enqueue_done = True
+        self._write_malformed(run, errors)
+        log.info("%s: %s prompts queued (%s malformed rows)", ds.name, f"{run.enqueued:,}", f"{run.malformed:,}")
+        while not run.end_reason:
+            self._tick()
+            time.sleep(TICK_S)
+
+    def _enqueue(self, run: DatasetRun, batch: list[Prompt]) -> int:
+        done = self.client.smismember(run.budget.keys.done, [p.id for p in batch])
+        payloads: list[TaskPayload] = [
+            {
+                "v": CONTRACT_VERSION,
+                "run": self.config_id,
+                "dataset": run.name,
+                "id": p.id,
+                "where": p.where,
+                "messages": p.messages,
+                "tools": p.tools,
+            }
+            for p, is_done in zip(batch, done, strict=True)
+            if not is_done
+        ]
+        return push(self.client, self.app, run.budget.keys.queue, payloads)
+
+    def _admission_over(self, run: DatasetRun) -> bool:
+        if self._interrupted.is_set():
+            raise Interrupted("interrupted")
+        if self.collector.error is not None:
+            raise SpecfleetError(f"collector failed: {self.collector.error}")
+        return bool(run.end_reason)
+
+    # --- watching ---------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        if self._interrupted.is_set():
+            raise Interrupted("interrupted")
+        if self.collector.error is not None:
+            raise SpecfleetError(f"collector failed: {self.collector.error}")
+        now = time.time()
+        if now - self._last_reap_s >= REAP_EVERY_S:
+            self._last_reap_s = now
+            self.lock.refresh()
+            for r in self._runs:
+                if r.finished_s is None and (n := r.budget.reap()):
+                    log.warning("%s: reclaimed %d expired lease(s) of dead workers", r.name, n)
+        states = {r.name: read_state(self.client, r.name) for r in self._runs if r.finished_s is None}
+        for r in self._runs:
+            st = states.get(r.name)
+            if st is None:
+                continue
+            if not r.end_reason:
+                self._check_admission(r, st, now)
+            elif r.finished_s is None:
+                self._check_drained(r, st, now)
+        if now - self._last_sample_s >= SAMPLE_EVERY_S:
+            self._last_sample_s = now
+            pipe = self.client.pipeline(transaction=False)
+            for name, st in states.items():
+                pipe.rpush(keys.DatasetKeys(name).timeline, json.dumps(st.to_json()))
+            pipe.execute()
+            if self.progress is not None:
+                self.progress.update([read_state(self.client, r.name) for r in self._runs])
+
+    def _check_admission(self, run: DatasetRun, st: DatasetState, now: float) -> None:
+        if st.state == "exhausted":
+            self._end_admission(run, "budget")
+            return
+        if not run.enqueue_done:
+            return
+        outcomes = int(self.client.scard(run.budget.keys.done)) + st.failed
+        if outcomes >= run.prompts:
+            self._end_admission(run, "complete")
+            return
+        if st.queued or st.in_flight:
+            run.idle_since_s = None
+            return
+        if run.idle_since_s is None:
+            run.idle_since_s = now
+        if now - run.idle_since_s < self.tuning.stall_s:
+            return
+        run.idle_since_s = None
+        if run.sweeps >= self.tuning.max_sweeps:
+            log.error("%s: %d prompts never got an outcome after %d sweeps", run.name, run.prompts - outcomes,
+                      run.sweeps)
+            self._end_admission(run, "stalled")
+            return
+        run.sweeps += 1
+        requeued = self._sweep(run)
+        log.warning("%s: queue idle with %d prompts lacking an outcome; re-enqueued %d (sweep %d)",
+                    run.name, run.prompts - outcomes, requeued, run.sweeps)
+
+    def _sweep(self, run: DatasetRun) -> int:
+        """Re-enqueue prompts with no outcome (a message lost with a Redis that did not persist)."""
+        failed = set(k.decode() for k in self.client.hkeys(run.budget.keys.failed))
+        errors: list[DatasetRowError] = []
+        n = 0
+        for batch in _batches(read_prompts(run.cfg.path, errors, ReadStats(), limit=run.cfg.max_prompts),
+                              ENQUEUE_BATCH):
+            n += self._enqueue(run, [p for p in batch if p.id not in failed])
+        return n
+
+    def _end_admission(self, run: DatasetRun, reason: str) -> None:
+        run.end_reason = reason
+        run.admission_ended_s = time.time()
+        k = run.budget.keys
+        # Order matters: workers stop following the queue, then what is left in it goes. Messages a
+        # worker already reserved find the dataset not active and end without a request.
+        self.client.hdel(keys.ACTIVE_QUEUES, k.queue)
+        if reason != "budget":
+            run.budget.close()
+        purged = self.client.llen(k.queue)
+        self.client.delete(k.queue)
+        try:
+            self.app.control.cancel_consumer(k.queue)
+        except Exception as exc:  # workers also drop it on their next poll
+            log.debug("cancel_consumer broadcast failed: %s", exc)
+        log.info("%s: admission ended (%s), %s queued prompts removed", run.name, reason, f"{purged:,}")
+
+    def _check_drained(self, run: DatasetRun, st: DatasetState, now: float) -> None:
+        assert run.admission_ended_s is not None
+        drained = st.in_flight == 0 and self.collector.pending(run.name) == 0
+        timed_out = now - run.admission_ended_s > self.tuning.drain_timeout_s
+        if not (drained or timed_out):
+            return
+        if timed_out and not drained:
+            log.error("%s: %d requests still in flight after the drain timeout", run.name, st.in_flight)
+        run.budget.close()
+        run.finished_s = now
+        self._finalize(run, read_state(self.client, run.name))
+
+    # --- the dataset's files ----------------------------------------------------------------
+
+    def _dataset_dir(self, run: DatasetRun) -> Path:
+        path = self.out_dir / run.name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _write_malformed(self, run: DatasetRun, errors: list[DatasetRowError]) -> None:
+        for err in errors[:20]:
+            log.warning("%s", err)
+        if len(errors) > 20:
+            log.warning("%s: … and %d more malformed rows (see malformed.jsonl)", run.name, len(errors) - 20)
+        lines = [json.dumps({"where": e.where, "reason": e.reason}, ensure_ascii=False) for e in errors]
+        _atomic_write(self._dataset_dir(run) / "malformed.jsonl", "".join(x + "\n" for x in lines))
+
+    def _finalize(self, run: DatasetRun, st: DatasetState) -> None:
+        failures = run.budget.failures()
+        lines = [json.dumps({"id": pid, **f}, ensure_ascii=False) for pid, f in sorted(failures.items())]
+        _atomic_write(self._dataset_dir(run) / "failed.jsonl", "".join(x + "\n" for x in lines))
+        wall_s = (run.finished_s or time.time()) - run.started_s
+        results = st.rows
+        summary = {
+            "dataset": run.name,
+            "end_reason": run.end_reason,
+            "prompts": run.prompts,
+            "results": results,
+            "results_this_run": results - run.resumed_rows,
+            "failed": len(failures),
+            "skipped": max(0, run.prompts - results - len(failures)),
+            "malformed": run.malformed,
+            "tokens": st.kept_tokens,
+            "budget_tokens": st.limit,
+            "billed_prompt_tokens": st.billed_prompt_tokens,
+            "billed_completion_tokens": st.billed_completion_tokens,
+            "billed_reasoning_tokens": st.billed_reasoning_tokens,
+            "cost_usd": round(st.cost_usd, 6),
+            "requests": st.requests,
+            "duplicates": st.duplicates,
+            "errors": st.errors,
+            "failures": st.failures,
+            "wall_s": round(wall_s, 3),
+            "admission_s": round((run.admission_ended_s or time.time()) - run.started_s, 3),
+            "switch_s": None if run.switch_s is None else round(run.switch_s, 3),
+            "shards": sorted(p.name for p in self._dataset_dir(run).glob("shard-*.jsonl")),
+        }
+        run.summary = summary
+        _atomic_write(self._dataset_dir(run) / "summary.json", json.dumps(summary, indent=2) + "\n")
+        log.info("%s", report_line(summary))
+
+
+def report_line(s: dict[str, Any]) -> str:
+    if s["end_reason"] == "budget":
+        head = f"budget reached {s['tokens']:,} of {s['budget_tokens']:,} tokens"
+    elif s["end_reason"] == "complete":
+        head = f"all prompts done, {s['tokens']:,} of {s['budget_tokens']:,} tokens"
+    else:
+        head = f"{s['end_reason']}, {s['tokens']:,} of {s['budget_tokens']:,} tokens"
+    return (
+        f"{s['dataset']}: {head} · results {s['results']:,} · skipped {s['skipped']:,} · "
+        f"failed {s['failed']:,} · malformed {s['malformed']:,} · billed {s['billed_completion_tokens']:,} "
+        f"completion tokens · ${s['cost_usd']:.4f} · {s['wall_s']:.1f} s"
+    )
+
+
+def _batches(items: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:
+    batch: list[Prompt] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)

@@ -1,0 +1,1 @@
+"""specfleet workers: the Celery app lives in workers/celery.py (``celery -A workers``)."""

@@ -1,0 +1,215 @@
+"""One prompt, start to end: reserve budget → call OpenRouter → rebuild tokens → settle.
+
+Every way out of here leaves the prompt kept, failed-with-reason, skipped (budget or stop), or
+handed back for a later delivery; one log line per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import gevent
+import msgpack
+
+from common.budget import Budget
+from common.contract import (
+    CONTRACT_VERSION,
+    FAIL_RETRIES_EXHAUSTED,
+    FAIL_TOKEN_MISMATCH,
+    FAIL_UPSTREAM_FATAL,
+    STAT_BILLED_COMPLETION,
+    STAT_BILLED_PROMPT,
+    STAT_BILLED_REASONING,
+    STAT_COST_MICRO_USD,
+    STAT_DUPLICATES,
+    STAT_REQUESTS,
+    STAT_SKIPPED,
+    ResultRow,
+    TaskPayload,
+)
+from common.errors import FatalUpstreamError, RetryableUpstreamError, TokenMismatch, UpstreamError
+from workers.context import RunView, WorkerContext
+from workers.openrouter import Completion
+from workers.rebuild import RebuiltRow, answer_from_message, rebuild
+from workers.retry import backoff_s
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Another delivery of the same prompt holds a live lease: try again after ``wait_s``."""
+
+    wait_s: float
+
+
+def lease_ttl_ms(length: dict[str, Any], retry: dict[str, Any]) -> int:
+    """Longest a live delivery can take: every attempt timing out plus every backoff, plus slack."""
+    attempts = int(retry["max_attempts"])
+    worst_s = attempts * (float(length["timeout_s"]) + 10) + attempts * float(retry["backoff_max_s"])
+    return int((worst_s + 60) * 1000)
+
+
+def request_body(view: RunView, payload: TaskPayload, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {**view.request_body, "model": view.model["name"], "max_tokens": max_tokens}
+    body["messages"] = payload["messages"]
+    if payload.get("tools"):
+        body["tools"] = payload["tools"]
+    return body
+
+
+def _record_usage(ctx: WorkerContext, stats_key: str, completion: Completion) -> None:
+    usage = completion.usage
+    details = usage.get("completion_tokens_details") or {}
+    pipe = ctx.redis.pipeline(transaction=False)
+    pipe.hincrby(stats_key, STAT_REQUESTS, 1)
+    pipe.hincrby(stats_key, STAT_BILLED_PROMPT, int(usage.get("prompt_tokens") or 0))
+    pipe.hincrby(stats_key, STAT_BILLED_COMPLETION, int(usage.get("completion_tokens") or 0))
+    pipe.hincrby(stats_key, STAT_BILLED_REASONING, int(details.get("reasoning_tokens") or 0))
+    pipe.hincrby(stats_key, STAT_COST_MICRO_USD, round(float(usage.get("cost") or 0.0) * 1e6))
+    pipe.execute()
+
+
+def _row(payload: TaskPayload, rebuilt: RebuiltRow, completion: Completion, attempts: int) -> ResultRow:
+    usage = completion.usage
+    details = usage.get("completion_tokens_details") or {}
+    row: ResultRow = {
+        "id": payload["id"],
+        "conversations": [*payload["messages"], rebuilt.assistant_message],
+        "input_ids": rebuilt.input_ids,
+        "loss_mask": rebuilt.loss_mask,
+        "num_tokens": rebuilt.completion_tokens,
+        "finish_reason": completion.finish_reason,
+        "reasoning_end": rebuilt.reasoning_end,
+        "usage": {
+            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+            "completion_tokens": int(usage.get("completion_tokens") or 0),
+            "reasoning_tokens": int(details.get("reasoning_tokens") or 0),
+            "cost": float(usage.get("cost") or 0.0),
+        },
+        "provider": completion.provider,
+        "model": completion.model,
+        "generation_id": completion.generation_id,
+        "attempts": attempts,
+        "where": payload["where"],
+    }
+    if payload.get("tools"):
+        row["tools"] = payload["tools"]  # type: ignore[typeddict-unknown-key]
+    return row
+
+
+def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
+    """Run one prompt; returns the outcome word (kept, failed, duplicate, skipped:…, done) or Busy."""
+    if payload.get("v") != CONTRACT_VERSION:
+        raise ValueError(f"task contract version {payload.get('v')!r}, this worker speaks {CONTRACT_VERSION}")
+    started = time.monotonic()
+    pid, dataset = payload["id"], payload["dataset"]
+    view = ctx.run(payload["run"])
+    length, retry = view.length(dataset), view.retry
+    budget = Budget(ctx.redis, dataset)
+    lease = uuid.uuid4().hex
+
+    admission = budget.reserve(
+        pid, lease, ttl_ms=lease_ttl_ms(length, retry), prior_estimate=int(length["estimate_tokens"])
+    )
+    log.info("%s/%s reserve: %s %d", dataset, pid, admission.status, admission.value)
+    if admission.status == "busy":
+        return Busy(wait_s=min(60.0, admission.value / 1000 + 1))
+    if admission.status in ("stopped", "over"):
+        ctx.redis.hincrby(budget.keys.stats, STAT_SKIPPED, 1)
+        return f"skipped:{admission.status}"
+    if admission.status == "done":
+        return "done"
+
+    attempts = 0
+    try:
+        target = ctx.tokenizer(view)
+        body = request_body(view, payload, int(length["max_tokens"]))
+        completion, attempts = _call_with_retries(ctx, budget, lease, body, payload, length, retry)
+        if completion is None:
+            return "skipped:stopped"
+        answer = answer_from_message(completion.message, completion.finish_reason)
+        # Tokenizing a 32k-token answer is CPU work: a real thread keeps the hub serving others.
+        rebuilt = gevent.get_hub().threadpool.apply(
+            rebuild, (target, payload["messages"], payload.get("tools"), answer)
+        )
+    except TokenMismatch as exc:
+        budget.fail(pid, lease, FAIL_TOKEN_MISMATCH, attempts, str(exc))
+        ctx.redis.hincrby(budget.keys.stats, f"fail:{FAIL_TOKEN_MISMATCH}", 1)
+        log.warning("%s/%s rebuild: token mismatch: %s", dataset, pid, exc)
+        return "failed"
+    except _Failed as failed:
+        budget.fail(pid, lease, failed.reason, failed.attempts, failed.detail)
+        ctx.redis.hincrby(budget.keys.stats, f"fail:{failed.reason}", 1)
+        log.warning("%s/%s failed: %s after %d attempts: %s", dataset, pid, failed.reason, failed.attempts,
+                    failed.detail)
+        return "failed"
+    except BaseException:
+        # Not the prompt's fault (Redis gone, worker shutting down): give the admission back so the
+        # next delivery can take it at once instead of waiting for the lease to expire.
+        try:
+            budget.release(pid, lease)
+        finally:
+            raise
+
+    row = _row(payload, rebuilt, completion, attempts)
+    kept = budget.settle(pid, lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True))
+    if not kept:
+        ctx.redis.hincrby(budget.keys.stats, STAT_DUPLICATES, 1)
+    log.info(
+        "%s/%s settle: %s tokens=%d attempts=%d finish=%s %.1fs",
+        dataset, pid, "kept" if kept else "duplicate", rebuilt.completion_tokens, attempts,
+        completion.finish_reason, time.monotonic() - started,
+    )
+    return "kept" if kept else "duplicate"
+
+
+class _Failed(Exception):
+    def __init__(self, reason: str, attempts: int, detail: str) -> None:
+        super().__init__(reason)
+        self.reason, self.attempts, self.detail = reason, attempts, detail
+
+
+def _call_with_retries(
+    ctx: WorkerContext,
+    budget: Budget,
+    lease: str,
+    body: dict[str, Any],
+    payload: TaskPayload,
+    length: dict[str, Any],
+    retry: dict[str, Any],
+) -> tuple[Completion | None, int]:
+    """The upstream call with retries; (None, n) when the dataset was stopped between attempts."""
+    max_attempts = int(retry["max_attempts"])
+    dataset, pid = payload["dataset"], payload["id"]
+    for attempt in range(1, max_attempts + 1):
+        t0 = time.monotonic()
+        try:
+            completion = ctx.client.complete(body, timeout_s=float(length["timeout_s"]))
+        except UpstreamError as exc:
+            ctx.redis.hincrby(budget.keys.stats, f"err:{exc.reason}", 1)
+            log.info("%s/%s call %d: %s (%.1fs)", dataset, pid, attempt, exc.reason, time.monotonic() - t0)
+            if isinstance(exc, FatalUpstreamError) or not isinstance(exc, RetryableUpstreamError):
+                raise _Failed(FAIL_UPSTREAM_FATAL, attempt, str(exc)) from None
+            if attempt == max_attempts:
+                raise _Failed(FAIL_RETRIES_EXHAUSTED, attempt, str(exc)) from None
+            gevent.sleep(
+                backoff_s(attempt, exc, base_s=float(retry["backoff_base_s"]), max_s=float(retry["backoff_max_s"]))
+            )
+            # A stopped dataset makes no further upstream calls; an exhausted one still finishes
+            # what it admitted (the admission was within budget).
+            if budget.state() == "stopped":
+                budget.release(pid, lease)
+                return None, attempt
+            continue
+        _record_usage(ctx, budget.keys.stats, completion)
+        log.info(
+            "%s/%s call %d: %s completion_tokens=%s (%.1fs)", dataset, pid, attempt,
+            completion.finish_reason, completion.usage.get("completion_tokens"), time.monotonic() - t0,
+        )
+        return completion, attempt
+    raise AssertionError("unreachable")

@@ -1,0 +1,66 @@
+"""A consumer bootstep that makes every worker follow the active dataset queues by itself.
+
+``add_consumer``/``cancel_consumer`` broadcasts are lost when a worker restarts or a replica starts
+later, so instead each worker polls ``keys.ACTIVE_QUEUES`` (queue -> run-config id) and adjusts
+its own consumers. Before consuming a run's queue it loads and checks that run's tokenizer, so a
+broken tokenizer stops the worker before it sends a single paid request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+from celery import bootsteps
+
+from common import keys
+from common.contract import IDLE_QUEUE
+from common.errors import SpecfleetError
+from workers.context import context
+
+log = logging.getLogger(__name__)
+
+
+class FollowActiveQueues(bootsteps.StartStopStep):
+    requires = {"celery.worker.consumer.tasks:Tasks"}
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self._timer: Any = None
+        self._refused: set[str] = set()
+
+    def start(self, c: Any) -> None:
+        self.sync(c)
+        self._timer = c.timer.call_repeatedly(context().settings.queue_poll_s, self.sync, (c,), priority=10)
+
+    def stop(self, c: Any) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def sync(self, c: Any) -> None:
+        ctx = context()
+        try:
+            raw = ctx.redis.hgetall(keys.ACTIVE_QUEUES)
+        except Exception as exc:  # a Redis blip must not kill the timer; next tick retries
+            log.warning("cannot read active queues: %s", exc)
+            return
+        active = {k.decode(): v.decode() for k, v in raw.items()}
+        consuming = {q.name for q in c.task_consumer.queues}
+        for queue, config_id in sorted(active.items()):
+            if queue in consuming or config_id in self._refused:
+                continue
+            try:
+                ctx.prepare(config_id)
+            except SpecfleetError as exc:
+                self._refused.add(config_id)
+                log.critical("refusing run %s, shutting this worker down: %s", config_id, exc)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            c.add_task_queue(queue)
+            log.info("following %s (run %s)", queue, config_id)
+        for queue in consuming - active.keys() - {IDLE_QUEUE}:
+            c.cancel_task_queue(queue)
+            log.info("left %s", queue)
