@@ -12,7 +12,9 @@
 --            -> {"ok", estimate} | {"done"} | {"stopped"} | {"busy", ms_left} | {"over", estimate}
 --            Admits a request only if kept + reserved + estimate fits under limit; the first
 --            request that does not fit turns the dataset "exhausted", which stops admission for
---            everyone (the producer then purges the queue). Requests already admitted still land.
+--            everyone (the producer then purges the queue). Requests already admitted still land:
+--            their holder calls reserve again before each retry, which renews the lease (ttl_ms
+--            covers one attempt) and works while exhausted; only "stopped" ends them.
 --   settle   id lease tokens row  -> {"kept", kept, limit} | {"duplicate"}
 --            Counts a kept row and hands it to the collector in the same step, so a prompt is
 --            counted and written once even when Celery delivers it twice.
@@ -45,14 +47,20 @@ if op == "reserve" then
   local now, ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
   local prior, min_rows = tonumber(ARGV[6]), tonumber(ARGV[7])
   if redis.call("SISMEMBER", done, id) == 1 then return {"done"} end
-  if redis.call("HGET", budget, "state") ~= "active" then return {"stopped"} end
+  local state = redis.call("HGET", budget, "state")
+  if state ~= "active" and state ~= "exhausted" then return {"stopped"} end
   local raw = redis.call("HGET", leases, id)
   if raw then
     local holder, est, exp = parse_lease(raw)
-    if holder == lease then return {"ok", est} end
+    if holder == lease then
+      -- The holder renews before each retry: a lease only has to outlive one attempt.
+      redis.call("HSET", leases, id, lease .. "|" .. est .. "|" .. (now + ttl))
+      return {"ok", est}
+    end
     if exp > now then return {"busy", exp - now} end
     drop_lease(id, false)  -- its holder died: take its place
   end
+  if state ~= "active" then return {"stopped"} end
   local b = redis.call("HMGET", budget, "limit", "kept", "reserved", "rows")
   local limit, kept = tonumber(b[1]), tonumber(b[2] or "0")
   local reserved, rows = tonumber(b[3] or "0"), tonumber(b[4] or "0")

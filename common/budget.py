@@ -104,9 +104,6 @@ class Budget:
             in_flight=int(in_flight),
         )
 
-    def state(self) -> str:
-        return (self._client.hget(self.keys.budget, "state") or b"").decode()
-
     def failures(self) -> dict[str, dict[str, Any]]:
         raw = self._client.hgetall(self.keys.failed)
         return {k.decode(): json.loads(v) for k, v in raw.items()}

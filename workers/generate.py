@@ -47,11 +47,15 @@ class Busy:
     wait_s: float
 
 
+#: Slack on a lease beyond one attempt and one backoff: connect time, rebuild, a Redis blip.
+LEASE_SLACK_S = 10.0
+
+
 def lease_ttl_ms(length: dict[str, Any], retry: dict[str, Any]) -> int:
-    """Longest a live delivery can take: every attempt timing out plus every backoff, plus slack."""
-    attempts = int(retry["max_attempts"])
-    worst_s = attempts * (float(length["timeout_s"]) + 10) + attempts * float(retry["backoff_max_s"])
-    return int((worst_s + 60) * 1000)
+    """How long one attempt can hold a prompt. The holder renews before each retry, so a worker
+    killed mid-request frees its prompts one attempt later, not after every retry's worth."""
+    one_attempt_s = float(length["timeout_s"]) * 1.2 + float(retry["backoff_max_s"]) + LEASE_SLACK_S
+    return int(one_attempt_s * 1000)
 
 
 def request_body(view: RunView, payload: TaskPayload, max_tokens: int) -> dict[str, Any]:
@@ -113,9 +117,8 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
     budget = Budget(ctx.redis, dataset)
     lease = uuid.uuid4().hex
 
-    admission = budget.reserve(
-        pid, lease, ttl_ms=lease_ttl_ms(length, retry), prior_estimate=int(length["estimate_tokens"])
-    )
+    ttl_ms, prior = lease_ttl_ms(length, retry), int(length["estimate_tokens"])
+    admission = budget.reserve(pid, lease, ttl_ms=ttl_ms, prior_estimate=prior)
     log.info("%s/%s reserve: %s %d", dataset, pid, admission.status, admission.value)
     if admission.status == "busy":
         return Busy(wait_s=min(60.0, admission.value / 1000 + 1))
@@ -130,8 +133,8 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
         target = ctx.tokenizer(view)
         body = request_body(view, payload, int(length["max_tokens"]))
         completion, attempts = _call_with_retries(ctx, budget, lease, body, payload, length, retry)
-        if completion is None:
-            return "skipped:stopped"
+        if isinstance(completion, str):
+            return completion
         answer = answer_from_message(completion.message, completion.finish_reason)
         # Tokenizing a 32k-token answer is CPU work: a real thread keeps the hub serving others.
         rebuilt = gevent.get_hub().threadpool.apply(
@@ -182,8 +185,9 @@ def _call_with_retries(
     payload: TaskPayload,
     length: dict[str, Any],
     retry: dict[str, Any],
-) -> tuple[Completion | None, int]:
-    """The upstream call with retries; (None, n) when the dataset was stopped between attempts."""
+) -> tuple[Completion | str, int]:
+    """The upstream call with retries. Before each retry the lease is renewed; when that says the
+    dataset was stopped (or another delivery kept the prompt) the outcome word comes back instead."""
     max_attempts = int(retry["max_attempts"])
     dataset, pid = payload["dataset"], payload["id"]
     for attempt in range(1, max_attempts + 1):
@@ -202,9 +206,12 @@ def _call_with_retries(
             )
             # A stopped dataset makes no further upstream calls; an exhausted one still finishes
             # what it admitted (the admission was within budget).
-            if budget.state() == "stopped":
+            renewal = budget.reserve(pid, lease, ttl_ms=lease_ttl_ms(length, retry), prior_estimate=0)
+            if renewal.status == "stopped":
                 budget.release(pid, lease)
-                return None, attempt
+                return "skipped:stopped", attempt
+            if renewal.status != "ok":  # done elsewhere, or our lease expired and was taken over
+                return renewal.status, attempt
             continue
         _record_usage(ctx, budget.keys.stats, completion)
         log.info(

@@ -1,0 +1,168 @@
+"""A real fleet for tests: simulator, ``celery worker`` processes and the producer as subprocesses.
+
+Everything runs as it would in production (real Redis protocol, real gevent workers, real HTTP);
+only timings are shortened. Logs go to files under the test's tmp dir and are printed on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_TOKENIZER = REPO / "demo" / "tokenizer"
+TEST_KEY = "sk-or-v1-" + "5ec7e7" * 10  # shaped like a real key, so redaction is tested for real
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any] | str]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows))
+    return path
+
+
+def prompts(n: int, prefix: str = "p") -> list[dict[str, Any]]:
+    return [{"id": f"{prefix}{i:05d}", "messages": [{"role": "user", "content": f"Question {i}: explain {i} ✓"}]}
+            for i in range(n)]
+
+
+def read_rows(out_dir: Path, dataset: str) -> list[dict[str, Any]]:
+    rows = []
+    for shard in sorted((out_dir / dataset).glob("shard-*.jsonl")):
+        rows += [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
+    return rows
+
+
+def read_summary(out_dir: Path, dataset: str) -> dict[str, Any]:
+    return json.loads((out_dir / dataset / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+class Fleet:
+    def __init__(self, tmp_path: Path, redis_url: str) -> None:
+        self.tmp = tmp_path
+        self.redis_url = redis_url
+        self.logs = tmp_path / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.out = tmp_path / "out"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.sim_url = ""
+
+    # --- processes --------------------------------------------------------------------------
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENROUTER_", "SPECFLEET_"))}
+        env.update(
+            REDIS_URL=self.redis_url,
+            OPENROUTER_BASE_URL=self.sim_url,
+            OPENROUTER_API_KEY=TEST_KEY,
+            SPECFLEET_QUEUE_POLL_S="0.3",
+            SPECFLEET_VISIBILITY_TIMEOUT_S="20",
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(extra)
+        return env
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = (self.logs / f"{name}.log").open("ab")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.procs[name] = proc
+        return proc
+
+    def start_simulator(self, *args: str) -> str:
+        port = free_port()
+        self._spawn("simulator", [sys.executable, "-m", "simulator", "--host", "127.0.0.1", "--port", str(port),
+                                  "--tokenizer", str(DEMO_TOKENIZER), *args], self.env())
+        self.sim_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                requests.get(self.sim_url + "/_sim/stats", timeout=1)
+                return self.sim_url
+            except requests.RequestException:
+                time.sleep(0.1)
+        raise AssertionError("simulator did not start:\n" + self.log("simulator"))
+
+    def sim_config(self, **settings: Any) -> None:
+        requests.post(self.sim_url + "/_sim/config", json=settings, timeout=5).raise_for_status()
+
+    def sim_stats(self) -> dict[str, Any]:
+        return requests.get(self.sim_url + "/_sim/stats", timeout=5).json()  # type: ignore[no-any-return]
+
+    def start_worker(self, name: str, *, concurrency: int = 50, **env: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-P", "gevent", "-c", str(concurrency),
+               "-Q", "specfleet.idle", "-E", "-n", f"{name}@%h", "--without-mingle", "--without-gossip"]
+        return self._spawn(name, cmd, self.env(SPECFLEET_CONCURRENCY=str(concurrency), **env))
+
+    def producer_cmd(self, config: Path) -> list[str]:
+        return [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "5"]
+
+    def start_producer(self, config: Path, name: str = "producer") -> subprocess.Popen[bytes]:
+        return self._spawn(name, self.producer_cmd(config), self.env())
+
+    def run_producer(self, config: Path, *, timeout_s: float = 180, name: str = "producer") -> str:
+        proc = self.start_producer(config, name)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"producer did not finish in {timeout_s} s\n{self.all_logs()}") from None
+        out = self.log(name)
+        assert proc.returncode == 0, f"producer exit {proc.returncode}\n{self.all_logs()}"
+        return out
+
+    def signal(self, name: str, sig: int) -> None:
+        self.procs[name].send_signal(sig)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    # --- files ------------------------------------------------------------------------------
+
+    def log(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def all_logs(self) -> str:
+        return "\n".join(f"===== {p.name}\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(self.logs.iterdir()))
+
+    def write_config(self, datasets: list[dict[str, Any]], *, timeout_s: float = 10, max_attempts: int = 4,
+                     estimate_tokens: int = 200, request: str = "") -> Path:
+        lines = [
+            "[model]", 'name = "moonshotai/kimi-k2.5"', f'tokenizer = "{DEMO_TOKENIZER}"', "",
+            "[request]", request or "temperature = 1.0", "",
+            "[lengths.short]", "max_tokens = 1024", f"timeout_s = {timeout_s}", f"estimate_tokens = {estimate_tokens}",
+            "", "[lengths.long]", "max_tokens = 4096", f"timeout_s = {timeout_s}",
+            f"estimate_tokens = {estimate_tokens * 3}", "",
+            "[retry]", f"max_attempts = {max_attempts}", "backoff_base_s = 0.05", "backoff_max_s = 0.5", "",
+            "[output]", f'dir = "{self.out}"', "shard_rows = 100", "",
+        ]
+        for ds in datasets:
+            lines.append("[[datasets]]")
+            for key, value in ds.items():
+                lines.append(f"{key} = {json.dumps(str(value)) if isinstance(value, str | Path) else value}")
+            lines.append("")
+        path = self.tmp / "fleet.toml"
+        path.write_text("\n".join(lines))
+        return path
