@@ -43,7 +43,11 @@ class LengthClass(_Strict):
     estimate_tokens: int = Field(gt=0)
 
 
-def _default_lengths() -> dict[str, LengthClass]:
+LengthName = Literal["short", "long"]
+_LENGTHS: tuple[LengthName, ...] = ("short", "long")
+
+
+def _default_lengths() -> dict[LengthName, LengthClass]:
     return {
         "short": LengthClass(max_tokens=8_192, timeout_s=600, estimate_tokens=1_500),
         "long": LengthClass(max_tokens=32_768, timeout_s=3_600, estimate_tokens=8_000),
@@ -102,7 +106,7 @@ class DatasetConfig(_Strict):
 class RunConfig(_Strict):
     model: ModelConfig
     request: RequestConfig = RequestConfig()
-    lengths: dict[Literal["short", "long"], LengthClass] = Field(default_factory=_default_lengths)
+    lengths: dict[LengthName, LengthClass] = Field(default_factory=_default_lengths)
     retry: RetryConfig = RetryConfig()
     output: OutputConfig = OutputConfig()
     datasets: list[DatasetConfig] = Field(min_length=1)
@@ -120,12 +124,12 @@ class RunConfig(_Strict):
         return {
             "model": self.model.model_dump(mode="json"),
             "request": self.request.body(),
-            "lengths": {k: self.length_for(k).model_dump(mode="json") for k in ("short", "long")},
+            "lengths": {k: self.length_for(k).model_dump(mode="json") for k in _LENGTHS},
             "retry": self.retry.model_dump(mode="json"),
             "datasets": {d.name: d.length for d in self.datasets},
         }
 
-    def length_for(self, name: Literal["short", "long"]) -> LengthClass:
+    def length_for(self, name: LengthName) -> LengthClass:
         return self.lengths.get(name) or _default_lengths()[name]
 
     def config_id(self) -> str:

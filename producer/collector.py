@@ -151,7 +151,7 @@ class Collector:
             sink = by_stream[stream.decode() if isinstance(stream, bytes) else stream]
             total += sink.write(entries)
             # Entries up to the checkpoint are on disk: Redis need not hold them any more.
-            self._client.xtrim(sink.keys.results, minid=sink.cp.last_id)
+            self._client.xtrim(sink.keys.results, minid=sink.cp.last_id, approximate=False)
         return total
 
     def pending(self, dataset: str) -> int:

@@ -67,6 +67,7 @@ class DatasetRun:
     enqueue_done: bool = False
     idle_since_s: float | None = None
     switch_s: float | None = None
+    enqueue_s: float | None = None
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -178,6 +179,7 @@ class Runner:
         stats = ReadStats()
         prompts = read_prompts(ds.path, errors, stats, limit=ds.max_prompts)
         first_batch = True
+        enqueue_started = time.monotonic()
         for batch in _batches(prompts, ENQUEUE_BATCH):
             if self._admission_over(run):
                 break
@@ -186,12 +188,14 @@ class Runner:
                 previous.switch_s = time.time() - previous.admission_ended_s
                 first_batch = False
             self._tick()
+        run.enqueue_s = time.monotonic() - enqueue_started
         for _ in prompts:  # count the rest of the file for the report, nothing more
             pass
         run.prompts, run.malformed = stats.prompts, stats.malformed + stats.duplicates
         run.enqueue_done = True
         self._write_malformed(run, errors)
-        log.info("%s: %s prompts queued (%s malformed rows)", ds.name, f"{run.enqueued:,}", f"{run.malformed:,}")
+        log.info("%s: %s prompts queued in %.2f s (%s malformed rows)", ds.name, f"{run.enqueued:,}",
+                 run.enqueue_s, f"{run.malformed:,}")
         while not run.end_reason:
             self._tick()
             time.sleep(TICK_S)
@@ -362,6 +366,7 @@ class Runner:
             "wall_s": round(wall_s, 3),
             "admission_s": round((run.admission_ended_s or time.time()) - run.started_s, 3),
             "switch_s": None if run.switch_s is None else round(run.switch_s, 3),
+            "enqueue_s": None if run.enqueue_s is None else round(run.enqueue_s, 3),
             "shards": sorted(p.name for p in self._dataset_dir(run).glob("shard-*.jsonl")),
         }
         run.summary = summary

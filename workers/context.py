@@ -32,21 +32,21 @@ class RunView:
 
     @property
     def model(self) -> dict[str, Any]:
-        return self.raw["model"]  # type: ignore[no-any-return]
+        return self.raw["model"]
 
     @property
     def request_body(self) -> dict[str, Any]:
-        return self.raw["request"]  # type: ignore[no-any-return]
+        return self.raw["request"]
 
     @property
     def retry(self) -> dict[str, Any]:
-        return self.raw["retry"]  # type: ignore[no-any-return]
+        return self.raw["retry"]
 
     def length(self, dataset: str) -> dict[str, Any]:
         name = self.raw["datasets"].get(dataset)
         if name is None:
             raise ConfigError(f"run config {self.config_id} has no dataset {dataset!r}")
-        return self.raw["lengths"][name]  # type: ignore[no-any-return]
+        return self.raw["lengths"][name]
 
 
 class WorkerContext:

@@ -15,9 +15,9 @@ def backoff_s(
     "Equal jitter" (half fixed, half random) spreads a burst of 429s from 1,000 greenlets without
     ever retrying immediately; a server's ``Retry-After`` is a floor, not a suggestion.
     """
-    rng = rng or random
+    uniform = rng.uniform if rng is not None else random.uniform
     ceiling = min(max_s, base_s * 2 ** (attempt - 1))
-    delay = ceiling / 2 + rng.uniform(0, ceiling / 2)
+    delay = ceiling / 2 + uniform(0, ceiling / 2)
     if error.retry_after_s is not None:
         delay = max(delay, error.retry_after_s)
     return delay

@@ -1,0 +1,120 @@
+"""The client's classification of every answer shape, over real HTTP to a tiny local server."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from common.errors import FatalUpstreamError, RetryableUpstreamError
+from workers.openrouter import OpenRouterClient, parse_retry_after_s
+from workers.retry import backoff_s
+
+KEY = "sk-or-v1-test-key-123456"
+OK = {"id": "gen-1", "provider": "P", "model": "m",
+      "choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "hi", "reasoning": "r"}}],
+      "usage": {"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.001}}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    reply: tuple[int, dict[str, str], bytes] = (200, {}, b"")
+    seen: list[dict[str, Any]] = []
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).seen.append({"headers": dict(self.headers), "body": json.loads(body)})
+        status, headers, payload = type(self).reply
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _client(url: str) -> OpenRouterClient:
+    return OpenRouterClient(url, KEY, pool_size=4, app_url="https://x", app_title="t")
+
+
+def _answer(status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    _Handler.reply = (status, headers or {}, raw)
+
+
+def test_a_good_answer_and_what_was_sent(server: str) -> None:
+    _answer(200, OK)
+    _Handler.seen.clear()
+    c = _client(server).complete({"model": "m", "messages": []}, timeout_s=5)
+    assert (c.finish_reason, c.provider, c.generation_id, c.message["content"]) == ("stop", "P", "gen-1", "hi")
+    sent = _Handler.seen[0]["headers"]
+    assert sent["Authorization"] == f"Bearer {KEY}" and sent["X-Title"] == "t"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "headers", "kind", "reason"),
+    [
+        (429, {"error": {"code": 429, "message": "slow"}}, {"Retry-After": "7"}, RetryableUpstreamError, "http_429"),
+        (502, {"error": {"code": 502, "message": "down"}}, {}, RetryableUpstreamError, "http_502"),
+        (503, {"error": {"code": 503, "message": "no provider"}}, {}, RetryableUpstreamError, "http_503"),
+        (408, {"error": {"code": 408, "message": "timeout"}}, {}, RetryableUpstreamError, "http_408"),
+        (402, {"error": {"code": 402, "message": "budget"}}, {"Retry-After": "1"}, RetryableUpstreamError, "http_402"),
+        (402, {"error": {"code": 402, "message": "no credits"}}, {}, FatalUpstreamError, "http_402"),
+        (400, {"error": {"code": 400, "message": "bad"}}, {}, FatalUpstreamError, "http_400"),
+        (401, {"error": {"code": 401, "message": "key"}}, {}, FatalUpstreamError, "http_401"),
+        (403, {"error": {"code": 403, "message": "moderated"}}, {}, FatalUpstreamError, "http_403"),
+        (200, b'{"id": "gen-1", "choices": [{"mess', {}, RetryableUpstreamError, "bad_json"),
+        (200, {**OK, "choices": [{"finish_reason": "stop", "message": {"content": None}}],
+               "error": {"code": 429, "message": "Provider returned error", "metadata": {"raw": "error code: 1015"}}},
+         {}, RetryableUpstreamError, "error200_429"),
+        (200, {**OK, "choices": []}, {}, RetryableUpstreamError, "no_choices"),
+        (200, {**OK, "choices": [{"finish_reason": "error", "message": {"content": "x"}}]}, {},
+         RetryableUpstreamError, "finish_error"),
+        (200, {**OK, "choices": [{"finish_reason": "content_filter", "message": {"content": ""}}]}, {},
+         FatalUpstreamError, "content_filter"),
+    ],
+)
+def test_failures_are_classified(server: str, status: int, body: Any, headers: dict[str, str],
+                                 kind: type, reason: str) -> None:
+    _answer(status, body, headers)
+    with pytest.raises(kind) as err:
+        _client(server).complete({}, timeout_s=5)
+    assert type(err.value) is kind and err.value.reason == reason
+    assert KEY not in str(err.value)
+    if "Retry-After" in headers:
+        assert err.value.retry_after_s == float(headers["Retry-After"])
+
+
+def test_connection_refused_is_retryable() -> None:
+    with pytest.raises(RetryableUpstreamError) as err:
+        _client("http://127.0.0.1:9").complete({}, timeout_s=1)
+    assert err.value.reason == "connection"
+
+
+def test_backoff_is_jittered_exponential_and_honours_retry_after() -> None:
+    rng = random.Random(1)
+    err = RetryableUpstreamError("http_429", "x")
+    delays = [backoff_s(a, err, base_s=1, max_s=60, rng=rng) for a in range(1, 9)]
+    for attempt, d in enumerate(delays, start=1):
+        ceiling = min(60, 2 ** (attempt - 1))
+        assert ceiling / 2 <= d <= ceiling
+    slow = RetryableUpstreamError("http_429", "x", retry_after_s=30)
+    assert backoff_s(1, slow, base_s=1, max_s=60, rng=rng) >= 30
+    assert parse_retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0
+    assert parse_retry_after_s("garbage") is None
