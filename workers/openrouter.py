@@ -55,6 +55,10 @@ def _error_of(body: Any) -> tuple[Any, str]:
     return None, str(err)[:300] if err else ""
 
 
+def _has_reasoning(message: dict[str, Any]) -> bool:
+    return bool(message.get("reasoning") or message.get("reasoning_content") or message.get("reasoning_details"))
+
+
 class OpenRouterClient:
     """One per worker process: a pooled ``requests.Session`` sized to the greenlet count."""
 
@@ -127,6 +131,10 @@ class OpenRouterClient:
             raise FatalUpstreamError("content_filter", "the provider filtered the answer", status=200)
         if finish not in ("stop", "length", "tool_calls"):
             raise RetryableUpstreamError("bad_finish", f"finish_reason {finish!r}", status=200)
+        if not (message_obj.get("content") or _has_reasoning(message_obj) or message_obj.get("tool_calls")):
+            # Nothing to learn from and nothing a rebuild could check; seen when a provider drops
+            # the connection after "200 OK" or ends a stream early.
+            raise RetryableUpstreamError("empty_answer", f"no content, reasoning or tool calls ({finish})", status=200)
         return Completion(
             message=message_obj,
             finish_reason=finish,

@@ -1,0 +1,414 @@
+"""The target model's tokenizer: loading, the turn format read off its own chat template, and the
+start-up check that every special token the rows rely on survives a round trip as one id.
+
+Nothing here knows a model by name. ``TurnFormat`` is derived by rendering probe conversations
+through the tokenizer's chat template and reading where the probe texts land, so the K2.5 form
+(generation prompt ends with ``<think>``) and the K2-Thinking form (the model emits ``<think>``)
+come out of the template, as do ChatML templates with ``<tool_call>`` JSON.
+
+Everything here is synchronous CPU work on plain data: the worker runs ``rebuild`` (which calls
+these methods) in ``gevent.get_hub().threadpool``, so a long answer never stalls the hub.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from common.errors import TokenizerError
+
+log = logging.getLogger(__name__)
+
+# Probe texts: plain ASCII letters survive any template filter (strip, escape) and never meet a
+# special token or each other inside a byte-level merge.
+_PROBE_USER = "zqxUSERqxz"
+_PROBE_REASONING = "zqxREASONINGqxz"
+_PROBE_CONTENT = "zqxCONTENTqxz"
+_PROBE_TOOL_NAME = "zqxTOOLqxz"
+_PROBE_TOOL_ID = "zqxCALLIDqxz"
+_PROBE_TOOL_ARGS = '{"zqxARGqxz": 1}'
+
+# Keys templates read an assistant turn's reasoning from, most common first (Kimi, Qwen, DeepSeek
+# read ``reasoning_content``; some newer templates read ``reasoning`` or ``thinking``).
+_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+ToolCallStyle = Literal["kimi", "hermes", "none"]
+
+
+@dataclass(frozen=True)
+class TurnFormat:
+    """How the template lays out one assistant turn, as seen right after the generation prompt.
+
+    ``reasoning_prefix + reasoning + reasoning_suffix + content + tool text + end_of_turn`` is the
+    text the model generates. ``end_of_turn_tail`` is what the template writes after the
+    end-of-turn token (ChatML's "\\n"): the model stops at the end token and never generates it.
+    """
+
+    generation_prompt: str
+    reasoning_key: str | None
+    think_open: str | None
+    think_close: str | None
+    prompt_opens_think: bool
+    reasoning_prefix: str
+    reasoning_suffix: str
+    no_reasoning_prefix: str
+    end_of_turn: str
+    end_of_turn_tail: str
+    tool_call_style: ToolCallStyle
+    tool_call_open: str | None
+    tool_call_ids_rendered: bool
+    keeps_final_reasoning: bool
+    keeps_final_reasoning_with_tool_calls: bool
+
+
+class _DropEncodeChatter(logging.Filter):
+    """Kimi's remote tokenizer logs ``Calling super().encode with {...}`` on every kwargs call."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Calling super().encode")
+
+
+class _QuietStdout:
+    """``sys.stdout`` stand-in that drops what a thread prints while it is inside a chatty encode.
+
+    A plain ``redirect_stdout`` would swap the stream for every thread at once and swallow the
+    output of other requests; this drops only the calling thread's writes.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.state = threading.local()
+
+    def write(self, text: str) -> int:
+        if getattr(self.state, "quiet", False):
+            return len(text)
+        return int(self._inner.write(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    stream = sys.stdout
+    if not isinstance(stream, _QuietStdout):
+        stream = sys.stdout = _QuietStdout(stream)
+    stream.state.quiet = True
+    try:
+        yield
+    finally:
+        stream.state.quiet = False
+
+
+class TargetTokenizer:
+    """The target model's tokenizer plus the facts a rebuild needs; immutable after ``load``."""
+
+    def __init__(self, name: str, tokenizer: Any) -> None:
+        self.name = name
+        self._tok = tokenizer
+        self._backend = _plain_backend(tokenizer)
+        self._encode_kwargs: dict[str, Any] = {}
+        self.special_ids_by_string: dict[str, int] = {
+            str(added.content): int(token_id) for token_id, added in tokenizer.added_tokens_decoder.items()
+        }
+        self.special_ids: frozenset[int] = frozenset(self.special_ids_by_string.values())
+        # Longest first, so a special token that is a prefix of another never wins (the tokenizers
+        # library matches added tokens leftmost-longest).
+        ordered = sorted(self.special_ids_by_string, key=len, reverse=True)
+        self.special_pattern: re.Pattern[str] | None = (
+            re.compile("|".join(map(re.escape, ordered))) if ordered else None
+        )
+        eos = getattr(tokenizer, "eos_token", None)
+        self.eos_token: str | None = eos if isinstance(eos, str) and eos else None
+        self.turn_format: TurnFormat
+
+    # --- loading ------------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls, name_or_path: str, *, trust_remote_code: bool, revision: str | None = None
+    ) -> TargetTokenizer:
+        """Load a HF tokenizer (hub id or local dir), derive its turn format, run the start-up check."""
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                name_or_path, trust_remote_code=trust_remote_code, revision=revision
+            )
+        except Exception as exc:  # any loader failure (hub, files, remote code) is one kind for us
+            raise TokenizerError(f"cannot load tokenizer {name_or_path!r}: {exc}") from exc
+        if not getattr(tokenizer, "chat_template", None):
+            raise TokenizerError(f"tokenizer {name_or_path!r} has no chat template")
+        target = cls(name_or_path, tokenizer)
+        target._choose_encode_path()
+        target.turn_format = target._derive_turn_format()
+        target._startup_check()
+        log.info(
+            "tokenizer %s ready: think %s…%s in prompt=%s, end %r, tool calls %s",
+            name_or_path,
+            target.turn_format.think_open,
+            target.turn_format.think_close,
+            target.turn_format.prompt_opens_think,
+            target.turn_format.end_of_turn,
+            target.turn_format.tool_call_style,
+        )
+        return target
+
+    def _choose_encode_path(self) -> None:
+        if self._backend is not None:
+            return
+        # Remote-code tokenizers (Kimi's tiktoken one) own their encode. Prefer the plain call: on
+        # Kimi it is the fast path that already maps special-token text to ids, while any kwarg
+        # sends it through ``super().encode``, which is slower and logs on every call.
+        logging.getLogger(type(self._tok).__module__).addFilter(_DropEncodeChatter())
+        probe = f"{_PROBE_USER} {_PROBE_CONTENT}"
+        plain = list(self._tok.encode(probe))
+        with _quiet_stdout():
+            without_specials = list(self._tok.encode(probe, add_special_tokens=False))
+        if plain != without_specials:
+            self._encode_kwargs = {"add_special_tokens": False}
+
+    # --- the heavy calls (plain data in, plain data out) --------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; a special-token string becomes its single id, no BOS/EOS added."""
+        if not text:
+            return []
+        if self._backend is not None:
+            # The batch call releases the GIL while Rust works, so other threads keep running.
+            return list(self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+        if not self._encode_kwargs:
+            return list(self._tok.encode(text))
+        with _quiet_stdout():
+            return list(self._tok.encode(text, **self._encode_kwargs))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` with special tokens kept and no clean-up of spaces."""
+        if not ids:
+            return ""
+        if self._backend is not None:
+            return str(self._backend.decode_batch([list(ids)], skip_special_tokens=False)[0])
+        return str(
+            self._tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        )
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, add_generation_prompt: bool
+    ) -> str:
+        """The chat template's text for ``messages`` (through the tokenizer's own method, which some
+        remote tokenizers override, e.g. K2.5 turns ``tools`` into TypeScript declarations)."""
+        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+        text = self._tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+        return str(text)
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """Ids of the prompt exactly as the model saw it: the template with the generation prompt."""
+        return self.encode(self.render(messages, tools, add_generation_prompt=True))
+
+    def render_tool_calls(self, content: str, tool_calls: list[dict[str, Any]]) -> str:
+        """The text the template puts between an assistant turn's content and its end-of-turn token
+        for ``tool_calls`` (glue included: Qwen-style templates add "\\n" only after content)."""
+        fmt = self.turn_format
+        user = [{"role": "user", "content": _PROBE_USER}]
+        with_calls = self.render(
+            [*user, {"role": "assistant", "content": content, "tool_calls": tool_calls}],
+            None,
+            add_generation_prompt=False,
+        )
+        without = self.render([*user, {"role": "assistant", "content": content}], None, add_generation_prompt=False)
+        ending = fmt.end_of_turn + fmt.end_of_turn_tail
+        if not (with_calls.endswith(ending) and without.endswith(ending)):
+            raise TokenizerError(f"tokenizer {self.name!r}: template does not end a tool-call turn with {ending!r}")
+        head = without[: len(without) - len(ending)]
+        if not with_calls.startswith(head):
+            raise TokenizerError(f"tokenizer {self.name!r}: template renders content differently with tool calls")
+        return with_calls[len(head) : len(with_calls) - len(ending)]
+
+    def specials_in(self, text: str) -> Iterable[re.Match[str]]:
+        """Every special-token string in ``text``, leftmost-longest as the tokenizer matches them."""
+        return self.special_pattern.finditer(text) if self.special_pattern is not None else ()
+
+    # --- deriving the turn format -------------------------------------------------------------
+
+    def _render_probe(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+        try:
+            return self.render(messages, None, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template that cannot render a plain chat is unusable
+            raise TokenizerError(f"tokenizer {self.name!r}: chat template failed on a probe chat: {exc}") from exc
+
+    def _turn_after_prompt(self, prompt: str, assistant: dict[str, Any]) -> str:
+        full = self._render_probe([{"role": "user", "content": _PROBE_USER}, assistant], add_generation_prompt=False)
+        if not full.startswith(prompt):
+            raise TokenizerError(
+                f"tokenizer {self.name!r}: the template's generation prompt is not a prefix of the rendered "
+                "assistant turn, so a completion cannot be appended to it"
+            )
+        return full[len(prompt) :]
+
+    def _derive_turn_format(self) -> TurnFormat:
+        user = [{"role": "user", "content": _PROBE_USER}]
+        without_prompt = self._render_probe(user, add_generation_prompt=False)
+        prompt = self._render_probe(user, add_generation_prompt=True)
+        if not prompt.startswith(without_prompt) or prompt == without_prompt:
+            raise TokenizerError(f"tokenizer {self.name!r}: template adds no generation prompt")
+        generation_prompt = prompt[len(without_prompt) :]
+
+        probe_call = {
+            "id": _PROBE_TOOL_ID,
+            "type": "function",
+            "function": {"name": _PROBE_TOOL_NAME, "arguments": _PROBE_TOOL_ARGS},
+        }
+        plain_turn = self._turn_after_prompt(prompt, {"role": "assistant", "content": _PROBE_CONTENT})
+        at_content = plain_turn.index(_PROBE_CONTENT)
+        end_of_turn, end_of_turn_tail = self._split_end(plain_turn[at_content + len(_PROBE_CONTENT) :])
+        no_reasoning_prefix = plain_turn[:at_content]
+
+        # Which key carries reasoning, and whether the final turn keeps it (Kimi's templates drop
+        # it from a final turn without tool calls: that turn is rendered as history).
+        reasoning_key: str | None = None
+        plain_r = tools_r = ""
+        for key in _REASONING_KEYS:
+            plain_r = self._turn_after_prompt(
+                prompt, {"role": "assistant", key: _PROBE_REASONING, "content": _PROBE_CONTENT}
+            )
+            tools_r = self._turn_after_prompt(
+                prompt,
+                {"role": "assistant", key: _PROBE_REASONING, "content": _PROBE_CONTENT, "tool_calls": [probe_call]},
+            )
+            if _PROBE_REASONING in plain_r or _PROBE_REASONING in tools_r:
+                reasoning_key = key
+                break
+        keeps_plain = reasoning_key is not None and _PROBE_REASONING in plain_r
+        keeps_tools = reasoning_key is not None and _PROBE_REASONING in tools_r
+
+        think_open = think_close = None
+        reasoning_prefix = reasoning_suffix = ""
+        prompt_opens_think = False
+        if reasoning_key is not None:
+            turn = plain_r if keeps_plain else tools_r
+            at_r = turn.index(_PROBE_REASONING)
+            at_c = turn.index(_PROBE_CONTENT)
+            reasoning_prefix = turn[:at_r]
+            reasoning_suffix = turn[at_r + len(_PROBE_REASONING) : at_c]
+            before = [m.group() for m in self.specials_in(prompt + reasoning_prefix)]
+            after = [m.group() for m in self.specials_in(reasoning_suffix)]
+            if not before or not after:
+                raise TokenizerError(
+                    f"tokenizer {self.name!r}: the template's reasoning block is not delimited by special tokens"
+                )
+            think_open, think_close = before[-1], after[0]
+            prompt_opens_think = think_open not in reasoning_prefix
+
+        # Tool calls: which special token opens them, whether the call id is part of the text.
+        tools_turn = self._turn_after_prompt(
+            prompt, {"role": "assistant", "content": _PROBE_CONTENT, "tool_calls": [probe_call]}
+        )
+        tool_text = tools_turn[tools_turn.index(_PROBE_CONTENT) + len(_PROBE_CONTENT) :]
+        style: ToolCallStyle = "none"
+        tool_call_open = None
+        ids_rendered = _PROBE_TOOL_ID in tool_text
+        if _PROBE_TOOL_NAME in tool_text or ids_rendered:
+            # Kimi writes the call id (``functions.name:idx``) and no name; Hermes JSON the reverse.
+            style = "kimi" if ids_rendered else "hermes"
+            tool_call_open = next((m.group() for m in self.specials_in(tool_text)), None)
+
+        return TurnFormat(
+            generation_prompt=generation_prompt,
+            reasoning_key=reasoning_key,
+            think_open=think_open,
+            think_close=think_close,
+            prompt_opens_think=prompt_opens_think,
+            reasoning_prefix=reasoning_prefix,
+            reasoning_suffix=reasoning_suffix,
+            no_reasoning_prefix=no_reasoning_prefix,
+            end_of_turn=end_of_turn,
+            end_of_turn_tail=end_of_turn_tail,
+            tool_call_style=style,
+            tool_call_open=tool_call_open,
+            tool_call_ids_rendered=ids_rendered,
+            keeps_final_reasoning=keeps_plain,
+            keeps_final_reasoning_with_tool_calls=keeps_tools,
+        )
+
+    def _split_end(self, after_content: str) -> tuple[str, str]:
+        """Split what follows a turn's content into the end-of-turn text the model generates (up to
+        and including the first special token) and the template's tail after it."""
+        first = next(iter(self.specials_in(after_content)), None)
+        if first is None:
+            raise TokenizerError(
+                f"tokenizer {self.name!r}: the template ends an assistant turn with {after_content!r}, "
+                "which holds no special token the model could stop on"
+            )
+        return after_content[: first.end()], after_content[first.end() :]
+
+    # --- start-up check -----------------------------------------------------------------------
+
+    def relied_on_specials(self) -> list[str]:
+        """Special tokens that appear in the rendered probe turns, plus EOS: the ones rows carry."""
+        fmt = self.turn_format
+        texts = [
+            fmt.generation_prompt,
+            fmt.reasoning_prefix,
+            fmt.reasoning_suffix,
+            fmt.no_reasoning_prefix,
+            fmt.end_of_turn,
+            self._render_probe([{"role": "user", "content": _PROBE_USER}], add_generation_prompt=True),
+        ]
+        if fmt.tool_call_style != "none":
+            texts.append(
+                self.render_tool_calls(
+                    _PROBE_CONTENT,
+                    [{"id": _PROBE_TOOL_ID, "type": "function",
+                      "function": {"name": _PROBE_TOOL_NAME, "arguments": _PROBE_TOOL_ARGS}}],
+                )
+            )
+        found = {m.group() for text in texts for m in self.specials_in(text)}
+        for token in (fmt.think_open, fmt.think_close, fmt.tool_call_open, self.eos_token):
+            if token:
+                found.add(token)
+        return sorted(found)
+
+    def _startup_check(self) -> None:
+        """Refuse a tokenizer on which a relied-on special token is not one id both ways.
+
+        This is what catches transformers' K2.5 decode bug (ids above 163588 decoded wrongly): the
+        rows would be silently wrong, so the worker must not start.
+        """
+        problems = []
+        for token in self.relied_on_specials():
+            expected = self.special_ids_by_string.get(token)
+            ids = self.encode(token)
+            inside = self.encode(f"{_PROBE_USER}{token}{_PROBE_CONTENT}")
+            back = self.decode(ids)
+            if expected is None:
+                problems.append(f"{token!r} is not an added token")
+            elif ids != [expected]:
+                problems.append(f"{token!r} encodes to {ids}, expected [{expected}]")
+            elif expected not in inside:
+                problems.append(f"{token!r} is not matched inside text ({inside})")
+            elif back != token:
+                problems.append(f"{token!r} (id {expected}) decodes to {back!r}")
+        if problems:
+            raise TokenizerError(
+                f"tokenizer {self.name!r} fails the special-token round trip, refusing to start: "
+                + "; ".join(problems)
+            )
+
+
+def _plain_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer behind a stock transformers fast tokenizer, or None.
+
+    Remote-code tokenizers keep their own encode/decode (they may override them on purpose); only
+    transformers' own classes are bypassed, to skip Python-side overhead on 32k-token answers.
+    """
+    if not type(tokenizer).__module__.startswith("transformers."):
+        return None
+    return getattr(tokenizer, "_tokenizer", None)
