@@ -94,6 +94,8 @@ def execute(
 def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     cfg = load_config(args.config)
+    if args.out is not None:
+        cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"dir": args.out.resolve()})})
     url, _server = _redis_for(settings, cfg.output.dir)
     return execute(cfg, settings, url, progress=not args.no_progress, metrics_port=args.metrics_port,
                    stall_s=args.stall_s)
@@ -189,6 +191,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a config's datasets")
     run.add_argument("config", type=Path)
+    run.add_argument("--out", type=Path, default=None, help="output folder (overrides [output] dir)")
     run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
     run.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
     run.add_argument("--stall-s", type=float, default=None, help=argparse.SUPPRESS)

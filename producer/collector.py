@@ -138,7 +138,8 @@ class Collector:
     def rows_written(self, dataset: str) -> int:
         return self._sinks[dataset].cp.rows
 
-    def drain_once(self, block_ms: int = 500) -> int:
+    def drain_once(self, block_ms: int | None = 500) -> int:
+        """Move one batch per stream to disk; ``block_ms=None`` returns at once (0 would block forever)."""
         with self._lock:
             sinks = list(self._sinks.values())
         if not sinks:
@@ -176,5 +177,5 @@ class Collector:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        while self.error is None and self.drain_once(block_ms=0):
+        while self.error is None and self.drain_once(block_ms=None):
             pass

@@ -1,0 +1,156 @@
+"""Prometheus metrics for what Flower cannot see: per-dataset queue, budget, tokens, cost, errors.
+
+Flower's ``/metrics`` covers workers and task events; the budget lives in our Redis keys, so this
+collector reads them at scrape time (``read_state`` per dataset of the current run: a handful of
+pipelined commands) instead of keeping counters in a process that could restart and drift.
+Served by ``specfleet exporter`` (its own process, the compose/k8s way) or inside the producer
+(``specfleet run --metrics-port``). Scrape one of them, not both: the series are identical.
+
+Counters are the totals kept in Redis; they restart at zero when a new run resets a dataset, which
+Prometheus' ``rate()`` handles as a counter reset.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import redis
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from producer.progress import TokenRate
+from producer.state import DatasetState, current_run, read_state
+
+log = logging.getLogger(__name__)
+
+_DS = ["dataset"]
+_DS_REASON = ["dataset", "reason"]
+
+# (name, help, DatasetState attribute) of the plain per-dataset series.
+_GAUGES: list[tuple[str, str, str]] = [
+    ("specfleet_queue_length", "Tasks waiting in the dataset's Celery queue (Redis list length)", "queued"),
+    ("specfleet_budget_tokens", "Token budget of the dataset", "limit"),
+    ("specfleet_reserved_tokens", "Estimated tokens of admitted requests still in flight", "reserved_tokens"),
+    ("specfleet_failed", "Prompts whose last outcome is a failure (cleared if later kept)", "failed"),
+    ("specfleet_in_flight", "Admitted requests holding a budget lease", "in_flight"),
+]
+_COUNTERS: list[tuple[str, str, str]] = [
+    ("specfleet_kept_tokens", "Tokens of kept rows (sum of loss_mask), what the budget counts", "kept_tokens"),
+    ("specfleet_rows", "Rows kept", "rows"),
+    ("specfleet_requests", "Upstream requests sent", "requests"),
+    ("specfleet_billed_prompt_tokens", "Prompt tokens billed by the provider", "billed_prompt_tokens"),
+    (
+        "specfleet_billed_completion_tokens",
+        "Completion tokens billed by the provider",
+        "billed_completion_tokens",
+    ),
+    (
+        "specfleet_billed_reasoning_tokens",
+        "Reasoning tokens billed (part of completion)",
+        "billed_reasoning_tokens",
+    ),
+    ("specfleet_cost_usd", "Cost reported by OpenRouter, USD", "cost_usd"),
+    ("specfleet_duplicates", "Second deliveries of an already kept prompt, row dropped", "duplicates"),
+    ("specfleet_skipped", "Tasks skipped by workers", "skipped_by_workers"),
+]
+
+
+def run_datasets(run: dict[str, Any] | None) -> list[str]:
+    """Dataset names of ``specfleet:run:current``; entries may be names or {"name": …} objects."""
+    if not run:
+        return []
+    names = []
+    for entry in run.get("datasets") or []:
+        name = entry.get("name") if isinstance(entry, dict) else entry
+        if isinstance(name, str) and name:
+            names.append(name)
+    return names
+
+
+class SpecfleetCollector(Collector):
+    """Reads the current run's dataset states from Redis on every scrape."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+        self._rates: dict[str, TokenRate] = {}
+        # The HTTP server is threaded: two scrapes at once must not interleave rate windows.
+        self._lock = threading.Lock()
+
+    def describe(self) -> Iterable[Metric]:
+        # Empty: stops the registry from calling collect() (and Redis) at registration time.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("specfleet_redis_up", "1 if the last scrape could read Redis")
+        try:
+            run = current_run(self._client)
+            states = [read_state(self._client, ds) for ds in run_datasets(run)]
+        except redis.RedisError as exc:
+            # A scrape error would blank every series; say "Redis down" as a metric instead.
+            log.warning("metrics: cannot read Redis: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        with self._lock:
+            yield from self._families(run or {}, states)
+
+    def _families(self, run: dict[str, Any], states: list[DatasetState]) -> Iterator[Metric]:
+        info = GaugeMetricFamily("specfleet_run_info", "The run in progress (value 1)", labels=["config_id"])
+        if run:
+            info.add_metric([str(run.get("config_id", ""))], 1)
+        yield info
+
+        for name, doc, attr in _GAUGES:
+            fam = GaugeMetricFamily(name, doc, labels=_DS)
+            for st in states:
+                fam.add_metric([st.dataset], getattr(st, attr))
+            yield fam
+        for name, doc, attr in _COUNTERS:
+            cfam = CounterMetricFamily(name, doc, labels=_DS)
+            for st in states:
+                cfam.add_metric([st.dataset], getattr(st, attr))
+            yield cfam
+
+        left = GaugeMetricFamily("specfleet_budget_left_tokens", "Budget minus kept tokens", labels=_DS)
+        active = GaugeMetricFamily(
+            "specfleet_dataset_active", "1 while the dataset admits requests, else 0", labels=_DS
+        )
+        rate = GaugeMetricFamily(
+            "specfleet_kept_tokens_per_second",
+            "Kept tokens per second over the last ~30 s of scrapes (absent after the first scrape)",
+            labels=_DS,
+        )
+        errors = CounterMetricFamily(
+            "specfleet_upstream_errors", "Upstream errors by class (http_429, timeout…)", labels=_DS_REASON
+        )
+        failures = CounterMetricFamily("specfleet_failures", "Prompts given up on, by reason", labels=_DS_REASON)
+        for st in states:
+            left.add_metric([st.dataset], max(0, st.limit - st.kept_tokens))
+            active.add_metric([st.dataset], 1 if st.state == "active" else 0)
+            tokens_s = self._rates.setdefault(st.dataset, TokenRate()).observe(st.t_s, st.kept_tokens)
+            if tokens_s is not None:
+                rate.add_metric([st.dataset], tokens_s)
+            for reason, n in sorted(st.errors.items()):
+                errors.add_metric([st.dataset, reason], n)
+            for reason, n in sorted(st.failures.items()):
+                failures.add_metric([st.dataset, reason], n)
+        yield from (left, active, rate, errors, failures)
+
+
+def make_registry(client: redis.Redis) -> CollectorRegistry:
+    # Own registry: no process/GC collectors of whichever process hosts it, and tests can make many.
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SpecfleetCollector(client))
+    return registry
+
+
+def start_metrics_server(client: redis.Redis, port: int) -> None:
+    """Serves ``/metrics`` on 0.0.0.0:``port`` from a daemon thread; returns at once."""
+    start_http_server(port, registry=make_registry(client))
+    log.info("metrics: serving http://0.0.0.0:%d/metrics", port)

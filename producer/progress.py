@@ -1,0 +1,230 @@
+"""Live progress of a run: one rich progress bar per dataset on a terminal, plain lines otherwise.
+
+The caller owns the polling (``read_state`` every second or so) and hands the states to
+``ProgressView.update``; this module only keeps rates and renders. Plain mode exists for
+``docker compose logs`` and CI, where a redrawn bar would be hundreds of garbage lines: it writes
+at most one batch of lines every ``PLAIN_INTERVAL_S``, plus one whenever a dataset changes state.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from typing import IO, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn
+
+from producer.state import DatasetState
+
+#: Plain mode: seconds between two progress batches (state changes are printed at once).
+PLAIN_INTERVAL_S = 10.0
+#: Rates are measured over this much history: long enough to smooth the lumpy arrival of rows
+#: (one row can carry 30k tokens), short enough to show a stall within a minute.
+RATE_WINDOW_S = 30.0
+
+
+class TokenRate:
+    """Kept tokens per second over a sliding window of (time, kept tokens) observations.
+
+    Tolerates irregular sampling, repeated timestamps and a counter that goes back to zero (the
+    dataset was reset for a new run: history is dropped).
+    """
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def observe(self, t_s: float, kept_tokens: int) -> float | None:
+        """Records one observation; returns tokens/s, or None until two observations exist."""
+        samples = self._samples
+        if samples and kept_tokens < samples[-1][1]:
+            samples.clear()
+        if not samples or t_s > samples[-1][0]:
+            samples.append((t_s, kept_tokens))
+        # Keep exactly one observation older than the window, so the rate spans the full window.
+        while len(samples) > 2 and t_s - samples[1][0] >= self.window_s:
+            samples.popleft()
+        return self.rate()
+
+    def rate(self) -> float | None:
+        if len(self._samples) < 2:
+            return None
+        (t0, k0), (t1, k1) = self._samples[0], self._samples[-1]
+        return (k1 - k0) / (t1 - t0)
+
+
+def eta_s(state: DatasetState, rate: float | None) -> float | None:
+    """Seconds until the budget is used at the current rate; None when unknown or not running."""
+    if state.state != "active" or not rate or rate <= 0 or not state.limit:
+        return None
+    return max(0.0, state.limit - state.kept_tokens) / rate
+
+
+def fmt_tokens(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def _is_terminal(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # closed stream
+        return False
+
+
+class ProgressView:
+    """Renders dataset states; ``live=None`` picks bars for a terminal and plain lines otherwise."""
+
+    def __init__(self, datasets: list[str], *, live: bool | None = None, stream: IO[str] | None = None) -> None:
+        self._stream: IO[str] = stream if stream is not None else sys.stderr
+        self.live = _is_terminal(self._stream) if live is None else live
+        self._datasets = list(datasets)
+        self._rates: dict[str, TokenRate] = {}
+        self._latest: dict[str, DatasetState] = {}
+        self._closed = False
+        # plain mode: when the last batch went out (state time) and what each line last said
+        self._last_batch_s: float | None = None
+        self._printed: dict[str, tuple[str, int, int, int]] = {}
+        self._printed_state: dict[str, str] = {}
+        self._progress: Progress | None = None
+        self._tasks: dict[str, TaskID] = {}
+        if self.live:
+            # force_terminal: live=True on a non-tty stream is a deliberate request for bars.
+            console = Console(file=self._stream, force_terminal=True)
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(bar_width=32),
+                TextColumn("{task.fields[used]}", justify="right"),
+                TextColumn("rows {task.fields[rows]}", justify="right"),
+                TextColumn("failed {task.fields[failed]}", justify="right"),
+                TextColumn("{task.fields[rate]}", justify="right"),
+                TextColumn("ETA {task.fields[eta]}", justify="right"),
+                TextColumn("{task.fields[state]}"),
+                console=console,
+                refresh_per_second=2,
+            )
+            for ds in self._datasets:
+                self._add_task(ds)
+            self._progress.start()
+
+    # --- public ----------------------------------------------------------------------------
+
+    def update(self, states: list[DatasetState]) -> None:
+        if self._closed:
+            return
+        rates: dict[str, float | None] = {}
+        for st in states:
+            rates[st.dataset] = self._rates.setdefault(st.dataset, TokenRate()).observe(st.t_s, st.kept_tokens)
+            self._latest[st.dataset] = st
+        if self._progress is not None:
+            for st in states:
+                self._render_bar(st, rates[st.dataset])
+        else:
+            self._plain(states, rates)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._progress is not None:
+            self._progress.refresh()
+            self._progress.stop()
+            return
+        # A final line for every dataset whose last printed line is out of date.
+        lines = [
+            self._line(st, self._rates[ds].rate())
+            for ds, st in self._latest.items()
+            if st.state and self._printed.get(ds) != _signature(st)
+        ]
+        self._write(lines)
+
+    def __enter__(self) -> ProgressView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- live bars ---------------------------------------------------------------------------
+
+    def _add_task(self, dataset: str) -> TaskID:
+        assert self._progress is not None
+        task = self._progress.add_task(
+            dataset, total=1, completed=0, used="-", rows="0", failed="0", rate="-", eta="-", state="waiting"
+        )
+        self._tasks[dataset] = task
+        return task
+
+    def _render_bar(self, st: DatasetState, rate: float | None) -> None:
+        assert self._progress is not None
+        task = self._tasks.get(st.dataset)
+        if task is None:
+            task = self._add_task(st.dataset)
+        if not st.state:
+            return  # not opened yet: keep "waiting"
+        self._progress.update(
+            task,
+            total=max(st.limit, 1),
+            completed=min(st.kept_tokens, max(st.limit, 1)),
+            used=f"{fmt_tokens(st.kept_tokens)}/{fmt_tokens(st.limit)} tok {100 * st.budget_fraction:5.1f}%",
+            rows=f"{st.rows:,}",
+            failed=f"{st.failed:,}",
+            rate=f"{fmt_tokens(rate)} tok/s" if rate is not None else "- tok/s",
+            eta=fmt_duration(eta_s(st, rate)) if st.state == "active" else "done",
+            state=_state_word(st),
+        )
+
+    # --- plain lines -------------------------------------------------------------------------
+
+    def _plain(self, states: list[DatasetState], rates: dict[str, float | None]) -> None:
+        if not states:
+            return
+        now = max(st.t_s for st in states)
+        changed = {st.dataset for st in states if st.state and st.state != self._printed_state.get(st.dataset)}
+        due = self._last_batch_s is None or now - self._last_batch_s >= PLAIN_INTERVAL_S
+        batch = [st for st in states if st.dataset in changed or (due and st.state == "active")]
+        if not batch:
+            return
+        if due:
+            self._last_batch_s = now
+        self._write([self._line(st, rates[st.dataset]) for st in batch])
+
+    def _line(self, st: DatasetState, rate: float | None) -> str:
+        self._printed[st.dataset] = _signature(st)
+        self._printed_state[st.dataset] = st.state
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.t_s))
+        rate_text = f"{rate:.1f}" if rate is not None else "-"
+        return (
+            f"{stamp} progress dataset={st.dataset} state={_state_word(st)} "
+            f"kept_tokens={st.kept_tokens}/{st.limit} ({100 * st.budget_fraction:.1f}%) "
+            f"rows={st.rows} failed={st.failed} in_flight={st.in_flight} queued={st.queued} "
+            f"rate_tok_s={rate_text} eta={fmt_duration(eta_s(st, rate))}"
+        )
+
+    def _write(self, lines: list[str]) -> None:
+        if lines:
+            self._stream.write("".join(line + "\n" for line in lines))
+            self._stream.flush()
+
+
+def _state_word(st: DatasetState) -> str:
+    return st.state or "waiting"
+
+
+def _signature(st: DatasetState) -> tuple[str, int, int, int]:
+    return (st.state, st.kept_tokens, st.rows, st.failed)

@@ -1,0 +1,78 @@
+"""Operating the fleet: graceful stops, workers joining mid-run."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import redis
+
+from tests.fleet import Fleet, prompts, read_rows, read_summary, write_jsonl
+
+pytestmark = pytest.mark.fleet
+
+
+def _wait_rows(client: redis.Redis, dataset: str, n: int, fleet: Fleet, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while int(client.hget(f"specfleet:ds:{dataset}:budget", "rows") or 0) < n:
+        assert time.monotonic() < deadline, fleet.all_logs()
+        time.sleep(0.1)
+
+
+def _exactly_once(fleet: Fleet, dataset: str, n: int) -> None:
+    ids = [r["id"] for r in read_rows(fleet.out, dataset)]
+    assert len(ids) == len(set(ids)) == n
+
+
+def test_sigterm_worker_finishes_in_flight_and_requeues_the_rest(fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator("--latency-median-ms", "1500")
+    data = write_jsonl(fleet.tmp / "t.jsonl", prompts(120, "t"))
+    config = fleet.write_config([{"name": "T", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    first = fleet.start_worker("first", concurrency=40)
+    producer = fleet.start_producer(config)
+    _wait_rows(redis_client, "T", 5, fleet)
+    in_flight = int(redis_client.hlen("specfleet:ds:T:leases"))
+    assert in_flight > 0
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0, fleet.log("first")
+    # Warm shutdown: every request it had sent was finished and settled; none is left holding a lease.
+    assert int(redis_client.hlen("specfleet:ds:T:leases")) == 0
+    fleet.start_worker("second", concurrency=40)
+    assert producer.wait(timeout=120) == 0, fleet.all_logs()
+    _exactly_once(fleet, "T", 120)
+    assert read_summary(fleet.out, "T")["failed"] == 0
+
+
+def test_sigterm_producer_leaves_a_state_the_next_run_resumes(fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator("--latency-median-ms", "400")
+    data = write_jsonl(fleet.tmp / "p.jsonl", prompts(150, "p"))
+    config = fleet.write_config([{"name": "P", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    fleet.start_worker("w1", concurrency=20)
+    producer = fleet.start_producer(config, name="producer1")
+    _wait_rows(redis_client, "P", 20, fleet)
+    producer.send_signal(signal.SIGTERM)
+    assert producer.wait(timeout=30) == 130, fleet.log("producer1")
+    assert "run the same command again to resume" in fleet.log("producer1")
+    assert not redis_client.exists("specfleet:producer:lock")
+    fleet.run_producer(config, name="producer2")
+    _exactly_once(fleet, "P", 150)
+    assert read_summary(fleet.out, "P")["end_reason"] == "complete"
+
+
+def test_a_worker_started_mid_run_finds_the_active_queue_and_takes_work(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
+    fleet.start_simulator("--latency-median-ms", "300")
+    data = write_jsonl(fleet.tmp / "s.jsonl", prompts(300, "s"))
+    config = fleet.write_config([{"name": "S", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    fleet.start_worker("early1", concurrency=5)
+    fleet.start_worker("early2", concurrency=5)
+    producer = fleet.start_producer(config)
+    _wait_rows(redis_client, "S", 10, fleet)
+    fleet.start_worker("late", concurrency=30)  # no broadcast reaches it: it must look by itself
+    assert producer.wait(timeout=180) == 0, fleet.all_logs()
+    late_log = fleet.log("late")
+    assert "following specfleet.q.S" in late_log
+    assert late_log.count("settle: kept") > 10, late_log[-3000:]
+    _exactly_once(fleet, "S", 300)
