@@ -8,9 +8,10 @@
 -- KEYS[5] results  STREAM kept rows, fields: id <prompt id>, row <msgpack row>
 --
 -- ARGV[1] is the operation; the rest depends on it:
---   reserve  id lease now_ms ttl_ms prior_estimate min_rows
+--   reserve  id lease now_ms ttl_ms prior_estimate prior_weight trust_rows
 --            -> {"ok", estimate} | {"done"} | {"stopped"} | {"busy", ms_left} | {"over", estimate}
---            Admits a request only if kept + reserved + estimate fits under limit; the first
+--               | {"wait", estimate}  (full for now: ask again when in-flight requests have landed)
+--            Admits a request only if kept + in-flight × estimate + estimate fits under limit; the first
 --            request that does not fit turns the dataset "exhausted", which stops admission for
 --            everyone (the producer then purges the queue). Requests already admitted still land:
 --            their holder calls reserve again before each retry, which renews the lease (ttl_ms
@@ -45,7 +46,7 @@ end
 if op == "reserve" then
   local id, lease = ARGV[2], ARGV[3]
   local now, ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
-  local prior, min_rows = tonumber(ARGV[6]), tonumber(ARGV[7])
+  local prior, prior_weight, trust_rows = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
   if redis.call("SISMEMBER", done, id) == 1 then return {"done"} end
   local state = redis.call("HGET", budget, "state")
   if state ~= "active" and state ~= "exhausted" then return {"stopped"} end
@@ -61,14 +62,24 @@ if op == "reserve" then
     drop_lease(id, false)  -- its holder died: take its place
   end
   if state ~= "active" then return {"stopped"} end
-  local b = redis.call("HMGET", budget, "limit", "kept", "reserved", "rows")
-  local limit, kept = tonumber(b[1]), tonumber(b[2] or "0")
-  local reserved, rows = tonumber(b[3] or "0"), tonumber(b[4] or "0")
-  local estimate = prior
-  if rows >= min_rows then estimate = math.ceil(kept / rows) end
-  if kept + reserved + estimate > limit then
-    redis.call("HSET", budget, "state", "exhausted")
-    return {"over", estimate}
+  local b = redis.call("HMGET", budget, "limit", "kept", "rows")
+  local limit, kept, rows = tonumber(b[1]), tonumber(b[2] or "0"), tonumber(b[3] or "0")
+  -- The prior counts as `prior_weight` rows of its own, so the estimate starts at the prior (the
+  -- length class's max_tokens unless configured: a first wave can't overshoot) and moves to the
+  -- measured mean as rows are kept.
+  local estimate = math.ceil((prior * prior_weight + kept) / (prior_weight + rows))
+  -- Requests in flight are projected with the current estimate, not with what they reserved when
+  -- admitted: an early guess, too low or too high, must not overflow the budget or end it short.
+  local projected = redis.call("HLEN", leases) * estimate
+  if kept + projected + estimate > limit then
+    -- Full. Final once nothing in flight could make room (kept alone leaves none) or once the
+    -- estimate rests on enough rows to trust the projection; before that, in-flight requests
+    -- projected with a prior-heavy estimate may land smaller: wait for them.
+    if kept + estimate > limit or rows >= trust_rows then
+      redis.call("HSET", budget, "state", "exhausted")
+      return {"over", estimate}
+    end
+    return {"wait", estimate}
   end
   redis.call("HSET", leases, id, lease .. "|" .. estimate .. "|" .. (now + ttl))
   redis.call("HINCRBY", budget, "reserved", estimate)

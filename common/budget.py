@@ -17,10 +17,14 @@ from common.keys import DatasetKeys
 
 _SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
 
-#: Kept rows needed before the running mean replaces the configured prior as the estimate.
-MIN_ROWS_FOR_MEAN = 20
+#: How many kept rows the prior estimate weighs as; after a few times this many rows the estimate
+#: is the measured mean.
+PRIOR_WEIGHT_ROWS = 2
+#: Kept rows after which the estimate is trusted to declare the budget fully committed; before,
+#: a full budget makes requests wait for in-flight ones to land instead of ending the dataset.
+TRUST_ROWS = 20
 
-Admission = Literal["ok", "done", "stopped", "busy", "over"]
+Admission = Literal["ok", "done", "stopped", "busy", "over", "wait"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class Budget:
 
     def reserve(self, prompt_id: str, lease: str, *, ttl_ms: int, prior_estimate: int) -> Reservation:
         reply = self._call(
-            "reserve", prompt_id, lease, now_ms(), ttl_ms, prior_estimate, MIN_ROWS_FOR_MEAN
+            "reserve", prompt_id, lease, now_ms(), ttl_ms, prior_estimate, PRIOR_WEIGHT_ROWS, TRUST_ROWS
         )
         return Reservation(reply[0], int(reply[1]) if len(reply) > 1 else 0)
 

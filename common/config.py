@@ -39,8 +39,14 @@ class LengthClass(_Strict):
     max_tokens: int = Field(gt=0)
     #: Read timeout of one HTTP attempt: the only real time limit under gevent.
     timeout_s: float = Field(gt=0)
-    #: Budget reserved for a request before the first rows give a measured mean.
-    estimate_tokens: int = Field(gt=0)
+    #: Tokens a request is expected to keep, before kept rows give a measured mean. Default:
+    #: max_tokens, which can't overshoot the budget in the first wave; a lower guess admits more
+    #: requests at the start but overshoots if it is wrong.
+    estimate_tokens: int | None = Field(default=None, gt=0)
+
+    @property
+    def prior_estimate_tokens(self) -> int:
+        return self.estimate_tokens or self.max_tokens
 
 
 LengthName = Literal["short", "long"]
@@ -49,8 +55,8 @@ _LENGTHS: tuple[LengthName, ...] = ("short", "long")
 
 def _default_lengths() -> dict[LengthName, LengthClass]:
     return {
-        "short": LengthClass(max_tokens=8_192, timeout_s=600, estimate_tokens=1_500),
-        "long": LengthClass(max_tokens=32_768, timeout_s=3_600, estimate_tokens=8_000),
+        "short": LengthClass(max_tokens=8_192, timeout_s=600),
+        "long": LengthClass(max_tokens=32_768, timeout_s=3_600),
     }
 
 

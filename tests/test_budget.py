@@ -7,7 +7,7 @@ import time
 import msgpack
 import redis
 
-from common.budget import MIN_ROWS_FOR_MEAN, Budget
+from common.budget import PRIOR_WEIGHT_ROWS, TRUST_ROWS, Budget
 
 TTL_MS = 60_000
 
@@ -71,25 +71,58 @@ def test_reap_returns_estimates_of_expired_leases(redis_client: redis.Redis) -> 
     assert (snap.reserved, snap.in_flight) == (10, 1)
 
 
-def test_admission_stops_before_the_budget_and_marks_exhausted(redis_client: redis.Redis) -> None:
+def test_a_full_budget_parks_requests_until_the_estimate_is_trusted(redis_client: redis.Redis) -> None:
     b = Budget(redis_client, "ds")
     b.open(100)
-    statuses = [b.reserve(f"p{i}", f"L{i}", ttl_ms=TTL_MS, prior_estimate=30).status for i in range(5)]
-    assert statuses == ["ok", "ok", "ok", "over", "stopped"]
+    statuses = [b.reserve(f"p{i}", f"L{i}", ttl_ms=TTL_MS, prior_estimate=30).status for i in range(4)]
+    assert statuses == ["ok", "ok", "ok", "wait"]  # committed, but the guess of 30 may be wrong
+    b.settle("p0", "L0", 35, _row("p0"))
+    assert b.reserve("p3", "L3", ttl_ms=TTL_MS, prior_estimate=30).status == "wait"
+    b.settle("p1", "L1", 35, _row("p1"))
+    b.settle("p2", "L2", 35, _row("p2"))
+    # Kept alone leaves no room for another request: the dataset is done for good.
+    assert b.reserve("p3", "L3", ttl_ms=TTL_MS, prior_estimate=30).status == "over"
     assert b.snapshot().state == "exhausted"
-    # Admitted work still lands after the stop: paid tokens are not thrown away.
-    assert b.settle("p0", "L0", 35, _row("p0")) is True
-    assert b.snapshot().kept == 35
+    assert b.reserve("p4", "L4", ttl_ms=TTL_MS, prior_estimate=30).status == "stopped"
 
 
-def test_estimate_becomes_the_running_mean(redis_client: redis.Redis) -> None:
+def test_estimate_moves_from_the_prior_to_the_measured_mean(redis_client: redis.Redis) -> None:
     b = Budget(redis_client, "ds")
     b.open(10_000_000)
-    for i in range(MIN_ROWS_FOR_MEAN):
-        b.reserve(f"p{i}", "L", ttl_ms=TTL_MS, prior_estimate=5)
+    estimates = []
+    for i in range(20 * PRIOR_WEIGHT_ROWS):
+        r = b.reserve(f"p{i}", "L", ttl_ms=TTL_MS, prior_estimate=1000)
+        estimates.append(r.value)
         b.settle(f"p{i}", "L", 100, _row(f"p{i}"))
-    r = b.reserve("next", "L", ttl_ms=TTL_MS, prior_estimate=5)
-    assert (r.status, r.value) == ("ok", 100)
+    assert estimates[0] == 1000
+    assert all(a >= b for a, b in zip(estimates, estimates[1:], strict=False))
+    assert estimates[-1] < 150  # within 50% of the mean after 20 prior-weights of rows
+
+
+def test_in_flight_requests_are_projected_with_the_current_estimate(redis_client: redis.Redis) -> None:
+    """A low prior let many requests in; once rows show they are big, admission waits for them."""
+    b = Budget(redis_client, "ds")
+    b.open(11_800)
+    for i in range(10):
+        assert b.reserve(f"early{i}", "L", ttl_ms=TTL_MS, prior_estimate=10).status == "ok"
+    for i in range(TRUST_ROWS):
+        assert b.reserve(f"big{i}", "L", ttl_ms=TTL_MS, prior_estimate=10).status == "ok"
+        b.settle(f"big{i}", "L", 400, _row(f"big{i}"))
+    # kept 8,000, estimate 365: 10 in flight project to 3,650, and 8,000 + 3,650 + 365 > 11,800,
+    # though their own reservations (10 × 10) would have let it in.
+    assert b.reserve("late", "L", ttl_ms=TTL_MS, prior_estimate=10).status == "over"
+
+
+def test_a_renewal_keeps_an_admitted_request_alive_after_exhaustion(redis_client: redis.Redis) -> None:
+    b = Budget(redis_client, "ds")
+    b.open(130)
+    assert b.reserve("p0", "L0", ttl_ms=TTL_MS, prior_estimate=60).status == "ok"
+    assert b.reserve("p1", "L1", ttl_ms=TTL_MS, prior_estimate=60).status == "ok"
+    b.settle("p0", "L0", 80, _row("p0"))
+    assert b.reserve("p2", "L2", ttl_ms=TTL_MS, prior_estimate=60).status == "over"
+    assert b.reserve("p1", "L1", ttl_ms=TTL_MS, prior_estimate=60).status == "ok"  # its retry goes on
+    b.close()
+    assert b.reserve("p1", "L1", ttl_ms=TTL_MS, prior_estimate=60).status == "stopped"
 
 
 def test_failure_is_recorded_and_cleared_when_kept_later(redis_client: redis.Redis) -> None:
@@ -109,8 +142,8 @@ def test_open_rederives_reserved_and_resumes_counts(redis_client: redis.Redis) -
     b.open(1_000)
     b.reserve("p1", "L1", ttl_ms=TTL_MS, prior_estimate=10)
     b.settle("p1", "L1", 50, _row("p1"))
-    b.reserve("p2", "L2", ttl_ms=TTL_MS, prior_estimate=10)
+    p2 = b.reserve("p2", "L2", ttl_ms=TTL_MS, prior_estimate=10)
     redis_client.hset(b.keys.budget, "reserved", 999)  # as if a crash left it wrong
     assert b.open(5_000) == (50, 1)
     snap = b.snapshot()
-    assert (snap.limit, snap.reserved, snap.state) == (5_000, 10, "active")
+    assert (snap.limit, snap.reserved, snap.state) == (5_000, p2.value, "active")

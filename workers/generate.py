@@ -7,6 +7,7 @@ handed back for a later delivery; one log line per step.
 from __future__ import annotations
 
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ class Busy:
 
     wait_s: float
 
+
+#: How often a request parked by a full budget asks again.
+ADMISSION_POLL_S = 1.0
 
 #: Slack on a lease beyond one attempt and one backoff: connect time, rebuild, a Redis blip.
 LEASE_SLACK_S = 10.0
@@ -117,8 +121,14 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
     budget = Budget(ctx.redis, dataset)
     lease = uuid.uuid4().hex
 
-    ttl_ms, prior = lease_ttl_ms(length, retry), int(length["estimate_tokens"])
+    ttl_ms = lease_ttl_ms(length, retry)
+    prior = int(length.get("estimate_tokens") or length["max_tokens"])
     admission = budget.reserve(pid, lease, ttl_ms=ttl_ms, prior_estimate=prior)
+    while admission.status == "wait":
+        # The budget is committed to requests in flight whose size is still a guess: a greenlet
+        # costs nothing to park, and re-asking is one Lua call.
+        gevent.sleep(ADMISSION_POLL_S * random.uniform(0.5, 1.5))
+        admission = budget.reserve(pid, lease, ttl_ms=ttl_ms, prior_estimate=prior)
     log.info("%s/%s reserve: %s %d", dataset, pid, admission.status, admission.value)
     if admission.status == "busy":
         return Busy(wait_s=min(60.0, admission.value / 1000 + 1))
