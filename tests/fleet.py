@@ -148,13 +148,13 @@ class Fleet:
         return "\n".join(f"===== {p.name}\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(self.logs.iterdir()))
 
     def write_config(self, datasets: list[dict[str, Any]], *, timeout_s: float = 10, max_attempts: int = 4,
-                     estimate_tokens: int = 200, request: str = "") -> Path:
+                     estimate_tokens: int | None = None, request: str = "") -> Path:
         lines = [
             "[model]", 'name = "moonshotai/kimi-k2.5"', f'tokenizer = "{DEMO_TOKENIZER}"', "",
             "[request]", request or "temperature = 1.0", "",
-            "[lengths.short]", "max_tokens = 1024", f"timeout_s = {timeout_s}", f"estimate_tokens = {estimate_tokens}",
-            "", "[lengths.long]", "max_tokens = 4096", f"timeout_s = {timeout_s}",
-            f"estimate_tokens = {estimate_tokens * 3}", "",
+            "[lengths.short]", "max_tokens = 1024", f"timeout_s = {timeout_s}",
+            f"estimate_tokens = {estimate_tokens}" if estimate_tokens else "",
+            "", "[lengths.long]", "max_tokens = 4096", f"timeout_s = {timeout_s}", "",
             "[retry]", f"max_attempts = {max_attempts}", "backoff_base_s = 0.05", "backoff_max_s = 0.5", "",
             "[output]", f'dir = "{self.out}"', "shard_rows = 100", "",
         ]
