@@ -36,7 +36,8 @@ def main() -> None:
         app = make_app(Settings.from_env({}), url)
         t0 = time.perf_counter()
         for start in range(0, args.prompts, 1000):
-            push(client, app, "specfleet.q.bench", [payload(i) for i in range(start, min(start + 1000, args.prompts))])
+            batch = [payload(i) for i in range(start, min(start + 1000, args.prompts))]
+            push(client, app, "specfleet.q.bench", batch)
         batched_s = time.perf_counter() - t0
         assert client.llen("specfleet.q.bench") == args.prompts
         mem = client.info("memory")["used_memory"]
@@ -45,8 +46,8 @@ def main() -> None:
         for i in range(args.apply_async_sample):
             app.send_task(TASK_NAME, args=(payload(i),), queue="specfleet.q.bench2")
         single_s = time.perf_counter() - t0
-        print(f"batched LPUSH: {args.prompts:,} prompts in {batched_s:.2f} s = {args.prompts / batched_s:,.0f} prompts/s"
-              f" · Redis memory {mem / args.prompts:,.0f} B/prompt")
+        print(f"batched LPUSH: {args.prompts:,} prompts in {batched_s:.2f} s = "
+              f"{args.prompts / batched_s:,.0f} prompts/s · Redis memory {mem / args.prompts:,.0f} B/prompt")
         rate = args.apply_async_sample / single_s
         print(f"apply_async:   {args.apply_async_sample:,} prompts in {single_s:.2f} s = {rate:,.0f} prompts/s"
               f" (→ {args.prompts / rate:.0f} s for {args.prompts:,})")

@@ -145,7 +145,8 @@ class Fleet:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def all_logs(self) -> str:
-        return "\n".join(f"===== {p.name}\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(self.logs.iterdir()))
+        parts = [f"===== {p.name}\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(self.logs.iterdir())]
+        return "\n".join(parts)
 
     def write_config(self, datasets: list[dict[str, Any]], *, timeout_s: float = 10, max_attempts: int = 4,
                      estimate_tokens: int | None = None, request: str = "") -> Path:

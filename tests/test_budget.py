@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import msgpack
@@ -95,7 +96,7 @@ def test_estimate_moves_from_the_prior_to_the_measured_mean(redis_client: redis.
         estimates.append(r.value)
         b.settle(f"p{i}", "L", 100, _row(f"p{i}"))
     assert estimates[0] == 1000
-    assert all(a >= b for a, b in zip(estimates, estimates[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(estimates))
     assert estimates[-1] < 150  # within 50% of the mean after 20 prior-weights of rows
 
 

@@ -65,7 +65,7 @@ def test_config_rejects(tmp_path: Path, snippet: str, expected: str) -> None:
 
 
 def test_missing_config_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="nope.toml: cannot read"):
+    with pytest.raises(ConfigError, match=r"nope\.toml: cannot read"):
         load_config(tmp_path / "nope.toml")
 
 

@@ -25,7 +25,7 @@ class _Handler(BaseHTTPRequestHandler):
     reply: tuple[int, dict[str, str], bytes] = (200, {}, b"")
     seen: list[dict[str, Any]] = []
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).seen.append({"headers": dict(self.headers), "body": json.loads(body)})
         status, headers, payload = type(self).reply
