@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 ENQUEUE_BATCH = 1000
 TICK_S = 0.25
-SAMPLE_EVERY_S = 2.0
+SAMPLE_EVERY_S = 1.0
 REAP_EVERY_S = 5.0
 
 
@@ -321,7 +321,9 @@ class Runner:
             log.error("%s: %d requests still in flight after the drain timeout", run.name, st.in_flight)
         run.budget.close()
         run.finished_s = now
-        self._finalize(run, read_state(self.client, run.name))
+        final = read_state(self.client, run.name)
+        self.client.rpush(run.budget.keys.timeline, json.dumps(final.to_json()))  # the plot ends where it did
+        self._finalize(run, final)
 
     # --- the dataset's files ----------------------------------------------------------------
 
