@@ -74,6 +74,18 @@ def stop(procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
             p.wait()
 
 
+def _wait_for_workers(settings: Settings, redis_url: str, count: int, timeout_s: float = 60.0) -> None:
+    """So the demo shows the whole fleet working from its first task, not one worker warming up."""
+    from producer.celery_app import make_app
+
+    app = make_app(settings, redis_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if len(app.control.ping(timeout=0.5)) >= count:
+            return
+    log.warning("only some of the %d workers answered within %.0f s; starting anyway", count, timeout_s)
+
+
 def run_demo(out_dir: Path, workers: int, concurrency: int) -> int:
     from producer.cli import execute
     from producer.embedded import EmbeddedValkey
@@ -112,6 +124,7 @@ def run_demo(out_dir: Path, workers: int, concurrency: int) -> int:
         }
         for i in range(workers):
             procs.append(start_worker(f"demo{i + 1}", env, concurrency, out_dir / "logs" / f"worker{i + 1}.log"))
+        _wait_for_workers(settings, redis_url, workers)
         print(f"{workers} workers × {concurrency} greenlets, simulator on :{sim_port}, Redis {redis_url}")
         return execute(cfg, settings, redis_url)
     finally:

@@ -149,9 +149,11 @@ class Fleet:
         return "\n".join(parts)
 
     def write_config(self, datasets: list[dict[str, Any]], *, timeout_s: float = 10, max_attempts: int = 4,
-                     estimate_tokens: int | None = None, request: str = "") -> Path:
+                     estimate_tokens: int | None = None, request: str = "", tokenizer: Path = DEMO_TOKENIZER,
+                     trust_remote_code: bool = False) -> Path:
         lines = [
-            "[model]", 'name = "moonshotai/kimi-k2.5"', f'tokenizer = "{DEMO_TOKENIZER}"', "",
+            "[model]", 'name = "moonshotai/kimi-k2.5"', f'tokenizer = "{tokenizer}"',
+            f"trust_remote_code = {str(trust_remote_code).lower()}", "",
             "[request]", request or "temperature = 1.0", "",
             "[lengths.short]", "max_tokens = 1024", f"timeout_s = {timeout_s}",
             f"estimate_tokens = {estimate_tokens}" if estimate_tokens else "",

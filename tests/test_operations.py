@@ -76,3 +76,26 @@ def test_a_worker_started_mid_run_finds_the_active_queue_and_takes_work(
     assert "following specfleet.q.S" in late_log
     assert late_log.count("settle: kept") > 10, late_log[-3000:]
     _exactly_once(fleet, "S", 300)
+
+
+def test_a_worker_refuses_a_tokenizer_that_fails_the_round_trip_before_any_request(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
+    from tests.tokenizer_factory import KIMI_K25, write_remote_tokenizer
+
+    # Like transformers >= 5.4 on K2.5: a special id above the bug line decodes to something else.
+    broken = write_remote_tokenizer(KIMI_K25, fleet.tmp / "buggy", class_name="BuggyDecodeTokenizer",
+                                    first_bad_id_token="<think>")
+    fleet.start_simulator("--latency-median-ms", "10")
+    data = write_jsonl(fleet.tmp / "b.jsonl", prompts(10, "b"))
+    config = fleet.write_config([{"name": "BAD", "path": data, "length": "short", "budget_tokens": 10_000_000}],
+                                tokenizer=broken, trust_remote_code=True)
+    worker = fleet.start_worker("strict", concurrency=5)
+    producer = fleet.start_producer(config)
+    worker.wait(timeout=60)
+    log = fleet.log("strict")
+    assert "refusing run" in log and "decodes to" in log, log[-3000:]
+    assert fleet.sim_stats()["requests"] == 0  # not one paid request
+    assert redis_client.llen("specfleet.q.BAD") == 10  # the work waits for a worker that can do it
+    producer.send_signal(signal.SIGTERM)
+    producer.wait(timeout=30)
