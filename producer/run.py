@@ -163,8 +163,9 @@ class Runner:
         budget = Budget(self.client, ds.name)
         run = DatasetRun(cfg=ds, budget=budget)
         self._runs.append(run)
-        self.collector.add(ds.name)
+        sink = self.collector.add(ds.name)
         k = budget.keys
+        self._restore_from_disk(budget, sink.cp.rows)
         # Failures of an earlier run get another chance; the queue is rebuilt from the file below.
         self.client.delete(k.failed, k.queue)
         kept, rows = budget.open(ds.budget_tokens)
@@ -199,6 +200,28 @@ class Runner:
         while not run.end_reason:
             self._tick()
             time.sleep(TICK_S)
+
+    def _restore_from_disk(self, budget: Budget, rows_on_disk: int) -> None:
+        """Redis lost kept rows the shards hold (a server without persistence restarted): rebuild
+        the exactly-once guard and the counter from the shards before anything is asked again."""
+        rows_in_redis = int(self.client.hget(budget.keys.budget, "rows") or 0)
+        if rows_in_redis >= rows_on_disk:
+            return
+        log.warning("%s: Redis knows %d kept rows, the shards hold %d: restoring from the shards",
+                    budget.keys.dataset, rows_in_redis, rows_on_disk)
+        ids, tokens = [], 0
+        for shard in sorted((self.out_dir / budget.keys.dataset).glob("shard-*.jsonl")):
+            with shard.open("rb") as fh:
+                for line in fh:
+                    row = json.loads(line)
+                    ids.append(row["id"])
+                    tokens += int(row["num_tokens"])
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(budget.keys.done)
+        for start in range(0, len(ids), 10_000):
+            pipe.sadd(budget.keys.done, *ids[start:start + 10_000])
+        pipe.hset(budget.keys.budget, mapping={"kept": tokens, "rows": len(ids)})
+        pipe.execute()
 
     def _enqueue(self, run: DatasetRun, batch: list[Prompt]) -> int:
         done = self.client.smismember(run.budget.keys.done, [p.id for p in batch])

@@ -201,3 +201,18 @@ def test_api_key_never_reaches_redis_messages_logs_or_output(fleet: Fleet, redis
         if path.is_file():
             assert secret not in path.read_bytes(), f"API key found in {path}"
     assert TEST_KEY not in out
+
+
+def test_redis_losing_its_data_duplicates_nothing_on_disk(fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator("--latency-median-ms", "10")
+    data = write_jsonl(fleet.tmp / "l.jsonl", prompts(40, "l"))
+    config = fleet.write_config([{"name": "L", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    fleet.start_worker("w1", concurrency=10)
+    fleet.run_producer(config, name="producer1")
+    asked = fleet.sim_stats()["requests"]
+    redis_client.flushdb()  # a Redis without persistence restarted
+    fleet.run_producer(config, name="producer2")
+    assert "restoring from the shards" in fleet.log("producer2")
+    assert fleet.sim_stats()["requests"] == asked  # nothing asked again
+    _assert_exactly_once(fleet, redis_client, "L")
+    assert len(read_rows(fleet.out, "L")) == 40
