@@ -1,0 +1,89 @@
+"""A local OpenRouter simulator, faithful to ``shared/reference/openrouter.md``.
+
+Run it: ``python -m simulator --host 127.0.0.1 --port 8765 [flags]`` (``--help`` lists every
+setting), or in tests ``with start_in_thread(Settings(port=0, latency_median_ms=0)) as sim:`` and
+point the client at ``sim.api_base``.
+
+Routes
+------
+``POST /api/v1/chat/completions``  OpenAI-style; needs ``Authorization: Bearer <non-empty>`` (or
+    exactly ``--expect-key``). Answers carry ``X-Generation-Id``. ``stream: true`` gives SSE.
+``GET /api/v1/generation?id=gen-…``  404 for ``generation_delay_s`` after the request, then stats.
+``GET /api/v1/key``  ``{data: {limit, limit_remaining, usage, …}}``.
+``POST /_sim/config``  partial settings update (JSON object, same names as the CLI flags;
+    ``rates`` and ``length_classes`` merge by key); answers the full settings, 400 naming a bad
+    field. ``GET /_sim/config`` shows them. Example: ``{"rates": {"429": 0.1, "hang": 0.02,
+    "leak_im_end": 0.2}, "latency_median_ms": 0}``.
+``GET /_sim/stats[?detail=1]``  the billing ledger (below). ``POST /_sim/reset``: counters,
+    attempt counts and settings back to how the server started. ``GET /_sim/health``.
+
+Answers
+-------
+Deterministic: text comes from RNGs seeded by ``seed`` and a SHA-256 of the request messages, so a
+prompt gets the same answer in every process and on every retry (``engine.predict`` computes it
+without a server). Lengths are drawn per length class (``length_classes``: the class with the
+largest ``min_max_tokens`` not above the request's ``max_tokens``); ``max_tokens`` caps the
+completion, and when reasoning alone reaches it, reasoning is cut, ``content`` is null and
+``finish_reason`` is ``length``. ``reasoning: {exclude: true}`` bills but hides reasoning;
+``{enabled: false}`` or ``effort: "none"`` turns it off. Tokens are counted by the rule in
+``tokens.py`` or with ``--tokenizer``.
+
+Faults (``rates`` keys, and ``fail_attempts`` entries): ``429`` ``502`` ``503`` ``408`` ``402``
+(no Retry-After) ``402_retry`` (with) ``400`` ``401`` ``403`` ``hang`` (hold ``hang_s``, then
+answer) ``hang_drop`` (hold, then close) ``bad_json`` (200, body cut in half) ``error200`` (200 with
+an error object, null content, zero usage) ``stream_error`` (streams: an error chunk mid-way).
+Their rates are one draw per attempt (sum <= 1), seeded by (seed, prompt, attempt number).
+``leak_im_end`` in ``rates`` is independent of them: a share of answers whose content ends with
+a leaked ``<|im_end|>``.
+
+``#sim`` scripted answers
+-------------------------
+If the last user message's text starts with ``#sim `` followed by a JSON object (free text may
+follow the object), the object steers the answer. Every key is optional; a key left out is
+generated as usual:
+
+- ``reasoning``: str | null (null: none). Scripted text is never cut by ``max_tokens``.
+- ``content``: str | null; ``tool_calls``: ``[{"name", "arguments": obj|str, "id"?}]`` (or the
+  OpenAI ``{"id", "type", "function": {…}}`` form); ids default to ``functions.<name>:<idx>``.
+  Giving either one fixes the answer's shape (no random tool calls).
+- ``raw_tool_text``: bool: put the tool calls as Kimi token text in ``content`` instead.
+- ``finish_reason``: stop|length|tool_calls|content_filter|error; ``native_finish_reason``: str.
+- ``reasoning_field``: "reasoning" | "reasoning_content" | "details" (only ``reasoning_details``).
+- ``leak_im_end``: bool: content ends with a leaked ``<|im_end|>``.
+- ``fail_attempts``: list of statuses / fault names, e.g. ``[429, 503, "hang", "bad_json",
+  "error200"]``: the prompt's first attempts (counted per hash of the messages) meet these, then
+  it is answered normally.
+- ``latency_ms``: time to first token; ``retry_after_s``: Retry-After for this prompt's 429/503
+  (null: none); ``provider``: provider name.
+- ``usage``: overrides of ``prompt_tokens``, ``completion_tokens``, ``reasoning_tokens``,
+  ``cached_tokens``, ``cost`` (cost is recomputed from the tokens unless given).
+
+Example: ``#sim {"reasoning": "r", "content": "c", "fail_attempts": [429]} case-7``.
+
+Stats JSON (``GET /_sim/stats``)
+--------------------------------
+``{"requests", "in_flight", "max_in_flight", "scripted", "by_status": {"200": n, "429": n,
+"dropped": n}, "faults": {name: n}, "finish_reasons": {…}, "billed_requests",
+"billed_prompt_tokens", "billed_completion_tokens", "billed_reasoning_tokens",
+"billed_cached_tokens", "billed_cost_usd", "abandoned_requests", "abandoned_completion_tokens",
+"uptime_s"}``; with ``?detail=1`` also
+``"generations": [{"id", "prompt_hash", "fault", "finish_reason", "streamed", "abandoned",
+"prompt_tokens", "completion_tokens", "reasoning_tokens", "cost"}]``. Billed: every generated
+answer (a non-streamed one in full even when its client timed out or left: counted again under
+``abandoned``; ``hang`` and ``bad_json`` too); not billed: HTTP errors, ``hang_drop``,
+``error200``.
+"""
+
+from simulator.engine import predict
+from simulator.run import SimHandle, serve, start_in_thread
+from simulator.settings import LengthClass, Settings, SettingsError
+
+__all__ = [
+    "LengthClass",
+    "Settings",
+    "SettingsError",
+    "SimHandle",
+    "predict",
+    "serve",
+    "start_in_thread",
+]

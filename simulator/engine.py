@@ -1,0 +1,72 @@
+"""The pure part of answering: request → answer + usage, and the latency draw.
+
+``predict`` runs it without a server, so a test can know the exact message the simulator will
+send for a prompt (no fault hitting) before sending it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from simulator.answers import Answer, build_answer
+from simulator.billing import Usage, priced, with_overrides
+from simulator.kimi import render_prompt
+from simulator.request import ChatRequest, parse_chat_request
+from simulator.script import Script, find_script
+from simulator.settings import Settings
+from simulator.tokens import SimpleCounter, TokenCounter
+from simulator.wire import message_json
+
+_Z99 = 2.3263478740408408  # standard normal quantile at 0.99: sigma = ln(p99/median) / z
+
+
+@dataclass(frozen=True)
+class Generation:
+    answer: Answer
+    usage: Usage
+
+
+def generate(req: ChatRequest, settings: Settings, script: Script | None,
+             counter: TokenCounter, *, attempt: int = 1) -> Generation:
+    answer = build_answer(req, settings, script, counter)
+    prompt = counter.count(render_prompt(req.messages, req.tools))
+    completion = sum(counter.count(p) for p in answer.completion_parts())
+    reasoning = counter.count(answer.reasoning) if answer.reasoning else 0
+    # A repeat of the same prompt may hit the provider's prefix cache.
+    cached = int(prompt * settings.cached_fraction) if attempt > 1 else 0
+    prices = {"price_in_per_mtok": settings.price_in_per_mtok,
+              "price_out_per_mtok": settings.price_out_per_mtok}
+    usage = priced(prompt, completion, reasoning, cached, **prices)
+    if script is not None:
+        usage = with_overrides(usage, script.usage, **prices)
+    return Generation(answer, usage)
+
+
+def base_latency_ms(rng: random.Random, settings: Settings) -> float:
+    """Time to first token: lognormal with the configured median and p99."""
+    median = settings.latency_median_ms
+    if median <= 0:
+        return 0.0
+    sigma = math.log(max(settings.p99_ms, median) / median) / _Z99
+    return median * math.exp(sigma * rng.gauss(0.0, 1.0))
+
+
+def predict(body: Mapping[str, Any], settings: Settings | None = None,
+            counter: TokenCounter | None = None, *, attempt: int = 1) -> dict[str, Any]:
+    """What the server answers to ``body`` when no fault hits:
+    ``{"message", "finish_reason", "native_finish_reason", "usage"}``."""
+    settings = settings or Settings()
+    counter = counter or SimpleCounter()
+    req = parse_chat_request(json.dumps(body).encode(), default_model=settings.model)
+    gen = generate(req, settings, find_script(req.messages), counter, attempt=attempt)
+    return {
+        "message": message_json(gen.answer),
+        "finish_reason": gen.answer.finish_reason,
+        "native_finish_reason": gen.answer.native_finish_reason,
+        "usage": gen.usage.to_json(),
+    }

@@ -1,0 +1,437 @@
+"""The WSGI application: routes, the chat flow (auth, faults, timing, billing), streaming.
+
+One gevent hub serves every connection (see ``run.py``); latency is ``gevent.sleep``, so thousands
+of requests wait at once on a single core. All state (settings, ledger, attempt counts) is touched
+only from that hub, which is why none of it is locked.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import random
+import secrets
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import parse_qs
+
+import gevent
+
+from simulator.billing import GenerationRecord, Ledger, Usage, priced
+from simulator.engine import Generation, base_latency_ms, generate
+from simulator.faults import HTTP_FAULTS, AttemptBook, error_body, http_error, pick_fault
+from simulator.request import BadRequest, ChatRequest, parse_chat_request
+from simulator.script import Script, find_script
+from simulator.seeding import rng_for
+from simulator.settings import LEAK_IM_END, Settings, SettingsError
+from simulator.tokens import TokenCounter, load_counter
+from simulator.wire import (
+    DONE,
+    KEEPALIVE,
+    chunk,
+    completion_body,
+    dumps,
+    error200_body,
+    sse,
+    stream_deltas,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20
+CONNECTION_KEY = "simulator.connection"  # environ key of run._Connection: peer_gone(), drop()
+
+StartResponse = Callable[..., Any]
+
+
+class SimState:
+    """What the server knows; replaced wholesale by ``POST /_sim/reset``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.launch_settings = settings
+        self.settings = settings
+        self.counter: TokenCounter = load_counter(settings.tokenizer)
+        self.ledger = Ledger()
+        self.attempts = AttemptBook()
+
+    def reset(self) -> None:
+        self.settings = self.launch_settings
+        self.ledger = Ledger()
+        self.attempts.clear()
+
+
+@dataclass
+class _Call:
+    """One chat request's bookkeeping: in-flight count, its log line, exactly once."""
+
+    settings: Settings
+    ledger: Ledger
+    t0: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.time)
+    gen_id: str = "-"
+    status: str = "500"
+    fault: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    _done: bool = False
+
+    def done(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.ledger.leave(self.status)
+        log.info(
+            "chat %s status=%s fault=%s prompt=%d completion=%d reasoning=%d latency_ms=%.0f",
+            self.gen_id, self.status, self.fault or "-", self.usage.prompt_tokens,
+            self.usage.completion_tokens, self.usage.reasoning_tokens,
+            (time.monotonic() - self.t0) * 1000,
+        )
+
+
+class _StreamBody:
+    """A stream's WSGI iterable. ``close()`` always runs, even when the generator never started,
+    so the request is always counted out of flight."""
+
+    def __init__(self, events: Generator[bytes, None, None], call: _Call) -> None:
+        self._events = events
+        self._call = call
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._events
+
+    def close(self) -> None:
+        try:
+            self._events.close()
+        finally:
+            self._call.done()
+
+
+def _status_line(status: int) -> str:
+    return f"{status} {HTTPStatus(status).phrase}"
+
+
+def _json(start_response: StartResponse, status: int, obj: Any,
+          headers: Iterable[tuple[str, str]] = ()) -> list[bytes]:
+    raw = dumps(obj)
+    start_response(_status_line(status), [
+        ("Content-Type", "application/json"), ("Content-Length", str(len(raw))), *headers,
+    ])
+    return [raw]
+
+
+def _read_body(environ: dict[str, Any]) -> bytes:
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        raise BadRequest("bad Content-Length") from None
+    if length > MAX_BODY_BYTES:
+        raise BadRequest("body too large")
+    return bytes(environ["wsgi.input"].read(length)) if length else b""
+
+
+def _auth_error(auth: str, expect_key: str | None) -> str | None:
+    scheme, _, token = auth.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return "No auth credentials found"
+    if expect_key is not None and not hmac.compare_digest(token.encode(), expect_key.encode()):
+        return "User not found."
+    return None
+
+
+def _new_id() -> str:
+    return f"gen-{int(time.time())}-{secrets.token_urlsafe(15)}"
+
+
+def _fmt_retry_after(seconds: float) -> str:
+    return str(int(seconds)) if float(seconds).is_integer() else f"{seconds:g}"
+
+
+class SimApp:
+    """The WSGI application."""
+
+    def __init__(self, state: SimState) -> None:
+        self.state = state
+        self.routes: dict[tuple[str, str], Callable[..., Iterable[bytes]]] = {
+            ("POST", "/api/v1/chat/completions"): self.chat,
+            ("GET", "/api/v1/generation"): self.generation,
+            ("GET", "/api/v1/key"): self.key,
+            ("GET", "/_sim/stats"): self.stats,
+            ("GET", "/_sim/config"): self.get_config,
+            ("POST", "/_sim/config"): self.set_config,
+            ("POST", "/_sim/reset"): self.reset,
+            ("GET", "/_sim/health"): self.health,
+        }
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        # Taken out of the environ at once: a traceback or error log printing the environ then
+        # has no key to show.
+        auth = str(environ.pop("HTTP_AUTHORIZATION", ""))
+        method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
+        handler = self.routes.get((method, path))
+        if handler is None:
+            known = any(p == path for _, p in self.routes)
+            status = 405 if known else 404
+            return _json(start_response, status, error_body(status, f"{method} {path}: no route"))
+        try:
+            return handler(environ, start_response, auth)
+        except Exception:
+            log.exception("simulator: internal error on %s %s", method, path)
+            return _json(start_response, 500, error_body(500, "simulator internal error"))
+
+    # --- OpenRouter routes ------------------------------------------------------------------
+
+    def chat(self, environ: dict[str, Any], start_response: StartResponse,
+             auth: str) -> Iterable[bytes]:
+        call = _Call(self.state.settings, self.state.ledger)
+        call.ledger.enter()
+        streaming = False
+        try:
+            result = self._chat(call, environ, start_response, auth)
+            streaming = isinstance(result, _StreamBody)
+            return result
+        finally:
+            if not streaming:  # a stream counts itself out when its body closes
+                call.done()
+
+    def _chat(self, call: _Call, environ: dict[str, Any], start_response: StartResponse,
+              auth: str) -> Iterable[bytes]:
+        s = call.settings
+        problem = _auth_error(auth, s.expect_key)
+        if problem:
+            call.status = "401"
+            return _json(start_response, 401, error_body(401, problem))
+        try:
+            req = parse_chat_request(_read_body(environ), default_model=s.model)
+            script = find_script(req.messages)
+        except BadRequest as exc:
+            call.status = "400"
+            return _json(start_response, 400, error_body(400, str(exc)))
+        attempt = self.state.attempts.next(req.prompt_hash)
+        # Per-attempt draws (fault, provider, latency): the n-th try of a prompt is the same in
+        # every run, whatever order concurrent requests arrive in.
+        rng = rng_for(s.seed, req.prompt_hash, "attempt", attempt)
+        provider = (script.provider if script else None) or rng.choice(s.providers)
+        if script is not None:
+            call.ledger.scripted += 1
+        fault = call.fault = self._fault(call, req, script, attempt, rng)
+        if fault is not None:
+            call.ledger.faults[fault] += 1
+
+        if fault in HTTP_FAULTS:
+            retry_after = s.retry_after_s
+            if script is not None and "retry_after_s" in script.given:
+                retry_after = script.retry_after_s
+            reply = http_error(str(fault), model=req.model, provider=provider,
+                               retry_after_s=retry_after)
+            gevent.sleep(s.error_latency_ms / 1000)
+            headers = []
+            if reply.retry_after_s is not None:
+                headers.append(("Retry-After", _fmt_retry_after(reply.retry_after_s)))
+            call.status = str(reply.status)
+            return _json(start_response, reply.status, reply.body, headers)
+        if fault == "hang_drop":
+            gevent.sleep(s.hang_s)
+            environ[CONNECTION_KEY].drop()
+            call.status = "dropped"
+            return []
+
+        gen = generate(req, s, script, self.state.counter, attempt=attempt)
+        call.gen_id = _new_id()
+        ttft_ms = base_latency_ms(rng, s)
+        if script is not None and script.latency_ms is not None:
+            ttft_ms = script.latency_ms
+        if fault == "hang":
+            # Hold without a byte (a stream would otherwise send keep-alives), then answer.
+            gevent.sleep(s.hang_s)
+        if fault == "error200":
+            gevent.sleep(s.error_latency_ms / 1000)
+            call.status = "200"
+            body = error200_body(gen_id=call.gen_id, created=int(call.created),
+                                 model=req.model, provider=provider)
+            return _json(start_response, 200, body, [("X-Generation-Id", call.gen_id)])
+        if req.stream:
+            start_response(_status_line(200), [
+                ("Content-Type", "text/event-stream; charset=utf-8"), ("Cache-Control", "no-cache"),
+                ("X-Generation-Id", call.gen_id),
+            ])
+            call.status = "200"
+            return _StreamBody(self._stream(call, req, gen, provider, ttft_ms), call)
+        return self._plain(call, environ, start_response, req, gen, provider, ttft_ms)
+
+    @staticmethod
+    def _fault(call: _Call, req: ChatRequest, script: Script | None, attempt: int,
+               rng: random.Random) -> str | None:
+        s = call.settings
+        if script is not None and attempt <= len(script.fail_attempts):
+            fault: str | None = script.fail_attempts[attempt - 1]
+        else:
+            fault = pick_fault(s.rates, rng)
+        if fault == "stream_error" and not req.stream:
+            # Nothing to break mid-way: its share answers normally, so switching it on does not
+            # change which other faults a prompt meets.
+            fault = None
+        if fault is None and s.credit_limit_usd is not None \
+                and call.ledger.billed_cost >= s.credit_limit_usd:
+            fault = "402"  # out of credits: no Retry-After
+        return fault
+
+    def _plain(self, call: _Call, environ: dict[str, Any], start_response: StartResponse,
+               req: ChatRequest, gen: Generation, provider: str, ttft_ms: float) -> list[bytes]:
+        s = call.settings
+        latency_ms = ttft_ms + s.per_token_ms * gen.usage.completion_tokens
+        gevent.sleep(latency_ms / 1000)
+        # Generated means billed, whether or not the client is still waiting (openrouter.md).
+        self._bill(call, req, gen, provider, gen.usage, streamed=False,
+                   abandoned=environ[CONNECTION_KEY].peer_gone())
+        body = completion_body(gen_id=call.gen_id, created=int(call.created), model=req.model,
+                               provider=provider, answer=gen.answer, usage=gen.usage)
+        raw = dumps(body)
+        if call.fault == "bad_json":
+            raw = raw[: len(raw) // 2]
+        call.status = "200"
+        start_response(_status_line(200), [
+            ("Content-Type", "application/json"), ("Content-Length", str(len(raw))),
+            ("X-Generation-Id", call.gen_id),
+        ])
+        return [raw]
+
+    def _stream(self, call: _Call, req: ChatRequest, gen: Generation, provider: str,
+                ttft_ms: float) -> Generator[bytes, None, None]:
+        s = call.settings
+        ids = (call.gen_id, int(call.created), req.model, provider)
+        deltas = stream_deltas(gen.answer, s.stream_chunk_tokens, self.state.counter)
+        cut = len(deltas) // 2 if call.fault in ("stream_error", "bad_json") else -1
+        sent_tokens = 0
+        settled = False
+        try:
+            yield KEEPALIVE
+            remaining_s = ttft_ms / 1000
+            while remaining_s > 0:
+                step = min(s.keepalive_s, remaining_s)
+                gevent.sleep(step)
+                remaining_s -= step
+                if remaining_s > 0:
+                    yield KEEPALIVE
+            for i, (delta, n_tokens) in enumerate(deltas):
+                if i == cut and call.fault == "stream_error":
+                    settled = True
+                    self._bill(call, req, gen, provider, self._partial(gen, sent_tokens, s),
+                               streamed=True, abandoned=False, finish="error")
+                    err = chunk(*ids, finish="error", native_finish="error")
+                    err["error"] = {"code": "server_error", "message": "Provider disconnected"}
+                    yield sse(err)
+                    return
+                gevent.sleep(s.per_token_ms * n_tokens / 1000)
+                sent_tokens += n_tokens
+                if delta is None:
+                    continue
+                data = sse(chunk(*ids, delta=delta))
+                if i == cut:  # bad_json: one chunk's JSON cut short
+                    data = data[: len(data) // 2] + b"\n\n"
+                yield data
+            answer = gen.answer
+            settled = True
+            self._bill(call, req, gen, provider, gen.usage, streamed=True, abandoned=False)
+            yield sse(chunk(*ids, finish=answer.finish_reason,
+                            native_finish=answer.native_finish_reason))
+            last = chunk(*ids)
+            last["choices"] = []
+            last["usage"] = gen.usage.to_json()
+            yield sse(last)
+            yield DONE
+        finally:
+            if not settled:  # the client went away mid-stream (or the server is stopping)
+                usage = gen.usage if s.stream_abort_billed else self._partial(gen, sent_tokens, s)
+                self._bill(call, req, gen, provider, usage, streamed=True, abandoned=True)
+
+    @staticmethod
+    def _partial(gen: Generation, sent_tokens: int, s: Settings) -> Usage:
+        u = gen.usage
+        return priced(u.prompt_tokens, sent_tokens, min(u.reasoning_tokens, sent_tokens),
+                      u.cached_tokens, price_in_per_mtok=s.price_in_per_mtok,
+                      price_out_per_mtok=s.price_out_per_mtok)
+
+    def _bill(self, call: _Call, req: ChatRequest, gen: Generation, provider: str, usage: Usage,
+              *, streamed: bool, abandoned: bool, finish: str | None = None) -> None:
+        call.usage = usage
+        if gen.answer.leak_im_end:
+            call.ledger.faults[LEAK_IM_END] += 1
+        call.ledger.bill(GenerationRecord(
+            id=call.gen_id,
+            prompt_hash=req.prompt_hash,
+            model=req.model,
+            provider=provider,
+            usage=usage,
+            finish_reason=finish or gen.answer.finish_reason,
+            native_finish_reason=finish or gen.answer.native_finish_reason,
+            fault=call.fault,
+            streamed=streamed,
+            abandoned=abandoned,
+            latency_ms=(time.monotonic() - call.t0) * 1000,
+            created=call.created,
+            ended_mono=time.monotonic(),
+        ))
+
+    def generation(self, environ: dict[str, Any], start_response: StartResponse,
+                   auth: str) -> Iterable[bytes]:
+        problem = _auth_error(auth, self.state.settings.expect_key)
+        if problem:
+            return _json(start_response, 401, error_body(401, problem))
+        gen_id = parse_qs(environ.get("QUERY_STRING", "")).get("id", [""])[0]
+        record = self.state.ledger.records.get(gen_id)
+        delay_s = self.state.settings.generation_delay_s
+        # OpenRouter's stats lag the answer: 404 for a few seconds after the request ends.
+        if record is None or time.monotonic() < record.ended_mono + delay_s:
+            return _json(start_response, 404, error_body(404, f"Generation {gen_id} not found"))
+        return _json(start_response, 200, {"data": record.stats_json()})
+
+    def key(self, environ: dict[str, Any], start_response: StartResponse,
+            auth: str) -> Iterable[bytes]:
+        s = self.state.settings
+        problem = _auth_error(auth, s.expect_key)
+        if problem:
+            return _json(start_response, 401, error_body(401, problem))
+        used = round(self.state.ledger.billed_cost, 9)
+        limit = s.credit_limit_usd
+        return _json(start_response, 200, {"data": {
+            "label": "sk-or-v1-sim…",
+            "limit": limit,
+            "limit_remaining": None if limit is None else max(0.0, limit - used),
+            "usage": used,
+            "is_free_tier": False,
+            "rate_limit": {"requests": -1, "interval": "10s"},
+        }})
+
+    # --- control routes ---------------------------------------------------------------------
+
+    def stats(self, environ: dict[str, Any], start_response: StartResponse,
+              auth: str) -> Iterable[bytes]:
+        detail = parse_qs(environ.get("QUERY_STRING", "")).get("detail", ["0"])[0] not in ("", "0")
+        return _json(start_response, 200, self.state.ledger.snapshot(detail=detail))
+
+    def get_config(self, environ: dict[str, Any], start_response: StartResponse,
+                   auth: str) -> Iterable[bytes]:
+        return _json(start_response, 200, self.state.settings.to_json())
+
+    def set_config(self, environ: dict[str, Any], start_response: StartResponse,
+                   auth: str) -> Iterable[bytes]:
+        try:
+            patch = json.loads(_read_body(environ) or b"{}")
+            self.state.settings = self.state.settings.updated(patch)
+        except (BadRequest, SettingsError, ValueError) as exc:
+            return _json(start_response, 400, error_body(400, str(exc)))
+        log.info("simulator settings updated: %s", sorted(patch))
+        return _json(start_response, 200, self.state.settings.to_json())
+
+    def reset(self, environ: dict[str, Any], start_response: StartResponse,
+              auth: str) -> Iterable[bytes]:
+        self.state.reset()
+        return _json(start_response, 200, {"ok": True})
+
+    def health(self, environ: dict[str, Any], start_response: StartResponse,
+               auth: str) -> Iterable[bytes]:
+        return _json(start_response, 200, {"ok": True})

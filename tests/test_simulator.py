@@ -1,0 +1,607 @@
+"""The OpenRouter simulator over real HTTP: answer shapes, determinism, faults, scripts, billing.
+
+One server per module, on a free port in a background thread; every test starts from a reset
+(counters, attempt counts and settings back to the module's baseline: no latency).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from simulator import Settings, SimHandle, predict, start_in_thread
+from simulator.__main__ import settings_from_args
+from simulator.kimi import render_prompt
+from simulator.seeding import rng_for
+from simulator.settings import SettingsError
+from simulator.text import generate_text
+from simulator.tokens import SimpleCounter
+
+KEY = "sk-or-v1-simulator-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BASELINE = Settings(port=0, latency_median_ms=0, error_latency_ms=0, hang_s=0.3,
+                    generation_delay_s=0.3, keepalive_s=0.05)
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string"},
+        "unit": {"type": "string", "enum": ["C", "F"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    }},
+}}
+TOOL_SECTION = re.compile(
+    r"<\|tool_calls_section_begin\|>(?:<\|tool_call_begin\|>(functions\.\w+:\d+)"
+    r"<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>)+<\|tool_calls_section_end\|>",
+    re.S,
+)
+COUNT = SimpleCounter().count
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[SimHandle]:
+    with start_in_thread(BASELINE) as handle:
+        yield handle
+
+
+@pytest.fixture
+def sim(server: SimHandle) -> SimHandle:
+    server.reset()
+    return server
+
+
+def body(text: str = "Tell me about Paris", **extra: Any) -> dict[str, Any]:
+    return {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": text}],
+            **extra}
+
+
+def chat(sim: SimHandle, payload: dict[str, Any], **kwargs: Any) -> requests.Response:
+    kwargs.setdefault("headers", AUTH)
+    kwargs.setdefault("timeout", 10)
+    return requests.post(sim.api_base + "/chat/completions", json=payload, **kwargs)
+
+
+def message(resp: requests.Response) -> dict[str, Any]:
+    assert resp.status_code == 200, resp.text
+    result: dict[str, Any] = resp.json()["choices"][0]["message"]
+    return result
+
+
+def script(spec: dict[str, Any], tail: str = "") -> dict[str, Any]:
+    return body("#sim " + json.dumps(spec) + tail)
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+
+def test_answer_has_openrouter_shape_and_usage_adds_up(sim: SimHandle) -> None:
+    resp = chat(sim, body(max_tokens=8192))
+    assert resp.status_code == 200
+    data = resp.json()
+    assert data["id"].startswith("gen-") and resp.headers["X-Generation-Id"] == data["id"]
+    assert data["object"] == "chat.completion" and data["model"] == "moonshotai/kimi-k2.5"
+    assert data["provider"] in BASELINE.providers
+    choice = data["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["native_finish_reason"] == "stop"
+    msg = choice["message"]
+    assert msg["role"] == "assistant" and msg["content"] and msg["reasoning"]
+    usage = data["usage"]
+    # The default rule: reasoning + </think> + content + <|im_end|>, the client's own rebuild.
+    assert usage["completion_tokens"] == COUNT(msg["reasoning"]) + 1 + COUNT(msg["content"]) + 1
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == COUNT(msg["reasoning"])
+    assert usage["prompt_tokens"] == COUNT(render_prompt(body()["messages"], []))
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    expected_cost = (usage["prompt_tokens"] * 0.60 + usage["completion_tokens"] * 2.50) / 1e6
+    assert usage["cost"] == pytest.approx(expected_cost)
+
+
+def test_same_prompt_same_answer_in_another_process(sim: SimHandle) -> None:
+    payload = body("Deterministic, please", max_tokens=8192)
+    first, second = message(chat(sim, payload)), message(chat(sim, payload))
+    assert first == second  # a retry gets the answer its first attempt had
+    assert message(chat(sim, body("Another prompt", max_tokens=8192))) != first
+    code = ("import json, sys; from simulator import predict, Settings; "
+            "print(json.dumps(predict(json.loads(sys.argv[1]), Settings())['message']))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(payload)], check=True,
+                         capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert json.loads(out.stdout) == first
+
+
+def test_generated_text_holds_exact_token_counts_and_mixed_scripts() -> None:
+    texts = [generate_text(rng_for(0, f"p{i}", "t"), n) for i, n in enumerate(range(1, 400, 7))]
+    assert [COUNT(t) for t in texts] == list(range(1, 400, 7))
+    joined = "".join(texts)
+    assert any(ord(c) > 127 and c.isalpha() for c in joined)  # non-ASCII words
+    assert any(ord(c) >= 0x2700 for c in joined)  # emoji
+
+
+def test_reasoning_that_eats_max_tokens_gives_null_content_and_length(sim: SimHandle) -> None:
+    data = chat(sim, body(max_tokens=20)).json()
+    choice = data["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert COUNT(choice["message"]["reasoning"]) == 20
+    assert data["usage"]["completion_tokens"] == 20
+    assert data["usage"]["completion_tokens_details"]["reasoning_tokens"] == 20
+
+
+def test_content_cut_by_max_tokens(sim: SimHandle) -> None:
+    sim.configure(length_classes={"short": {"reasoning_mean": 5, "reasoning_sd": 0,
+                                            "content_mean": 500, "content_sd": 0}})
+    data = chat(sim, body(max_tokens=100)).json()
+    choice = data["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert COUNT(choice["message"]["reasoning"]) == 5 and COUNT(choice["message"]["content"]) == 94
+    assert data["usage"]["completion_tokens"] == 100  # 5 + </think> + 94, no end-of-turn token
+
+
+def test_length_class_follows_max_tokens(sim: SimHandle) -> None:
+    sim.configure(length_classes={
+        "short": {"min_max_tokens": 0, "reasoning_mean": 10, "reasoning_sd": 0,
+                  "content_mean": 10, "content_sd": 0},
+        "long": {"min_max_tokens": 16384, "reasoning_mean": 50, "reasoning_sd": 0,
+                 "content_mean": 40, "content_sd": 0},
+    })
+    short = chat(sim, body(max_tokens=8192)).json()["usage"]
+    long = chat(sim, body(max_tokens=32768)).json()["usage"]
+    assert short["completion_tokens_details"]["reasoning_tokens"] == 10
+    assert long["completion_tokens_details"]["reasoning_tokens"] == 50
+    assert long["completion_tokens"] == 50 + 1 + 40 + 1
+
+
+def test_reasoning_switches_and_field_names(sim: SimHandle) -> None:
+    hidden = chat(sim, body(reasoning={"exclude": True})).json()
+    assert hidden["choices"][0]["message"]["reasoning"] is None
+    assert hidden["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0  # still billed
+    for off in ({"enabled": False}, {"effort": "none"}):
+        data = chat(sim, body(reasoning=off)).json()
+        assert data["choices"][0]["message"]["reasoning"] is None
+        assert data["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+    capped = chat(sim, body("cap", reasoning={"max_tokens": 12})).json()
+    assert capped["usage"]["completion_tokens_details"]["reasoning_tokens"] == 12
+    assert capped["choices"][0]["finish_reason"] == "stop"  # a reasoning cap is not a length stop
+    low = chat(sim, body("effort", reasoning={"effort": "low"})).json()["usage"]
+    high = chat(sim, body("effort", reasoning={"effort": "high"})).json()["usage"]
+    assert low["completion_tokens_details"]["reasoning_tokens"] < \
+        high["completion_tokens_details"]["reasoning_tokens"]
+    sim.configure(reasoning_field="reasoning_content")
+    msg = message(chat(sim, body()))
+    assert "reasoning" not in msg and msg["reasoning_content"]
+    sim.configure(reasoning_field="details")
+    msg = message(chat(sim, body()))
+    assert "reasoning" not in msg and "reasoning_content" not in msg
+    assert msg["reasoning_details"][0]["type"] == "reasoning.text"
+    assert msg["reasoning_details"][0]["text"]
+
+
+def test_structured_tool_calls_when_tools_are_sent(sim: SimHandle) -> None:
+    sim.configure(tool_call_rate=1.0)
+    history = [
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "functions.get_weather:0",
+         "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "5 C"},
+        {"role": "user", "content": "and in Lima?"},
+    ]
+    for messages, first_idx in (([{"role": "user", "content": "weather?"}], 0), (history, 1)):
+        data = chat(sim, {"messages": messages, "tools": [WEATHER_TOOL]}).json()
+        choice = data["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        msg = choice["message"]
+        assert msg["content"] in ("", None)
+        call = msg["tool_calls"][0]
+        assert call["id"] == f"functions.get_weather:{first_idx}" and call["type"] == "function"
+        args = json.loads(call["function"]["arguments"])
+        assert isinstance(args["city"], str) and args["unit"] in ("C", "F")
+        assert 1 <= args.get("days", 1) <= 7
+    data = chat(sim, {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER_TOOL],
+                      "tool_choice": "none"}).json()
+    assert data["choices"][0]["finish_reason"] == "stop"
+    assert "tool_calls" not in data["choices"][0]["message"]
+
+
+def test_raw_tool_call_text_when_tools_are_only_declared_in_the_prompt(sim: SimHandle) -> None:
+    system = {"role": "system", "content": "You can call these tools: " + json.dumps([WEATHER_TOOL])}
+    payload = {"messages": [system, {"role": "user", "content": "weather in Kraków?"}]}
+    sim.configure(raw_tool_text_rate=1.0)
+    msg = message(chat(sim, payload))
+    match = TOOL_SECTION.search(msg["content"])
+    assert match, msg["content"]
+    assert match.group(1) == "functions.get_weather:0"
+    assert "city" in json.loads(match.group(2))
+    assert "tool_calls" not in msg
+    sim.configure(raw_tool_text_rate=0.0)
+    assert "<|tool_calls_section_begin|>" not in message(chat(sim, payload))["content"]
+
+
+# --- faults -------------------------------------------------------------------------------------
+
+HTTP_FAULTS = [("429", 429, "1"), ("502", 502, None), ("503", 503, "1"), ("408", 408, None),
+               ("402", 402, None), ("402_retry", 402, "1"), ("400", 400, None),
+               ("401", 401, None), ("403", 403, None)]
+
+
+@pytest.mark.parametrize(("fault", "status", "retry_after"), HTTP_FAULTS)
+def test_http_fault_switch(sim: SimHandle, fault: str, status: int, retry_after: str | None) -> None:
+    sim.configure(rates={fault: 1.0})
+    resp = chat(sim, body())
+    assert resp.status_code == status
+    assert resp.json()["error"]["code"] == status
+    assert resp.headers.get("Retry-After") == retry_after
+    if fault == "402_retry":
+        assert resp.json()["error"]["metadata"]["limit_source"] == "openrouter_in_flight_budget"
+    stats = sim.stats()
+    assert stats["faults"] == {fault: 1} and stats["by_status"] == {str(status): 1}
+    assert stats["billed_requests"] == 0
+
+
+def test_retry_after_can_be_switched_off(sim: SimHandle) -> None:
+    sim.configure(rates={"429": 1.0}, retry_after_s=None)
+    assert "Retry-After" not in chat(sim, body()).headers
+    sim.configure(retry_after_s=0.25)
+    assert chat(sim, body()).headers["Retry-After"] == "0.25"
+
+
+def test_hang_holds_then_answers_and_is_billed(sim: SimHandle) -> None:
+    sim.configure(rates={"hang": 1.0})
+    t0 = time.monotonic()
+    resp = chat(sim, body())
+    assert time.monotonic() - t0 >= 0.3 and resp.status_code == 200
+    assert sim.stats()["billed_requests"] == 1
+
+
+def test_hang_drop_closes_without_answer_and_is_not_billed(sim: SimHandle) -> None:
+    sim.configure(rates={"hang_drop": 1.0})
+    t0 = time.monotonic()
+    with pytest.raises(requests.ConnectionError):
+        chat(sim, body())
+    assert time.monotonic() - t0 >= 0.3
+    stats = sim.stats()
+    assert stats["by_status"] == {"dropped": 1} and stats["billed_requests"] == 0
+
+
+def test_bad_json_is_a_truncated_200_and_is_billed(sim: SimHandle) -> None:
+    sim.configure(rates={"bad_json": 1.0})
+    resp = chat(sim, body())
+    assert resp.status_code == 200 and resp.headers["X-Generation-Id"].startswith("gen-")
+    with pytest.raises(ValueError):
+        resp.json()
+    assert sim.stats()["billed_requests"] == 1
+
+
+def test_error_inside_a_200(sim: SimHandle) -> None:
+    sim.configure(rates={"error200": 1.0})
+    resp = chat(sim, body())
+    assert resp.status_code == 200
+    data = resp.json()
+    assert data["error"]["code"] == 429 and data["error"]["message"] == "Provider returned error"
+    assert data["error"]["metadata"] == {"raw": "error code: 1015", "provider_name": data["provider"]}
+    choice = data["choices"][0]
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "stop"
+    assert data["usage"]["total_tokens"] == 0 and data["usage"]["cost"] == 0
+    assert sim.stats()["billed_requests"] == 0
+
+
+def test_leaked_im_end_is_in_content_but_not_counted_twice(sim: SimHandle) -> None:
+    clean = chat(sim, body("leak")).json()
+    sim.configure(rates={"leak_im_end": 1.0})
+    leaked = chat(sim, body("leak")).json()
+    content = leaked["choices"][0]["message"]["content"]
+    assert content == clean["choices"][0]["message"]["content"] + "<|im_end|>"
+    assert leaked["usage"] == clean["usage"]
+    assert sim.stats()["faults"] == {"leak_im_end": 1}
+
+
+def test_random_faults_are_reproducible_per_prompt_and_attempt(sim: SimHandle) -> None:
+    sim.configure(rates={"429": 0.3, "502": 0.2})
+    prompts = [body(f"prompt {i}") for i in range(60)]
+
+    def statuses() -> list[int]:
+        return [chat(sim, p).status_code for p in prompts for _ in range(2)]
+
+    first = statuses()
+    sim.reset()
+    sim.configure(rates={"429": 0.3, "502": 0.2})
+    assert statuses() == first
+    assert 0.3 < sum(s != 200 for s in first) / len(first) < 0.7
+    assert {429, 502, 200} == set(first)
+
+
+def test_config_is_validated_and_names_the_field(sim: SimHandle) -> None:
+    for patch, word in (({"nope": 1}, "nope"), ({"rates": {"429": 1.5}}, "rates.429"),
+                        ({"rates": {"429": 0.6, "502": 0.6}}, "sum"),
+                        ({"rates": {"teapot": 0.1}}, "teapot"), ({"port": 1}, "port"),
+                        ({"reasoning_field": "x"}, "reasoning_field"),
+                        ({"length_classes": {"short": {"content_mean": -1}}}, "content_mean")):
+        resp = requests.post(sim.url + "/_sim/config", json=patch, timeout=5)
+        assert resp.status_code == 400 and word in resp.json()["error"]["message"], patch
+    shown = requests.get(sim.url + "/_sim/config", timeout=5).json()
+    assert shown["rates"] == {} and shown["latency_median_ms"] == 0
+
+
+# --- scripted answers ---------------------------------------------------------------------------
+
+
+def test_scripted_answer_is_exact(sim: SimHandle) -> None:
+    spec = {"reasoning": "Think: 2+2.", "content": "4 🙂", "finish_reason": "stop",
+            "reasoning_field": "reasoning_content", "provider": "Scripted",
+            "usage": {"prompt_tokens": 7}}
+    data = chat(sim, script(spec)).json()
+    msg = data["choices"][0]["message"]
+    assert msg["reasoning_content"] == "Think: 2+2." and msg["content"] == "4 🙂"
+    assert data["provider"] == "Scripted" and data["usage"]["prompt_tokens"] == 7
+    assert data["usage"]["completion_tokens"] == COUNT("Think: 2+2.") + 1 + COUNT("4 🙂") + 1
+    assert sim.stats()["scripted"] == 1
+
+
+def test_scripted_tool_calls_and_raw_text(sim: SimHandle) -> None:
+    calls = [{"name": "get_weather", "arguments": {"city": "Zürich"}}]
+    data = chat(sim, script({"reasoning": "r", "tool_calls": calls})).json()
+    choice = data["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["id"] == "functions.get_weather:0"
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Zürich"}
+    raw = message(chat(sim, script({"tool_calls": calls, "raw_tool_text": True, "leak_im_end": True})))
+    assert raw["content"] == ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+                              '<|tool_call_argument_begin|>{"city": "Zürich"}<|tool_call_end|>'
+                              '<|tool_calls_section_end|><|im_end|>')
+
+
+def test_fail_attempts_then_the_real_answer(sim: SimHandle) -> None:
+    payload = script({"content": "finally", "fail_attempts": [429, 503, "error200", "bad_json"]})
+    seen = []
+    for _ in range(5):
+        resp = chat(sim, payload)
+        seen.append(resp.status_code)
+    assert seen == [429, 503, 200, 200, 200]
+    assert message(resp)["content"] == "finally"
+    other = chat(sim, script({"content": "x", "fail_attempts": [429]}, tail=" other prompt"))
+    assert other.status_code == 429  # counted per prompt
+    stats = sim.stats()
+    assert stats["faults"] == {"429": 2, "503": 1, "error200": 1, "bad_json": 1}
+    assert stats["billed_requests"] == 2  # bad_json and the answer; errors are free
+
+
+def test_malformed_script_is_a_400(sim: SimHandle) -> None:
+    for bad in ("#sim {not json", '#sim {"contnet": "x"}', '#sim {"fail_attempts": [418]}'):
+        resp = chat(sim, body(bad))
+        assert resp.status_code == 400 and "#sim" in resp.json()["error"]["message"]
+
+
+# --- billing, stats, auth ----------------------------------------------------------------------
+
+
+def test_ledger_counts_what_was_billed(sim: SimHandle) -> None:
+    usages = [chat(sim, body(f"bill {i}")).json()["usage"] for i in range(5)]
+    sim.configure(rates={"503": 1.0})
+    assert chat(sim, body("unbilled")).status_code == 503
+    stats = sim.stats(detail=True)
+    assert stats["requests"] == 6 and stats["billed_requests"] == 5
+    assert stats["by_status"] == {"200": 5, "503": 1}
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert stats[f"billed_{key}"] == sum(u[key] for u in usages)
+    assert stats["billed_reasoning_tokens"] == sum(
+        u["completion_tokens_details"]["reasoning_tokens"] for u in usages)
+    assert stats["billed_cost_usd"] == pytest.approx(sum(u["cost"] for u in usages))
+    assert len(stats["generations"]) == 5 and stats["in_flight"] == 0
+
+
+def test_client_that_times_out_is_still_billed_in_full(sim: SimHandle) -> None:
+    payload = script({"latency_ms": 400}, tail=" slow")
+    with pytest.raises(requests.Timeout):
+        chat(sim, payload, timeout=0.1)
+    deadline = time.monotonic() + 5
+    while sim.stats()["billed_requests"] == 0:
+        assert time.monotonic() < deadline, "the slow answer was never billed"
+        time.sleep(0.05)
+    stats = sim.stats(detail=True)
+    expected = predict(payload, BASELINE)["usage"]
+    assert stats["abandoned_requests"] == 1
+    assert stats["billed_completion_tokens"] == expected["completion_tokens"]
+    assert stats["generations"][0]["abandoned"] is True
+
+
+def test_auth_is_required_and_the_key_never_logged(sim: SimHandle,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    assert chat(sim, body(), headers={}).status_code == 401
+    assert chat(sim, body(), headers={"Authorization": "Bearer "}).status_code == 401
+    assert chat(sim, body(), headers={"Authorization": KEY}).status_code == 401
+    sim.configure(expect_key=KEY)
+    wrong = chat(sim, body(), headers={"Authorization": "Bearer sk-or-v1-wrong"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == 401
+    assert chat(sim, body()).status_code == 200
+    assert requests.get(sim.url + "/_sim/config", timeout=5).json()["expect_key"] == "<set>"
+    assert sim.stats()["billed_requests"] == 1
+    assert "status=401" in caplog.text and "status=200" in caplog.text
+    assert KEY not in caplog.text
+
+
+def test_generation_stats_appear_after_a_delay(sim: SimHandle) -> None:
+    resp = chat(sim, body())
+    gen_id, usage = resp.headers["X-Generation-Id"], resp.json()["usage"]
+    url = sim.api_base + "/generation"
+    assert requests.get(url, params={"id": gen_id}, headers=AUTH, timeout=5).status_code == 404
+    time.sleep(0.35)
+    found = requests.get(url, params={"id": gen_id}, headers=AUTH, timeout=5)
+    assert found.status_code == 200, found.text
+    stats = found.json()["data"]
+    assert stats["id"] == gen_id and stats["total_cost"] == usage["cost"]
+    assert stats["native_tokens_completion"] == usage["completion_tokens"]
+    assert stats["native_tokens_reasoning"] == usage["completion_tokens_details"]["reasoning_tokens"]
+    assert stats["finish_reason"] == "stop" and stats["cancelled"] is False
+    assert requests.get(url, params={"id": "gen-nope"}, headers=AUTH, timeout=5).status_code == 404
+
+
+def test_key_endpoint_and_credit_limit(sim: SimHandle) -> None:
+    cost = chat(sim, body()).json()["usage"]["cost"]
+    key = requests.get(sim.api_base + "/key", headers=AUTH, timeout=5).json()["data"]
+    assert key["usage"] == pytest.approx(cost) and key["limit"] is None
+    sim.configure(credit_limit_usd=cost / 2)
+    resp = chat(sim, body("over the limit"))
+    assert resp.status_code == 402 and "Retry-After" not in resp.headers
+    key = requests.get(sim.api_base + "/key", headers=AUTH, timeout=5).json()["data"]
+    assert key["limit_remaining"] == 0
+
+
+# --- streaming ----------------------------------------------------------------------------------
+
+
+def sse_events(resp: requests.Response) -> tuple[list[str], list[Any]]:
+    comments, events = [], []
+    # Split on b"\n" only: str.splitlines would also split at U+0085 and friends inside JSON.
+    for raw in resp.iter_lines(delimiter=b"\n"):
+        line = raw.decode("utf-8")
+        if line.startswith(":"):
+            comments.append(line)
+        elif line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return comments, events
+
+
+def test_stream_rebuilds_the_same_answer(sim: SimHandle) -> None:
+    sim.configure(latency_median_ms=120, latency_p99_ms=120)
+    payload = body("stream me", stream=True)
+    resp = chat(sim, payload, stream=True)
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    comments, events = sse_events(resp)
+    assert ": OPENROUTER PROCESSING" in comments and len(comments) >= 2
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] > 0
+    deltas = [e["choices"][0] for e in events[:-2]]
+    assert deltas[-1]["finish_reason"] == "stop"
+    reasoning = "".join(d["delta"].get("reasoning") or "" for d in deltas)
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    expected = predict({**payload, "stream": False}, BASELINE)
+    assert reasoning == expected["message"]["reasoning"]
+    assert content == expected["message"]["content"]
+    assert usage_chunk["usage"] == expected["usage"]
+    assert sim.stats()["billed_completion_tokens"] == expected["usage"]["completion_tokens"]
+
+
+def test_stream_error_mid_way(sim: SimHandle) -> None:
+    sim.configure(rates={"stream_error": 1.0})
+    assert chat(sim, body("plain request")).status_code == 200  # needs a stream to fire
+    assert sim.stats()["faults"] == {}
+    _, events = sse_events(chat(sim, body("stream", stream=True), stream=True))
+    assert sim.stats()["faults"] == {"stream_error": 1}
+    last = events[-1]
+    assert last["error"]["code"] == "server_error" and last["choices"][0]["finish_reason"] == "error"
+    assert "[DONE]" not in events
+    full = predict(body("stream"), BASELINE)["usage"]["completion_tokens"]
+    billed = sim.stats()["billed_completion_tokens"]
+    plain = predict(body("plain request"), BASELINE)["usage"]["completion_tokens"]
+    assert 0 < billed - plain < full  # what was generated before the error
+
+
+@pytest.mark.parametrize("billed_in_full", [True, False])
+def test_stream_abandoned_by_its_client(sim: SimHandle, billed_in_full: bool) -> None:
+    sim.configure(per_token_ms=2, stream_abort_billed=billed_in_full)
+    payload = body("abandon me", stream=True)
+    full = predict({**payload, "stream": False}, BASELINE)["usage"]["completion_tokens"]
+    resp = chat(sim, payload, stream=True)
+    next(resp.iter_lines())  # the first keep-alive: the stream is on
+    resp.close()
+    deadline = time.monotonic() + 5
+    while (stats := sim.stats())["billed_requests"] == 0:
+        assert time.monotonic() < deadline, "the abandoned stream was never billed"
+        time.sleep(0.05)
+    assert stats["abandoned_requests"] == 1 and stats["in_flight"] == 0
+    if billed_in_full:
+        assert stats["billed_completion_tokens"] == full
+    else:
+        assert stats["billed_completion_tokens"] < full / 2
+
+
+# --- running it ---------------------------------------------------------------------------------
+
+
+def test_many_concurrent_requests_wait_together(sim: SimHandle) -> None:
+    # The real load figure comes from `python -m simulator.bench`; this only shows the overlap.
+    sim.configure(latency_median_ms=500, latency_p99_ms=500)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(150) as pool:
+        codes = list(pool.map(lambda i: chat(sim, body(f"c{i}")).status_code, range(150)))
+    elapsed = time.monotonic() - t0
+    assert codes == [200] * 150
+    assert sim.stats()["max_in_flight"] >= 100
+    assert elapsed < 4, f"150 requests of 0.5 s took {elapsed:.1f} s: they did not overlap"
+
+
+def test_cli_flags_build_settings(tmp_path: Path) -> None:
+    config = tmp_path / "sim.json"
+    config.write_text(json.dumps({"rates": {"503": 0.2}, "hang_s": 9,
+                                  "length_classes": {"short": {"content_mean": 7}}}))
+    settings, _ = settings_from_args(["--config", str(config), "--hang-s", "3", "--fault", "429=0.1"])
+    assert dict(settings.rates) == {"503": 0.2, "429": 0.1} and settings.hang_s == 3  # flags win
+    assert settings.length_classes["short"].content_mean == 7
+    settings, level = settings_from_args([
+        "--port", "0", "--latency-median-ms", "5", "--fault", "429=0.1", "--fault", "leak_im_end=1",
+        "--retry-after-s", "none", "--reasoning-details", "--providers", "A, B", "--log-level", "debug",
+    ])
+    assert settings.latency_median_ms == 5 and dict(settings.rates) == {"429": 0.1, "leak_im_end": 1.0}
+    assert settings.retry_after_s is None and settings.reasoning_details is True
+    assert settings.providers == ("A", "B") and level == "debug"
+    with pytest.raises(SettingsError, match=r"rates\.nope"):
+        settings_from_args(["--fault", "nope=0.1"])
+
+
+def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "simulator", "--port", str(port), "--latency-median-ms", "0",
+         "--expect-key", KEY],
+        cwd=Path(__file__).parent.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                requests.get(url + "/_sim/health", timeout=1)
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline, "CLI simulator did not start"
+                time.sleep(0.05)
+        resp = requests.post(url + "/api/v1/chat/completions", json=body(), headers=AUTH, timeout=5)
+        assert resp.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    log = out.decode()
+    assert "listening on" in log and "status=200" in log and KEY not in log
+
+
+def test_hf_tokenizer_counts(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    specials = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<think>",
+                "</think>", "[UNK]"]
+    tok = tokenizers.Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials)},
+                                                unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(specials)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    payload = script({"reasoning": "a b c", "content": "d e"})
+    with start_in_thread(Settings(port=0, latency_median_ms=0, tokenizer=str(tmp_path))) as hf:
+        data = chat(hf, payload).json()
+    prompt = render_prompt(payload["messages"], [])
+    assert data["usage"]["prompt_tokens"] == len(tok.encode(prompt, add_special_tokens=False).ids)
+    assert data["usage"]["completion_tokens"] == 3 + 1 + 2 + 1  # specials are one token each
