@@ -23,9 +23,15 @@ def celery_config(settings: Settings, redis_url: str) -> dict[str, Any]:
         "task_reject_on_worker_lost": True,
         # With acks_late, one reserved message per greenlet: no worker hoards a dataset's queue.
         "worker_prefetch_multiplier": 1,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # Cancelling running tasks on a broker blip throws away requests already paid for, and their
+        # redelivered copies pay again; ours finish, and budget.lua makes a second finish harmless.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
+            # kombu's Redis channel allows 10 connections and raises past that; every greenlet
+            # acks on its own, and one "Too many connections" restarts the consumer, which
+            # redelivers everything unacked.
+            "max_connections": settings.worker_concurrency + 100,
             # Fail over quickly when Redis blips instead of hanging a greenlet forever.
             "socket_timeout": 30,
             "socket_connect_timeout": 10,
