@@ -37,6 +37,16 @@ class Checkpoint:
     rows: int = 0
 
 
+# Characters str.splitlines() (and some JSONL readers) treat as line breaks, which JSON may carry
+# raw inside strings: escaped, a row is one line for every reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _jsonl_line(row: dict[str, Any]) -> bytes:
+    text = json.dumps(row, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return text.encode() + b"\n"
+
+
 def shard_path(dataset_dir: Path, shard: int) -> Path:
     return dataset_dir / f"shard-{shard:05d}.jsonl"
 
@@ -86,7 +96,7 @@ class DatasetSink:
         lines: list[bytes] = []
         for _, fields in entries:
             row: dict[str, Any] = msgpack.unpackb(fields[b"row"], raw=False)
-            lines.append(json.dumps(row, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
+            lines.append(_jsonl_line(row))
         written = 0
         while lines:
             room = self.shard_rows - self.cp.rows_in_shard

@@ -42,7 +42,7 @@ def prompts(n: int, prefix: str = "p") -> list[dict[str, Any]]:
 def read_rows(out_dir: Path, dataset: str) -> list[dict[str, Any]]:
     rows = []
     for shard in sorted((out_dir / dataset).glob("shard-*.jsonl")):
-        rows += [json.loads(line) for line in shard.read_text().splitlines() if line.strip()]
+        rows += [json.loads(line) for line in shard.read_text().split("\n") if line.strip()]
     return rows
 
 

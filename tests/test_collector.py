@@ -56,3 +56,17 @@ def test_crash_after_write_before_checkpoint_writes_nothing_twice(tmp_path: Path
     while restarted.drain_once(block_ms=10):
         pass
     assert _ids(tmp_path) == [f"p{i}" for i in range(10)]
+
+
+def test_a_row_is_one_line_for_every_reader(tmp_path: Path, redis_client: redis.Redis) -> None:
+    b = Budget(redis_client, "D")
+    b.open(10_000)
+    tricky = "line\u2028sep\u2029para\x85nel é ✓ 🙂"
+    b.reserve("p", "L", ttl_ms=60_000, prior_estimate=1)
+    b.settle("p", "L", 3, msgpack.packb({"id": "p", "content": tricky}))
+    c = Collector(redis_client, tmp_path, shard_rows=10)
+    c.add("D")
+    c.drain_once(block_ms=10)
+    text = shard_path(tmp_path / "D", 0).read_text(encoding="utf-8")
+    assert len(text.splitlines()) == 1  # splitlines() breaks at U+2028/2029/0085 when they are raw
+    assert json.loads(text)["content"] == tricky
