@@ -124,6 +124,13 @@ class Fleet:
         assert proc.returncode == 0, f"producer exit {proc.returncode}\n{self.all_logs()}"
         return out
 
+    def wait_rows(self, client: Any, dataset: str, n: int, timeout_s: float = 60) -> None:
+        """Until ``n`` rows of ``dataset`` are kept: a point mid-run to break something at."""
+        deadline = time.monotonic() + timeout_s
+        while int(client.hget(f"specfleet:ds:{dataset}:budget", "rows") or 0) < n:
+            assert time.monotonic() < deadline, self.all_logs()
+            time.sleep(0.1)
+
     def signal(self, name: str, sig: int) -> None:
         self.procs[name].send_signal(sig)
 

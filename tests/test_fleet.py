@@ -89,10 +89,7 @@ def test_sigkilled_worker_loses_and_duplicates_nothing(fleet: Fleet, redis_clien
     victim = fleet.start_worker("victim", concurrency=60)
     fleet.start_worker("survivor", concurrency=60)
     producer = fleet.start_producer(config)
-    deadline = time.monotonic() + 60
-    while int(redis_client.hget("specfleet:ds:K:budget", "rows") or 0) < 20:
-        assert time.monotonic() < deadline, fleet.all_logs()
-        time.sleep(0.2)
+    fleet.wait_rows(redis_client, "K", 20)
     assert int(redis_client.hlen("specfleet:ds:K:leases")) > 0
     victim.send_signal(signal.SIGKILL)  # mid-run, with requests in flight
     producer.wait(timeout=180)
@@ -108,10 +105,7 @@ def test_producer_killed_then_resumed(fleet: Fleet, redis_client: redis.Redis) -
     config = fleet.write_config([{"name": "R", "path": data, "length": "short", "budget_tokens": 10_000_000}])
     fleet.start_worker("w1", concurrency=30)
     first = fleet.start_producer(config, name="producer1")
-    deadline = time.monotonic() + 60
-    while int(redis_client.hget("specfleet:ds:R:budget", "rows") or 0) < 30:
-        assert time.monotonic() < deadline, fleet.all_logs()
-        time.sleep(0.2)
+    fleet.wait_rows(redis_client, "R", 30)
     first.send_signal(signal.SIGKILL)
     first.wait()
     fleet.run_producer(config, name="producer2")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 import redis
@@ -11,13 +10,6 @@ import redis
 from tests.fleet import Fleet, prompts, read_rows, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
-
-
-def _wait_rows(client: redis.Redis, dataset: str, n: int, fleet: Fleet, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while int(client.hget(f"specfleet:ds:{dataset}:budget", "rows") or 0) < n:
-        assert time.monotonic() < deadline, fleet.all_logs()
-        time.sleep(0.1)
 
 
 def _exactly_once(fleet: Fleet, dataset: str, n: int) -> None:
@@ -31,7 +23,7 @@ def test_sigterm_worker_finishes_in_flight_and_requeues_the_rest(fleet: Fleet, r
     config = fleet.write_config([{"name": "T", "path": data, "length": "short", "budget_tokens": 10_000_000}])
     first = fleet.start_worker("first", concurrency=40)
     producer = fleet.start_producer(config)
-    _wait_rows(redis_client, "T", 5, fleet)
+    fleet.wait_rows(redis_client, "T", 5)
     in_flight = int(redis_client.hlen("specfleet:ds:T:leases"))
     assert in_flight > 0
     first.send_signal(signal.SIGTERM)
@@ -50,7 +42,7 @@ def test_sigterm_producer_leaves_a_state_the_next_run_resumes(fleet: Fleet, redi
     config = fleet.write_config([{"name": "P", "path": data, "length": "short", "budget_tokens": 10_000_000}])
     fleet.start_worker("w1", concurrency=20)
     producer = fleet.start_producer(config, name="producer1")
-    _wait_rows(redis_client, "P", 20, fleet)
+    fleet.wait_rows(redis_client, "P", 20)
     producer.send_signal(signal.SIGTERM)
     assert producer.wait(timeout=30) == 130, fleet.log("producer1")
     assert "run the same command again to resume" in fleet.log("producer1")
@@ -69,7 +61,7 @@ def test_a_worker_started_mid_run_finds_the_active_queue_and_takes_work(
     fleet.start_worker("early1", concurrency=5)
     fleet.start_worker("early2", concurrency=5)
     producer = fleet.start_producer(config)
-    _wait_rows(redis_client, "S", 10, fleet)
+    fleet.wait_rows(redis_client, "S", 10)
     fleet.start_worker("late", concurrency=30)  # no broadcast reaches it: it must look by itself
     assert producer.wait(timeout=180) == 0, fleet.all_logs()
     late_log = fleet.log("late")
