@@ -130,3 +130,23 @@ def test_reader_counts_bad_rows_and_keeps_going(tmp_path: Path) -> None:
     assert (stats.prompts, stats.malformed, stats.duplicates) == (2, 1, 1)
     assert [e.where for e in errors] == [f"{path}:3", f"{path}:4"]
     assert "first at line 1" in errors[1].reason
+
+
+def test_check_command_reports_every_bad_row_and_sends_nothing(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "b1.jsonl").write_text(
+        '{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "b", "messages": [\n'
+    )
+    config = _write(tmp_path, GOOD.replace('tokenizer = "tok"', 'tokenizer = "some/hub-id"'))
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no REDIS_URL, no key: nothing to reach
+    out = subprocess.run([sys.executable, "-m", "producer.cli", "check", str(config)], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"{tmp_path / 'data' / 'b1.jsonl'}:2: not valid JSON" in out.stdout
+    assert "B1_glaive: 1 prompts, 1 malformed, 0 duplicate ids" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "producer.cli", "check", str(tmp_path / "missing.toml")],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "missing.toml: cannot read run file" in bad.stderr
