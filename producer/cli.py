@@ -220,8 +220,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Subcommands whose arguments belong to another program: argparse's REMAINDER drops a leading
+#: ``--option``, so these are split off before parsing.
+_PASSTHROUGH = {"worker": "celery_args", "simulate": "sim_args"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _PASSTHROUGH:
+        args = parser().parse_args(argv[:1])
+        setattr(args, _PASSTHROUGH[argv[0]], argv[1:])
+    else:
+        args = parser().parse_args(argv)
     try:
         settings = Settings.from_env()
         logs.configure(settings.log_level)

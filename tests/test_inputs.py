@@ -150,3 +150,13 @@ def test_check_command_reports_every_bad_row_and_sends_nothing(tmp_path: Path) -
     bad = subprocess.run([sys.executable, "-m", "producer.cli", "check", str(tmp_path / "missing.toml")],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "missing.toml: cannot read run file" in bad.stderr
+
+
+def test_passthrough_subcommands_keep_their_options() -> None:
+    """``specfleet simulate --host …`` reaches the simulator's own parser (argparse alone drops it)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "producer.cli", "simulate", "--host", "127.0.0.1", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "python -m simulator" in out.stdout, out.stderr
