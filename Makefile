@@ -21,7 +21,7 @@ test: install  ## every test, on a private Valkey and real celery worker process
 	$(BIN)/python -m pytest
 
 lint: install  ## ruff and mypy on the packages
-	$(BIN)/ruff check common workers producer simulator tests bench demo
+	$(BIN)/ruff check common workers producer simulator tests bench demo ops
 	$(BIN)/mypy
 
 check: lint test  ## every check CI runs

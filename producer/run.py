@@ -209,18 +209,19 @@ class Runner:
             return
         log.warning("%s: Redis knows %d kept rows, the shards hold %d: restoring from the shards",
                     budget.keys.dataset, rows_in_redis, rows_on_disk)
-        ids, tokens = [], 0
+        ids, tokens, squares = [], 0, 0
         for shard in sorted((self.out_dir / budget.keys.dataset).glob("shard-*.jsonl")):
             with shard.open("rb") as fh:
                 for line in fh:
                     row = json.loads(line)
                     ids.append(row["id"])
                     tokens += int(row["num_tokens"])
+                    squares += int(row["num_tokens"]) ** 2
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(budget.keys.done)
         for start in range(0, len(ids), 10_000):
             pipe.sadd(budget.keys.done, *ids[start:start + 10_000])
-        pipe.hset(budget.keys.budget, mapping={"kept": tokens, "rows": len(ids)})
+        pipe.hset(budget.keys.budget, mapping={"kept": tokens, "rows": len(ids), "kept_sq": squares})
         pipe.execute()
 
     def _enqueue(self, run: DatasetRun, batch: list[Prompt]) -> int:

@@ -103,14 +103,14 @@ def test_estimate_moves_from_the_prior_to_the_measured_mean(redis_client: redis.
 def test_in_flight_requests_are_projected_with_the_current_estimate(redis_client: redis.Redis) -> None:
     """A low prior let many requests in; once rows show they are big, admission waits for them."""
     b = Budget(redis_client, "ds")
-    b.open(11_800)
+    b.open(12_100)
     for i in range(10):
         assert b.reserve(f"early{i}", "L", ttl_ms=TTL_MS, prior_estimate=10).status == "ok"
     for i in range(TRUST_ROWS):
         assert b.reserve(f"big{i}", "L", ttl_ms=TTL_MS, prior_estimate=10).status == "ok"
         b.settle(f"big{i}", "L", 400, _row(f"big{i}"))
-    # kept 8,000, estimate 365: 10 in flight project to 3,650, and 8,000 + 3,650 + 365 > 11,800,
-    # though their own reservations (10 × 10) would have let it in.
+    # kept 8,000, mean 365, length-biased mean 399: 10 in flight project to 3,990, and
+    # 8,000 + 3,990 + 365 > 12,100, though their own reservations (10 × 10) would have let it in.
     assert b.reserve("late", "L", ttl_ms=TTL_MS, prior_estimate=10).status == "over"
 
 
