@@ -7,11 +7,14 @@
 -- KEYS[3] leases   HASH   prompt id -> "<lease>|<estimate>|<expires_ms>" of admitted requests
 -- KEYS[4] failed   HASH   prompt id -> JSON {reason, attempts, detail}
 -- KEYS[5] results  STREAM kept rows, fields: id <prompt id>, row <msgpack row>
+-- KEYS[6] halt     STRING set when OpenRouter refused the account (bad key, no credits): nothing
+--                         is admitted anywhere until the producer clears it
 --
 -- ARGV[1] is the operation; the rest depends on it:
 --   reserve  id lease now_ms ttl_ms prior_estimate prior_weight trust_rows
 --            -> {"ok", estimate} | {"done"} | {"stopped"} | {"busy", ms_left} | {"over", estimate}
 --               | {"wait", estimate}  (full for now: ask again when in-flight requests have landed)
+--               | {"halted"}          (the account was refused; the prompt keeps no outcome)
 --            Admits a request only if kept + in-flight × estimate + estimate fits under limit; the first
 --            request that does not fit turns the dataset "exhausted", which stops admission for
 --            everyone (the producer then purges the queue). Requests already admitted still land:
@@ -25,7 +28,7 @@
 --   reap     now_ms               -> {"reaped", n}  (expired leases of killed workers)
 --   open     limit                -> {"open", kept, rows}   (start or resume the dataset)
 --   close                         -> {"closed"}
-local budget, done, leases, failed, results = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local budget, done, leases, failed, results, halt = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local op = ARGV[1]
 
 local function parse_lease(raw)
@@ -49,6 +52,10 @@ if op == "reserve" then
   local now, ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
   local prior, prior_weight, trust_rows = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
   if redis.call("SISMEMBER", done, id) == 1 then return {"done"} end
+  if redis.call("EXISTS", halt) == 1 then
+    drop_lease(id, lease)
+    return {"halted"}
+  end
   local state = redis.call("HGET", budget, "state")
   if state ~= "active" and state ~= "exhausted" then return {"stopped"} end
   local raw = redis.call("HGET", leases, id)

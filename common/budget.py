@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import redis
 
-from common.keys import DatasetKeys
+from common.keys import HALT, DatasetKeys
 
 _SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
 
@@ -24,7 +24,7 @@ PRIOR_WEIGHT_ROWS = 2
 #: a full budget makes requests wait for in-flight ones to land instead of ending the dataset.
 TRUST_ROWS = 20
 
-Admission = Literal["ok", "done", "stopped", "busy", "over", "wait"]
+Admission = Literal["ok", "done", "stopped", "busy", "over", "wait", "halted"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,10 @@ class Budget:
 
     def release(self, prompt_id: str, lease: str) -> None:
         self._call("release", prompt_id, lease)
+
+    def halt(self, reason: str, message: str, worker: str) -> None:
+        """Stop every admission of every dataset: the account itself was refused."""
+        self._client.set(HALT, json.dumps({"reason": reason, "message": message[:300], "worker": worker}), nx=True)
 
     # --- producer --------------------------------------------------------------------------
 

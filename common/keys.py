@@ -13,6 +13,8 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:ds:<ds>:timeline      LIST    JSON samples of progress over time, for the run report's plot
     specfleet:producer:lock         STRING  one producer per Redis at a time
     specfleet:run:current           STRING  JSON {config_id, datasets, started_s, out_dir} of the run in progress
+    specfleet:halt                  STRING  JSON {reason, message, worker}: the account was refused (401, 402):
+                                            every admission stops until the next `specfleet run`
 
 Celery's own keys (the queue lists ``specfleet.q.<ds>``, ``unacked``, ``_kombu.*``) are kombu's.
 """
@@ -24,6 +26,7 @@ PREFIX = "specfleet"
 ACTIVE_QUEUES = f"{PREFIX}:active"
 PRODUCER_LOCK = f"{PREFIX}:producer:lock"
 CURRENT_RUN = f"{PREFIX}:run:current"
+HALT = f"{PREFIX}:halt"
 
 #: Prefix of the per-dataset Celery queue name (a Redis list of the same name).
 QUEUE_PREFIX = f"{PREFIX}.q."
@@ -54,7 +57,7 @@ class DatasetKeys:
 
     @property
     def budget_keys(self) -> list[str]:
-        return [self.budget, self.done, self.leases, self.failed, self.results]
+        return [self.budget, self.done, self.leases, self.failed, self.results, HALT]
 
     def all(self) -> list[str]:
         return [*self.budget_keys, self.stats, self.timeline, self.queue]

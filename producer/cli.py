@@ -33,6 +33,7 @@ from common.settings import Settings
 log = logging.getLogger("specfleet")
 
 EXIT_INTERRUPTED = 130
+EXIT_HALTED = 3
 
 
 def _redis_for(settings: Settings, out_dir: Path) -> tuple[str, object | None]:
@@ -61,7 +62,7 @@ def execute(
     from producer.celery_app import make_app
     from producer.progress import ProgressView
     from producer.report import write_report
-    from producer.run import Interrupted, Runner, Tuning, report_line
+    from producer.run import Halted, Interrupted, Runner, Tuning, report_line
     from producer.state import read_timeline
 
     client = redis.Redis.from_url(redis_url)
@@ -83,6 +84,9 @@ def execute(
     except Interrupted:
         print("interrupted: state is kept in Redis; run the same command again to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Halted as exc:
+        print(f"specfleet: halted: {exc}", file=sys.stderr)
+        return EXIT_HALTED
     report = write_report(cfg.output.dir, summaries, {n: read_timeline(client, n) for n in names})
     print()
     for s in summaries:

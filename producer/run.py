@@ -79,6 +79,11 @@ class Interrupted(SpecfleetError):
     """SIGTERM/SIGINT: the run stopped where it was; running it again resumes."""
 
 
+class Halted(SpecfleetError):
+    """A worker found the OpenRouter account refused (bad key, no credits): the fleet stopped
+    admitting; nothing was marked failed, and running again after the fix resumes."""
+
+
 class Runner:
     def __init__(
         self,
@@ -110,6 +115,8 @@ class Runner:
         self._install_signal_handlers()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.client.set(keys.config(self.config_id), json.dumps(self.cfg.worker_view()))
+        if self.client.delete(keys.HALT):
+            log.warning("cleared the halt of an earlier run: resuming")
         self.client.set(
             keys.CURRENT_RUN,
             json.dumps(
@@ -129,6 +136,11 @@ class Runner:
             while any(r.finished_s is None for r in self._runs):
                 self._tick()
                 time.sleep(TICK_S)
+        except Halted:
+            # Workers stop pulling messages that could only end "halted"; the next run re-enqueues.
+            for r in self._runs:
+                self.client.hdel(keys.ACTIVE_QUEUES, r.budget.keys.queue)
+            raise
         finally:
             self.collector.stop()
             if self.progress is not None:
@@ -253,6 +265,11 @@ class Runner:
     def _tick(self) -> None:
         if self._interrupted.is_set():
             raise Interrupted("interrupted")
+        halt = self.client.get(keys.HALT)
+        if halt is not None:
+            info = json.loads(halt)
+            raise Halted(f"OpenRouter refused the account ({info['reason']}: {info['message']}); "
+                         "fix the key or the credits, then run the same command again to resume")
         if self.collector.error is not None:
             raise SpecfleetError(f"collector failed: {self.collector.error}")
         now = time.time()

@@ -91,3 +91,21 @@ def test_a_worker_refuses_a_tokenizer_that_fails_the_round_trip_before_any_reque
     assert redis_client.llen("specfleet.q.BAD") == 10  # the work waits for a worker that can do it
     producer.send_signal(signal.SIGTERM)
     producer.wait(timeout=30)
+
+
+def test_a_refused_account_halts_the_fleet_without_failing_prompts(fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator("--latency-median-ms", "20", "--expect-key", "sk-or-v1-the-right-key-000000")
+    data = write_jsonl(fleet.tmp / "h.jsonl", prompts(80, "h"))
+    config = fleet.write_config([{"name": "H", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    fleet.start_worker("w1", concurrency=10)
+    producer = fleet.start_producer(config, name="producer1")
+    assert producer.wait(timeout=120) == 3, fleet.all_logs()
+    assert "OpenRouter refused the account (http_401" in fleet.log("producer1")
+    asked = fleet.sim_stats()["requests"]
+    assert asked <= 15  # the in-flight handful, not 80 prompts each failing on its own
+    assert redis_client.hlen("specfleet:ds:H:failed") == 0
+    # The user fixes the key; the same command resumes and finishes everything.
+    fleet.sim_config(expect_key=None)
+    fleet.run_producer(config, name="producer2")
+    _exactly_once(fleet, "H", 80)
+    assert read_summary(fleet.out, "H")["failed"] == 0

@@ -7,7 +7,9 @@ handed back for a later delivery; one log line per step.
 from __future__ import annotations
 
 import logging
+import os
 import random
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,6 +49,10 @@ class Busy:
 
     wait_s: float
 
+
+#: 401 bad key, 402 out of credits (without Retry-After): the account, not the prompt, is at fault.
+ACCOUNT_REFUSED_STATUSES = frozenset({401, 402})
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 #: How often a request parked by a full budget asks again.
 ADMISSION_POLL_S = 1.0
@@ -135,8 +141,8 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
     if admission.status in ("stopped", "over"):
         ctx.redis.hincrby(budget.keys.stats, STAT_SKIPPED, 1)
         return f"skipped:{admission.status}"
-    if admission.status == "done":
-        return "done"
+    if admission.status in ("done", "halted"):
+        return admission.status
 
     attempts = 0
     try:
@@ -207,6 +213,13 @@ def _call_with_retries(
         except UpstreamError as exc:
             ctx.redis.hincrby(budget.keys.stats, f"err:{exc.reason}", 1)
             log.info("%s/%s call %d: %s (%.1fs)", dataset, pid, attempt, exc.reason, time.monotonic() - t0)
+            if exc.status in ACCOUNT_REFUSED_STATUSES and not exc.retryable:
+                # A bad key or an empty account fails every prompt alike: marking them all failed
+                # would burn the dataset. Halt the fleet instead; the prompt keeps no outcome.
+                budget.halt(exc.reason, str(exc), WORKER_ID)
+                budget.release(pid, lease)
+                log.critical("%s/%s: OpenRouter refused the account (%s): halting the fleet", dataset, pid, exc)
+                return "halted", attempt
             if isinstance(exc, FatalUpstreamError) or not isinstance(exc, RetryableUpstreamError):
                 raise _Failed(FAIL_UPSTREAM_FATAL, attempt, str(exc)) from None
             if attempt == max_attempts:
