@@ -39,8 +39,17 @@ class RedactSecrets(logging.Filter):
         return True
 
 
-def configure(level: str = "INFO", *, stream: object = None) -> None:
-    handler = logging.StreamHandler(stream or sys.stderr)  # type: ignore[arg-type]
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time, so a live progress display that redirects
+    stderr (rich) prints log lines above its bars instead of through them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def configure(level: str = "INFO") -> None:
+    handler = _CurrentStderr()
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     )
