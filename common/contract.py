@@ -56,8 +56,7 @@ class ResultRow(TypedDict):
 FAIL_UPSTREAM_FATAL = "upstream_fatal"
 FAIL_RETRIES_EXHAUSTED = "retries_exhausted"
 FAIL_TOKEN_MISMATCH = "token_mismatch"
-FAIL_EMPTY_ANSWER = "empty_answer"
-FAIL_BAD_PAYLOAD = "bad_payload"
+FAIL_INTERNAL = "internal_error"
 
 # Fields of the per-dataset stats hash (keys.DatasetKeys.stats). ``err:<reason>`` counts upstream
 # errors by class (``err:http_429`` …), ``fail:<reason>`` final failures.

@@ -6,6 +6,7 @@ handed back for a later delivery; one log line per step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -17,10 +18,12 @@ from typing import Any
 
 import gevent
 import msgpack
+import redis
 
 from common.budget import Budget
 from common.contract import (
     CONTRACT_VERSION,
+    FAIL_INTERNAL,
     FAIL_RETRIES_EXHAUSTED,
     FAIL_TOKEN_MISMATCH,
     FAIL_UPSTREAM_FATAL,
@@ -167,13 +170,19 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
         log.warning("%s/%s failed: %s after %d attempts: %s", dataset, pid, failed.reason, failed.attempts,
                     failed.detail)
         return "failed"
-    except BaseException:
+    except (redis.RedisError, gevent.GreenletExit, KeyboardInterrupt, SystemExit):
         # Not the prompt's fault (Redis gone, worker shutting down): give the admission back so the
         # next delivery can take it at once instead of waiting for the lease to expire.
-        try:
+        with contextlib.suppress(Exception):
             budget.release(pid, lease)
-        finally:
-            raise
+        raise
+    except Exception as exc:
+        # A bug or an answer nobody foresaw: the prompt gets an outcome with the evidence, instead
+        # of vanishing from the dataset's accounting.
+        log.exception("%s/%s internal error", dataset, pid)
+        budget.fail(pid, lease, FAIL_INTERNAL, attempts, f"{type(exc).__name__}: {exc}")
+        ctx.redis.hincrby(budget.keys.stats, f"fail:{FAIL_INTERNAL}", 1)
+        return "failed"
 
     row = _row(payload, rebuilt, completion, attempts)
     kept = budget.settle(pid, lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True))
