@@ -38,6 +38,8 @@ RUN groupadd --system --gid 10001 specfleet \
 # Numeric, so Kubernetes' runAsNonRoot can verify it without /etc/passwd.
 USER 10001:10001
 WORKDIR /home/specfleet
+# matplotlib builds its font cache on first import (~14 s): once here, not in every new container.
+RUN python -c "import matplotlib.pyplot"
 
 # The default role is the worker: healthy while its own node (worker-<random>@<this hostname>)
 # answers a ping. Other roles override this in compose.yaml / the k8s manifests.
