@@ -27,8 +27,10 @@ lint: install  ## ruff and mypy on the packages
 check: lint test  ## every check CI runs
 
 bench: install  ## benchmark scripts that print figures
+	$(BIN)/python bench/enqueue.py
 	$(BIN)/python bench/rebuild_throughput.py
 	$(BIN)/python bench/fleet_run.py --prompts 10000 --in-flight 2000
+	$(BIN)/python bench/mismatch_run.py --prompts 10000
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache
