@@ -26,7 +26,7 @@ from common.budget import Budget
 from common.config import DatasetConfig, RunConfig
 from common.contract import CONTRACT_VERSION, TaskPayload
 from common.datasets import Prompt, ReadStats, read_prompts
-from common.errors import DatasetRowError, SpecfleetError
+from common.errors import ConfigError, DatasetRowError, SpecfleetError
 from producer.collector import Collector
 from producer.enqueue import push
 from producer.lock import ProducerLock
@@ -111,6 +111,10 @@ class Runner:
     # --- the run ----------------------------------------------------------------------------
 
     def run(self) -> list[dict[str, Any]]:
+        missing = [f"datasets[{i}] ({d.name}).path: {d.path}: no such file"
+                   for i, d in enumerate(self.cfg.datasets) if not d.path.is_file()]
+        if missing:  # before anything is enqueued: a typo in the third dataset must not wait hours
+            raise ConfigError("dataset files missing\n  " + "\n  ".join(missing))
         self.lock.acquire()
         self._install_signal_handlers()
         self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -160,3 +160,15 @@ def test_passthrough_subcommands_keep_their_options() -> None:
     out = subprocess.run([sys.executable, "-m", "producer.cli", "simulate", "--host", "127.0.0.1", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "python -m simulator" in out.stdout, out.stderr
+
+
+def test_run_refuses_missing_dataset_files_before_enqueueing_anything(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    config = _write(tmp_path, GOOD)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "REDIS_URL": "redis://127.0.0.1:1/0"}
+    out = subprocess.run([sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2
+    assert f"datasets[0] (B1_glaive).path: {tmp_path / 'data' / 'b1.jsonl'}: no such file" in out.stderr
