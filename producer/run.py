@@ -49,6 +49,8 @@ class Tuning:
     max_sweeps: int = 3
     #: How long an ended dataset may drain its admitted requests before it is finalized anyway.
     drain_timeout_s: float = 4 * 3600.0
+    #: Rounds that refill the room a budget stop left (see Runner._top_up).
+    max_top_ups: int = 3
 
 
 @dataclass
@@ -65,6 +67,7 @@ class DatasetRun:
     finished_s: float | None = None
     sweeps: int = 0
     enqueue_done: bool = False
+    top_ups: int = 0
     idle_since_s: float | None = None
     switch_s: float | None = None
     enqueue_s: float | None = None
@@ -364,11 +367,37 @@ class Runner:
             return
         if timed_out and not drained:
             log.error("%s: %d requests still in flight after the drain timeout", run.name, st.in_flight)
+        elif self._top_up(run, st):
+            return
         run.budget.close()
         run.finished_s = now
         final = read_state(self.client, run.name)
         self.client.rpush(run.budget.keys.timeline, json.dumps(final.to_json()))  # the plot ends where it did
         self._finalize(run, final)
+
+    def _top_up(self, run: DatasetRun, st: DatasetState) -> bool:
+        """Give the room a budget stop left another round, while the next dataset runs.
+
+        The stop projects in-flight requests with the length-biased mean, so it never overshoots
+        but can end a few percent short once they land. A round admits only what the room can
+        take, so each one leaves a fraction of the previous shortfall.
+        """
+        if run.end_reason != "budget" or run.top_ups >= self.tuning.max_top_ups or not st.rows:
+            return False
+        room = st.limit - st.kept_tokens
+        if room < st.kept_tokens / st.rows:  # not even one more mean-sized row
+            return False
+        run.budget.open(run.cfg.budget_tokens)
+        self.client.hset(keys.ACTIVE_QUEUES, run.budget.keys.queue, self.config_id)
+        queued = self._sweep(run)
+        if not queued:
+            self.client.hdel(keys.ACTIVE_QUEUES, run.budget.keys.queue)
+            return False
+        run.top_ups += 1
+        run.end_reason = ""
+        log.info("%s: %s tokens of budget left once in-flight work landed: top-up round %d",
+                 run.name, f"{room:,}", run.top_ups)
+        return True
 
     # --- the dataset's files ----------------------------------------------------------------
 
@@ -413,6 +442,7 @@ class Runner:
             "wall_s": round(wall_s, 3),
             "admission_s": round((run.admission_ended_s or time.time()) - run.started_s, 3),
             "switch_s": None if run.switch_s is None else round(run.switch_s, 3),
+            "top_ups": run.top_ups,
             "enqueue_s": None if run.enqueue_s is None else round(run.enqueue_s, 3),
             "shards": sorted(p.name for p in self._dataset_dir(run).glob("shard-*.jsonl")),
         }

@@ -46,11 +46,11 @@ def test_budget_stop_then_next_dataset_runs_to_its_end(fleet: Fleet, redis_clien
     assert sa["end_reason"] == "budget"
     rows_a = _assert_exactly_once(fleet, redis_client, "A_small")
     mean = sa["tokens"] / len(rows_a)
-    # Admission stops before the budget; what lands is close to it from below or barely above. Here
-    # 80 greenlets face a ~30-row budget, so in-flight work projected with the length-biased mean
-    # is most of it: 94-98% in practice (99.1% at the bench's 10k-prompt scale).
-    assert 0.85 * budget <= sa["tokens"] <= budget + 0.05 * budget, sa
-    assert sa["tokens"] >= budget - 10 * mean, sa
+    # Admission stops before the budget; what lands is close to it from below or barely above: the
+    # stop itself leaves some room (in-flight work is projected conservatively), top-up rounds
+    # fill it while the next dataset runs.
+    print(f"A_small kept {sa['tokens']} of {budget} ({sa['tokens'] / budget:.1%}), top-ups {sa['top_ups']}")
+    assert budget - 2 * mean <= sa["tokens"] <= budget + 0.05 * budget, sa
     assert sa["results"] + sa["skipped"] + sa["failed"] == 600
     assert sa["skipped"] > 0
     assert sb["end_reason"] == "complete" and sb["results"] == 40
