@@ -81,8 +81,9 @@ def main() -> int:
     print(out.strip().splitlines()[-3] if out else "")
     print(f"fleet: {args.workers} workers × {per_worker} greenlets = {args.in_flight} in flight, "
           f"simulator median latency {args.latency_median_ms} ms, tokenizer {DEMO_TOKENIZER.name}")
-    print(f"A_budget: {sa['results']:,} rows in {sa['admission_s']:.1f} s admission = "
-          f"{sa['results'] / max(sa['admission_s'], 1e-9):,.0f} prompts/s")
+    first = sa["rows_at_first_stop"] or sa["results"]
+    print(f"A_budget: {first:,} rows in {sa['admission_s']:.1f} s to the budget stop = "
+          f"{first / max(sa['admission_s'], 1e-9):,.0f} prompts/s; {sa['top_ups']} top-up round(s) after it")
     print(f"A_budget: kept {sa['tokens']:,} tokens vs budget {budget:,} ({sa['tokens'] / budget:.2%}), "
           f"end {sa['end_reason']}, skipped {sa['skipped']:,}, failed {sa['failed']:,}")
     print(f"billed completion tokens {billed:,} vs kept {kept:,}: billed/kept = {billed / max(kept, 1):.4f}")

@@ -64,6 +64,9 @@ class DatasetRun:
     resumed_rows: int = 0
     end_reason: str = ""
     admission_ended_s: float | None = None
+    #: When admission first ended (top-up rounds end it again later), and the rows kept by then.
+    first_stop_s: float | None = None
+    rows_at_first_stop: int | None = None
     finished_s: float | None = None
     sweeps: int = 0
     enqueue_done: bool = False
@@ -345,6 +348,9 @@ class Runner:
     def _end_admission(self, run: DatasetRun, reason: str) -> None:
         run.end_reason = reason
         run.admission_ended_s = time.time()
+        if run.first_stop_s is None:
+            run.first_stop_s = run.admission_ended_s
+            run.rows_at_first_stop = int(self.client.hget(run.budget.keys.budget, "rows") or 0)
         k = run.budget.keys
         # Order matters: workers stop following the queue, then what is left in it goes. Messages a
         # worker already reserved find the dataset not active and end without a request.
@@ -440,9 +446,10 @@ class Runner:
             "errors": st.errors,
             "failures": st.failures,
             "wall_s": round(wall_s, 3),
-            "admission_s": round((run.admission_ended_s or time.time()) - run.started_s, 3),
+            "admission_s": round((run.first_stop_s or time.time()) - run.started_s, 3),
             "switch_s": None if run.switch_s is None else round(run.switch_s, 3),
             "top_ups": run.top_ups,
+            "rows_at_first_stop": run.rows_at_first_stop,
             "enqueue_s": None if run.enqueue_s is None else round(run.enqueue_s, 3),
             "shards": sorted(p.name for p in self._dataset_dir(run).glob("shard-*.jsonl")),
         }
