@@ -43,10 +43,6 @@ class BudgetSnapshot:
     state: str  # active | exhausted | stopped | "" (never opened)
     in_flight: int
 
-    @property
-    def left(self) -> int:
-        return max(0, self.limit - self.kept)
-
 
 def now_ms() -> int:
     return int(time.time() * 1000)

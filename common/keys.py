@@ -58,6 +58,3 @@ class DatasetKeys:
     @property
     def budget_keys(self) -> list[str]:
         return [self.budget, self.done, self.leases, self.failed, self.results, HALT]
-
-    def all(self) -> list[str]:
-        return [*self.budget_keys, self.stats, self.timeline, self.queue]

@@ -145,9 +145,6 @@ class Collector:
                 sink = self._sinks[dataset] = DatasetSink(dataset, self._out_dir, self._shard_rows)
             return sink
 
-    def rows_written(self, dataset: str) -> int:
-        return self._sinks[dataset].cp.rows
-
     def drain_once(self, block_ms: int | None = 500) -> int:
         """Move one batch per stream to disk; ``block_ms=None`` returns at once (0 would block forever)."""
         with self._lock:

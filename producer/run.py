@@ -71,6 +71,8 @@ class DatasetRun:
     sweeps: int = 0
     enqueue_done: bool = False
     top_ups: int = 0
+    #: The state it was finalized with: what progress keeps showing for a finished dataset.
+    final_state: DatasetState | None = None
     idle_since_s: float | None = None
     switch_s: float | None = None
     enqueue_s: float | None = None
@@ -305,7 +307,8 @@ class Runner:
                 pipe.rpush(keys.DatasetKeys(name).timeline, json.dumps(st.to_json()))
             pipe.execute()
             if self.progress is not None:
-                self.progress.update([read_state(self.client, r.name) for r in self._runs])
+                shown = [states.get(r.name) or r.final_state for r in self._runs]
+                self.progress.update([st for st in shown if st is not None])
 
     def _check_admission(self, run: DatasetRun, st: DatasetState, now: float) -> None:
         if st.state == "exhausted":
@@ -377,7 +380,7 @@ class Runner:
             return
         run.budget.close()
         run.finished_s = now
-        final = read_state(self.client, run.name)
+        final = run.final_state = read_state(self.client, run.name)
         self.client.rpush(run.budget.keys.timeline, json.dumps(final.to_json()))  # the plot ends where it did
         self._finalize(run, final)
 
