@@ -50,6 +50,8 @@ class ResultRow(TypedDict):
     generation_id: str
     attempts: int
     where: NotRequired[str]
+    #: The row's tool declarations, when the prompt had them (they are part of the prompt ids).
+    tools: NotRequired[list[dict[str, Any]]]
 
 
 # Failure reasons written to failed.jsonl (stable words for reports and metrics).

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,21 @@ class Fleet:
             assert time.monotonic() < deadline, self.all_logs()
             time.sleep(0.1)
 
+    def assert_exactly_once(self, client: Any, dataset: str, n: int | None = None) -> list[dict[str, Any]]:
+        """Each prompt at most once across the shards, and the budget counted exactly those rows."""
+        rows = read_rows(self.out, dataset)
+        ids = Counter(r["id"] for r in rows)
+        assert not [i for i, c in ids.items() if c > 1], "a prompt id appears twice across the shards"
+        budget = client.hgetall(f"specfleet:ds:{dataset}:budget")
+        assert int(budget[b"kept"]) == sum(r["num_tokens"] for r in rows), "budget and rows disagree"
+        assert int(budget[b"rows"]) == len(rows)
+        for r in rows:
+            assert sum(r["loss_mask"]) == r["num_tokens"]
+            assert len(r["input_ids"]) == len(r["loss_mask"])
+        if n is not None:
+            assert len(rows) == n, f"{len(rows)} rows of {dataset}, expected {n}"
+        return rows
+
     def signal(self, name: str, sig: int) -> None:
         self.procs[name].send_signal(sig)
 
@@ -154,6 +170,13 @@ class Fleet:
     def all_logs(self) -> str:
         parts = [f"===== {p.name}\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(self.logs.iterdir())]
         return "\n".join(parts)
+
+    def one_dataset(self, name: str, n_prompts: int, *, budget_tokens: int = 10_000_000,
+                    **config: Any) -> Path:
+        """A run file with one short dataset of ``n_prompts`` generated prompts."""
+        data = write_jsonl(self.tmp / f"{name.lower()}.jsonl", prompts(n_prompts, name.lower()))
+        return self.write_config(
+            [{"name": name, "path": data, "length": "short", "budget_tokens": budget_tokens}], **config)
 
     def write_config(self, datasets: list[dict[str, Any]], *, timeout_s: float = 10, max_attempts: int = 4,
                      estimate_tokens: int | None = None, request: str = "", tokenizer: Path = DEMO_TOKENIZER,

@@ -6,7 +6,6 @@ import base64
 import json
 import signal
 import time
-from collections import Counter
 
 import pytest
 import redis
@@ -14,19 +13,6 @@ import redis
 from tests.fleet import TEST_KEY, Fleet, prompts, read_rows, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
-
-
-def _assert_exactly_once(fleet: Fleet, client: redis.Redis, dataset: str) -> list[dict]:
-    rows = read_rows(fleet.out, dataset)
-    ids = Counter(r["id"] for r in rows)
-    assert not [i for i, n in ids.items() if n > 1], "a prompt id appears twice across the shards"
-    budget = client.hgetall(f"specfleet:ds:{dataset}:budget")
-    assert int(budget[b"kept"]) == sum(r["num_tokens"] for r in rows), "budget and rows disagree"
-    assert int(budget[b"rows"]) == len(rows)
-    for r in rows:
-        assert sum(r["loss_mask"]) == r["num_tokens"]
-        assert len(r["input_ids"]) == len(r["loss_mask"])
-    return rows
 
 
 def test_budget_stop_then_next_dataset_runs_to_its_end(fleet: Fleet, redis_client: redis.Redis) -> None:
@@ -44,7 +30,7 @@ def test_budget_stop_then_next_dataset_runs_to_its_end(fleet: Fleet, redis_clien
 
     sa, sb = read_summary(fleet.out, "A_small"), read_summary(fleet.out, "B_rest")
     assert sa["end_reason"] == "budget"
-    rows_a = _assert_exactly_once(fleet, redis_client, "A_small")
+    rows_a = fleet.assert_exactly_once(redis_client, "A_small")
     mean = sa["tokens"] / len(rows_a)
     # Admission stops before the budget; what lands is close to it from below or barely above: the
     # stop itself leaves some room (in-flight work is projected conservatively), top-up rounds
@@ -54,7 +40,7 @@ def test_budget_stop_then_next_dataset_runs_to_its_end(fleet: Fleet, redis_clien
     assert sa["results"] + sa["skipped"] + sa["failed"] == 600
     assert sa["skipped"] > 0
     assert sb["end_reason"] == "complete" and sb["results"] == 40
-    _assert_exactly_once(fleet, redis_client, "B_rest")
+    fleet.assert_exactly_once(redis_client, "B_rest")
     assert "A_small: budget reached" in out and "B_rest: all prompts done" in out
     # Paid tokens are not thrown away: everything billed was kept (no cancelled in-flight work).
     billed = fleet.sim_stats()
@@ -67,8 +53,7 @@ def test_budget_stop_then_next_dataset_runs_to_its_end(fleet: Fleet, redis_clien
 def test_rows_load_with_datasets_and_carry_both_trainer_forms(fleet: Fleet) -> None:
     datasets = pytest.importorskip("datasets", reason="the `datasets` package is in the dev extra")
     fleet.start_simulator("--latency-median-ms", "10")
-    data = write_jsonl(fleet.tmp / "d.jsonl", prompts(30))
-    config = fleet.write_config([{"name": "D", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    config = fleet.one_dataset("D", 30)
     fleet.start_worker("w1", concurrency=20)
     fleet.run_producer(config)
     files = sorted(str(p) for p in (fleet.out / "D").glob("shard-*.jsonl"))
@@ -86,9 +71,7 @@ def test_rows_load_with_datasets_and_carry_both_trainer_forms(fleet: Fleet) -> N
 
 def test_sigkilled_worker_loses_and_duplicates_nothing(fleet: Fleet, redis_client: redis.Redis) -> None:
     fleet.start_simulator("--latency-median-ms", "1500")
-    data = write_jsonl(fleet.tmp / "k.jsonl", prompts(150, "k"))
-    config = fleet.write_config([{"name": "K", "path": data, "length": "short", "budget_tokens": 10_000_000}],
-                                timeout_s=5)
+    config = fleet.one_dataset("K", 150, timeout_s=5)
     victim = fleet.start_worker("victim", concurrency=60)
     fleet.start_worker("survivor", concurrency=60)
     producer = fleet.start_producer(config)
@@ -97,23 +80,20 @@ def test_sigkilled_worker_loses_and_duplicates_nothing(fleet: Fleet, redis_clien
     victim.send_signal(signal.SIGKILL)  # mid-run, with requests in flight
     producer.wait(timeout=180)
     assert producer.returncode == 0, fleet.all_logs()
-    rows = _assert_exactly_once(fleet, redis_client, "K")
-    assert len(rows) == 150
+    fleet.assert_exactly_once(redis_client, "K", 150)
     assert read_summary(fleet.out, "K")["failed"] == 0
 
 
 def test_producer_killed_then_resumed(fleet: Fleet, redis_client: redis.Redis) -> None:
     fleet.start_simulator("--latency-median-ms", "300")
-    data = write_jsonl(fleet.tmp / "r.jsonl", prompts(200, "r"))
-    config = fleet.write_config([{"name": "R", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    config = fleet.one_dataset("R", 200)
     fleet.start_worker("w1", concurrency=30)
     first = fleet.start_producer(config, name="producer1")
     fleet.wait_rows(redis_client, "R", 30)
     first.send_signal(signal.SIGKILL)
     first.wait()
     fleet.run_producer(config, name="producer2")
-    rows = _assert_exactly_once(fleet, redis_client, "R")
-    assert len(rows) == 200
+    fleet.assert_exactly_once(redis_client, "R", 200)
     assert read_summary(fleet.out, "R")["end_reason"] == "complete"
 
 
@@ -129,7 +109,7 @@ def test_larger_budget_collects_more_from_the_same_data(fleet: Fleet, redis_clie
     big = fleet.write_config([{"name": "G", "path": data, "length": "short", "budget_tokens": 20_000}])
     fleet.run_producer(big, name="producer2")
     second = read_summary(fleet.out, "G")
-    rows = _assert_exactly_once(fleet, redis_client, "G")
+    rows = fleet.assert_exactly_once(redis_client, "G")
     assert second["results"] > first["results"] and len(rows) == second["results"]
     # Kept rows were not asked for again.
     assert fleet.sim_stats()["requests"] - asked_before < 300 - first["results"] + 50
@@ -158,13 +138,11 @@ def test_faults_end_every_prompt_as_kept_or_failed_with_reason(fleet: Fleet, red
     fleet.start_simulator("--latency-median-ms", "20", "--hang-s", "30")
     fleet.sim_config(rates={"429": 0.15, "502": 0.05, "503": 0.05, "hang": 0.03, "bad_json": 0.05,
                             "error200": 0.05, "leak_im_end": 0.2})
-    data = write_jsonl(fleet.tmp / "f.jsonl", prompts(200, "f"))
-    config = fleet.write_config([{"name": "F", "path": data, "length": "short", "budget_tokens": 10_000_000}],
-                                timeout_s=2, max_attempts=3)
+    config = fleet.one_dataset("F", 200, timeout_s=2, max_attempts=3)
     fleet.start_worker("w1", concurrency=50)
     fleet.run_producer(config)
     summary = read_summary(fleet.out, "F")
-    rows = _assert_exactly_once(fleet, redis_client, "F")
+    rows = fleet.assert_exactly_once(redis_client, "F")
     failed = [json.loads(x) for x in (fleet.out / "F" / "failed.jsonl").read_text().splitlines()]
     assert len(rows) + len(failed) == 200 and summary["skipped"] == 0
     assert all(f["reason"] in ("retries_exhausted", "upstream_fatal") and f["detail"] for f in failed)
@@ -175,8 +153,7 @@ def test_faults_end_every_prompt_as_kept_or_failed_with_reason(fleet: Fleet, red
 
 def test_api_key_never_reaches_redis_messages_logs_or_output(fleet: Fleet, redis_client: redis.Redis) -> None:
     fleet.start_simulator("--latency-median-ms", "10")
-    data = write_jsonl(fleet.tmp / "s.jsonl", prompts(20, "s"))
-    config = fleet.write_config([{"name": "S", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    config = fleet.one_dataset("S", 20)
     producer = fleet.start_producer(config)
     deadline = time.monotonic() + 30
     while redis_client.llen("specfleet.q.S") < 20:  # no worker yet: the task messages wait in the queue
@@ -202,8 +179,7 @@ def test_api_key_never_reaches_redis_messages_logs_or_output(fleet: Fleet, redis
 
 def test_redis_losing_its_data_duplicates_nothing_on_disk(fleet: Fleet, redis_client: redis.Redis) -> None:
     fleet.start_simulator("--latency-median-ms", "10")
-    data = write_jsonl(fleet.tmp / "l.jsonl", prompts(40, "l"))
-    config = fleet.write_config([{"name": "L", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    config = fleet.one_dataset("L", 40)
     fleet.start_worker("w1", concurrency=10)
     fleet.run_producer(config, name="producer1")
     asked = fleet.sim_stats()["requests"]
@@ -211,5 +187,4 @@ def test_redis_losing_its_data_duplicates_nothing_on_disk(fleet: Fleet, redis_cl
     fleet.run_producer(config, name="producer2")
     assert "restoring from the shards" in fleet.log("producer2")
     assert fleet.sim_stats()["requests"] == asked  # nothing asked again
-    _assert_exactly_once(fleet, redis_client, "L")
-    assert len(read_rows(fleet.out, "L")) == 40
+    fleet.assert_exactly_once(redis_client, "L", 40)

@@ -7,20 +7,14 @@ import signal
 import pytest
 import redis
 
-from tests.fleet import Fleet, prompts, read_rows, read_summary, write_jsonl
+from tests.fleet import Fleet, read_summary
 
 pytestmark = pytest.mark.fleet
 
 
-def _exactly_once(fleet: Fleet, dataset: str, n: int) -> None:
-    ids = [r["id"] for r in read_rows(fleet.out, dataset)]
-    assert len(ids) == len(set(ids)) == n
-
-
 def test_sigterm_worker_finishes_in_flight_and_requeues_the_rest(fleet: Fleet, redis_client: redis.Redis) -> None:
     fleet.start_simulator("--latency-median-ms", "1500")
-    data = write_jsonl(fleet.tmp / "t.jsonl", prompts(120, "t"))
-    config = fleet.write_config([{"name": "T", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    config = fleet.one_dataset("T", 120)
     first = fleet.start_worker("first", concurrency=40)
     producer = fleet.start_producer(config)
     fleet.wait_rows(redis_client, "T", 5)
@@ -32,14 +26,13 @@ def test_sigterm_worker_finishes_in_flight_and_requeues_the_rest(fleet: Fleet, r
     assert int(redis_client.hlen("specfleet:ds:T:leases")) == 0
     fleet.start_worker("second", concurrency=40)
     assert producer.wait(timeout=120) == 0, fleet.all_logs()
-    _exactly_once(fleet, "T", 120)
+    fleet.assert_exactly_once(redis_client, "T", 120)
     assert read_summary(fleet.out, "T")["failed"] == 0
 
 
 def test_sigterm_producer_leaves_a_state_the_next_run_resumes(fleet: Fleet, redis_client: redis.Redis) -> None:
     fleet.start_simulator("--latency-median-ms", "400")
-    data = write_jsonl(fleet.tmp / "p.jsonl", prompts(150, "p"))
-    config = fleet.write_config([{"name": "P", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    config = fleet.one_dataset("P", 150)
     fleet.start_worker("w1", concurrency=20)
     producer = fleet.start_producer(config, name="producer1")
     fleet.wait_rows(redis_client, "P", 20)
@@ -48,7 +41,7 @@ def test_sigterm_producer_leaves_a_state_the_next_run_resumes(fleet: Fleet, redi
     assert "run the same command again to resume" in fleet.log("producer1")
     assert not redis_client.exists("specfleet:producer:lock")
     fleet.run_producer(config, name="producer2")
-    _exactly_once(fleet, "P", 150)
+    fleet.assert_exactly_once(redis_client, "P", 150)
     assert read_summary(fleet.out, "P")["end_reason"] == "complete"
 
 
@@ -56,8 +49,7 @@ def test_a_worker_started_mid_run_finds_the_active_queue_and_takes_work(
     fleet: Fleet, redis_client: redis.Redis
 ) -> None:
     fleet.start_simulator("--latency-median-ms", "300")
-    data = write_jsonl(fleet.tmp / "s.jsonl", prompts(300, "s"))
-    config = fleet.write_config([{"name": "S", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    config = fleet.one_dataset("S", 300)
     fleet.start_worker("early1", concurrency=5)
     fleet.start_worker("early2", concurrency=5)
     producer = fleet.start_producer(config)
@@ -67,7 +59,7 @@ def test_a_worker_started_mid_run_finds_the_active_queue_and_takes_work(
     late_log = fleet.log("late")
     assert "following specfleet.q.S" in late_log
     assert late_log.count("settle: kept") > 10, late_log[-3000:]
-    _exactly_once(fleet, "S", 300)
+    fleet.assert_exactly_once(redis_client, "S", 300)
 
 
 def test_a_worker_refuses_a_tokenizer_that_fails_the_round_trip_before_any_request(
@@ -79,9 +71,7 @@ def test_a_worker_refuses_a_tokenizer_that_fails_the_round_trip_before_any_reque
     broken = write_remote_tokenizer(KIMI_K25, fleet.tmp / "buggy", class_name="BuggyDecodeTokenizer",
                                     first_bad_id_token="<think>")
     fleet.start_simulator("--latency-median-ms", "10")
-    data = write_jsonl(fleet.tmp / "b.jsonl", prompts(10, "b"))
-    config = fleet.write_config([{"name": "BAD", "path": data, "length": "short", "budget_tokens": 10_000_000}],
-                                tokenizer=broken, trust_remote_code=True)
+    config = fleet.one_dataset("BAD", 10, tokenizer=broken, trust_remote_code=True)
     worker = fleet.start_worker("strict", concurrency=5)
     producer = fleet.start_producer(config)
     worker.wait(timeout=60)
@@ -95,8 +85,7 @@ def test_a_worker_refuses_a_tokenizer_that_fails_the_round_trip_before_any_reque
 
 def test_a_refused_account_halts_the_fleet_without_failing_prompts(fleet: Fleet, redis_client: redis.Redis) -> None:
     fleet.start_simulator("--latency-median-ms", "20", "--expect-key", "sk-or-v1-the-right-key-000000")
-    data = write_jsonl(fleet.tmp / "h.jsonl", prompts(80, "h"))
-    config = fleet.write_config([{"name": "H", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    config = fleet.one_dataset("H", 80)
     fleet.start_worker("w1", concurrency=10)
     producer = fleet.start_producer(config, name="producer1")
     assert producer.wait(timeout=120) == 3, fleet.all_logs()
@@ -107,5 +96,5 @@ def test_a_refused_account_halts_the_fleet_without_failing_prompts(fleet: Fleet,
     # The user fixes the key; the same command resumes and finishes everything.
     fleet.sim_config(expect_key=None)
     fleet.run_producer(config, name="producer2")
-    _exactly_once(fleet, "H", 80)
+    fleet.assert_exactly_once(redis_client, "H", 80)
     assert read_summary(fleet.out, "H")["failed"] == 0

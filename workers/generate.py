@@ -81,19 +81,16 @@ def request_body(view: RunView, payload: TaskPayload, max_tokens: int) -> dict[s
 
 def _record_usage(ctx: WorkerContext, stats_key: str, completion: Completion) -> None:
     usage = completion.usage
-    details = usage.get("completion_tokens_details") or {}
     pipe = ctx.redis.pipeline(transaction=False)
     pipe.hincrby(stats_key, STAT_REQUESTS, 1)
-    pipe.hincrby(stats_key, STAT_BILLED_PROMPT, int(usage.get("prompt_tokens") or 0))
-    pipe.hincrby(stats_key, STAT_BILLED_COMPLETION, int(usage.get("completion_tokens") or 0))
-    pipe.hincrby(stats_key, STAT_BILLED_REASONING, int(details.get("reasoning_tokens") or 0))
-    pipe.hincrby(stats_key, STAT_COST_MICRO_USD, round(float(usage.get("cost") or 0.0) * 1e6))
+    pipe.hincrby(stats_key, STAT_BILLED_PROMPT, usage["prompt_tokens"])
+    pipe.hincrby(stats_key, STAT_BILLED_COMPLETION, usage["completion_tokens"])
+    pipe.hincrby(stats_key, STAT_BILLED_REASONING, usage["reasoning_tokens"])
+    pipe.hincrby(stats_key, STAT_COST_MICRO_USD, round(usage["cost"] * 1e6))
     pipe.execute()
 
 
 def _row(payload: TaskPayload, rebuilt: RebuiltRow, completion: Completion, attempts: int) -> ResultRow:
-    usage = completion.usage
-    details = usage.get("completion_tokens_details") or {}
     row: ResultRow = {
         "id": payload["id"],
         "conversations": [*payload["messages"], rebuilt.assistant_message],
@@ -102,20 +99,15 @@ def _row(payload: TaskPayload, rebuilt: RebuiltRow, completion: Completion, atte
         "num_tokens": rebuilt.completion_tokens,
         "finish_reason": completion.finish_reason,
         "reasoning_end": rebuilt.reasoning_end,
-        "usage": {
-            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-            "completion_tokens": int(usage.get("completion_tokens") or 0),
-            "reasoning_tokens": int(details.get("reasoning_tokens") or 0),
-            "cost": float(usage.get("cost") or 0.0),
-        },
+        "usage": completion.usage,
         "provider": completion.provider,
         "model": completion.model,
         "generation_id": completion.generation_id,
         "attempts": attempts,
         "where": payload["where"],
     }
-    if payload.get("tools"):
-        row["tools"] = payload["tools"]  # type: ignore[typeddict-unknown-key]
+    if tools := payload.get("tools"):
+        row["tools"] = tools
     return row
 
 
@@ -248,7 +240,7 @@ def _call_with_retries(
         _record_usage(ctx, budget.keys.stats, completion)
         log.info(
             "%s/%s call %d: %s completion_tokens=%s (%.1fs)", dataset, pid, attempt,
-            completion.finish_reason, completion.usage.get("completion_tokens"), time.monotonic() - t0,
+            completion.finish_reason, completion.usage["completion_tokens"], time.monotonic() - t0,
         )
         return completion, attempt
     raise AssertionError("unreachable")

@@ -15,6 +15,7 @@ from typing import Any
 import requests
 from requests.adapters import HTTPAdapter
 
+from common.contract import Usage
 from common.errors import FatalUpstreamError, RetryableUpstreamError, UpstreamError
 
 CHAT_PATH = "/api/v1/chat/completions"
@@ -27,7 +28,8 @@ class Completion:
     message: dict[str, Any]
     finish_reason: str
     native_finish_reason: str | None
-    usage: dict[str, Any]
+    #: What was billed, normalised once: absent fields (some providers omit details) are 0.
+    usage: Usage
     provider: str
     model: str
     generation_id: str
@@ -53,6 +55,17 @@ def _error_of(body: Any) -> tuple[Any, str]:
     if isinstance(err, dict):
         return err.get("code"), str(err.get("message", ""))[:300]
     return None, str(err)[:300] if err else ""
+
+
+def _usage(raw: Any) -> Usage:
+    raw = raw if isinstance(raw, dict) else {}
+    details = raw.get("completion_tokens_details") or {}
+    return {
+        "prompt_tokens": int(raw.get("prompt_tokens") or 0),
+        "completion_tokens": int(raw.get("completion_tokens") or 0),
+        "reasoning_tokens": int(details.get("reasoning_tokens") or 0),
+        "cost": float(raw.get("cost") or 0.0),
+    }
 
 
 def _has_reasoning(message: dict[str, Any]) -> bool:
@@ -139,7 +152,7 @@ class OpenRouterClient:
             message=message_obj,
             finish_reason=finish,
             native_finish_reason=choice.get("native_finish_reason"),
-            usage=body.get("usage") or {},
+            usage=_usage(body.get("usage")),
             provider=str(body.get("provider") or ""),
             model=str(body.get("model") or ""),
             generation_id=str(body.get("id") or resp.headers.get("X-Generation-Id") or ""),
