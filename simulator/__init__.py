@@ -72,13 +72,27 @@ generated as usual:
 
 Example: ``#sim {"reasoning": "r", "content": "c", "fail_attempts": [429]} case-7``.
 
+Capacity mode
+-------------
+``capacity_in_flight`` (N) and ``capacity_per_s`` (M), flags or ``/_sim/config``, null = off: a
+valid chat request arriving while N admitted requests are in flight, or after M were admitted in
+the last second, answers 429 ``Rate limit exceeded: {model}`` (``metadata.raw`` names the limit)
+with ``Retry-After: capacity_retry_after_s`` (null: none), is not billed and is not an attempt of
+its prompt. ``capacity_count_rejected``: refused requests count against M too. See
+``capacity.py``; the in-flight series is ``series.py``.
+
 Stats JSON (``GET /_sim/stats``)
 --------------------------------
-``{"requests", "in_flight", "max_in_flight", "scripted", "by_status": {"200": n, "429": n,
+``{"requests", "in_flight", "max_in_flight", "admitted_in_flight" (holding a capacity slot now),
+"max_admitted_in_flight", "per_s_window" (admitted in the last second), "capacity_429s",
+"capacity_429s_by_limit": {"in_flight": n, "per_second": n}, "scripted", "by_status": {"200": n, "429": n,
 "dropped": n}, "faults": {name: n}, "finish_reasons": {…}, "billed_requests",
 "billed_prompt_tokens", "billed_completion_tokens", "billed_reasoning_tokens",
 "billed_cached_tokens", "billed_cost_usd", "abandoned_requests", "abandoned_completion_tokens",
-"uptime_s"}``; with ``?detail=1`` also
+"uptime_s"}``; with ``?series=1[&since_s=T]`` also ``"series": {"interval_s", "columns": ["t_s",
+"in_flight", "admitted_in_flight", "requests", "status_429", "capacity_429"], "rows": [[…]]}``
+(one row per ``series_interval_s`` bucket: the largest in-flight counts seen, arrivals and 429s in
+it; ``t_s`` on the ``uptime_s`` clock); with ``?detail=1`` also
 ``"generations": [{"id", "prompt_hash", "fault", "finish_reason", "streamed", "abandoned",
 "prompt_tokens", "completion_tokens", "reasoning_tokens", "cost"}]``. Billed: every generated
 answer (a non-streamed one in full even when its client timed out or left: counted again under

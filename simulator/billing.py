@@ -14,6 +14,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from simulator.capacity import IN_FLIGHT, PER_SECOND, CapacityGate
+from simulator.series import InFlightSeries
+from simulator.settings import Settings
+
 MAX_RECORDS = 500_000  # generation records kept for /api/v1/generation; oldest dropped first
 
 
@@ -119,11 +123,14 @@ class Ledger:
     """Every counter ``GET /_sim/stats`` reports. Only touched from the server's gevent hub, so it
     needs no lock (greenlets switch only at I/O, never inside these methods)."""
 
-    def __init__(self) -> None:
+    def __init__(self, series_interval_s: float = 0.5) -> None:
         self.started_mono = time.monotonic()
         self.requests = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.gate = CapacityGate()
+        self.capacity_429s: Counter[str] = Counter()
+        self.series = InFlightSeries(self.started_mono, series_interval_s)
         self.scripted = 0
         self.by_status: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
@@ -133,14 +140,31 @@ class Ledger:
         self.abandoned: Counter[str] = Counter()
         self.records: OrderedDict[str, GenerationRecord] = OrderedDict()
 
-    def enter(self) -> None:
+    def enter(self, interval_s: float) -> None:
         self.requests += 1
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.series.record(time.monotonic(), interval_s, in_flight=self.in_flight,
+                           admitted=self.gate.admitted, arrived=True)
 
-    def leave(self, status: str) -> None:
+    def admit(self, settings: Settings) -> str | None:
+        """The capacity gate (``capacity.py``): None when admitted, else the limit hit."""
+        now = time.monotonic()
+        refused = self.gate.admit(settings, now)
+        if refused is not None:
+            self.capacity_429s[refused] += 1
+        self.series.record(now, settings.series_interval_s, in_flight=self.in_flight,
+                           admitted=self.gate.admitted)
+        return refused
+
+    def leave(self, status: str, interval_s: float, *, admitted: bool,
+              capacity_429: bool = False) -> None:
         self.in_flight -= 1
+        if admitted:
+            self.gate.release()
         self.by_status[status] += 1
+        self.series.record(time.monotonic(), interval_s, in_flight=self.in_flight,
+                           admitted=self.gate.admitted, status=status, capacity_429=capacity_429)
 
     def bill(self, record: GenerationRecord) -> None:
         u = record.usage
@@ -155,7 +179,8 @@ class Ledger:
         if len(self.records) > MAX_RECORDS:
             self.records.popitem(last=False)
 
-    def snapshot(self, *, detail: bool = False) -> dict[str, Any]:
+    def snapshot(self, *, detail: bool = False, series_since_s: float | None = None,
+                 ) -> dict[str, Any]:
         # Flat billed_* names, as in the run's summary.json, so the two compare key by key.
         billed_keys = ("requests", "prompt_tokens", "completion_tokens", "reasoning_tokens",
                        "cached_tokens")
@@ -163,6 +188,11 @@ class Ledger:
             "requests": self.requests,
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
+            "admitted_in_flight": self.gate.admitted,
+            "max_admitted_in_flight": self.gate.max_admitted,
+            "per_s_window": self.gate.per_s(time.monotonic()),
+            "capacity_429s": sum(self.capacity_429s.values()),
+            "capacity_429s_by_limit": {k: self.capacity_429s[k] for k in (IN_FLIGHT, PER_SECOND)},
             "scripted": self.scripted,
             "by_status": dict(self.by_status),
             "faults": dict(self.faults),
@@ -172,6 +202,8 @@ class Ledger:
             **{f"abandoned_{k}": self.abandoned[k] for k in ("requests", "completion_tokens")},
             "uptime_s": round(time.monotonic() - self.started_mono, 3),
         }
+        if series_since_s is not None:
+            out["series"] = self.series.to_json(series_since_s)
         if detail:
             out["generations"] = [r.detail_json() for r in self.records.values()]
         return out

@@ -22,6 +22,7 @@ from urllib.parse import parse_qs
 import gevent
 
 from simulator.billing import GenerationRecord, Ledger, Usage, priced
+from simulator.capacity import IN_FLIGHT
 from simulator.engine import Generation, base_latency_ms, generate
 from simulator.faults import HTTP_FAULTS, AttemptBook, error_body, http_error, pick_fault
 from simulator.kimi import render_prompt
@@ -62,12 +63,12 @@ class SimState:
         self.launch_settings = settings
         self.settings = settings
         self.counter: TokenCounter = load_counter(settings.tokenizer)
-        self.ledger = Ledger()
+        self.ledger = Ledger(settings.series_interval_s)
         self.attempts = AttemptBook()
 
     def reset(self) -> None:
         self.settings = self.launch_settings
-        self.ledger = Ledger()
+        self.ledger = Ledger(self.settings.series_interval_s)
         self.attempts.clear()
 
 
@@ -83,13 +84,15 @@ class _Call:
     status: str = "500"
     fault: str | None = None
     usage: Usage = field(default_factory=Usage)
+    admitted: bool = False  # holds a capacity slot (capacity.py) until done
     _done: bool = False
 
     def done(self) -> None:
         if self._done:
             return
         self._done = True
-        self.ledger.leave(self.status)
+        self.ledger.leave(self.status, self.settings.series_interval_s, admitted=self.admitted,
+                          capacity_429=self.fault is not None and self.fault.startswith("capacity"))
         log.info(
             "chat %s status=%s fault=%s prompt=%d completion=%d reasoning=%d latency_ms=%.0f",
             self.gen_id, self.status, self.fault or "-", self.usage.prompt_tokens,
@@ -209,7 +212,7 @@ class SimApp:
     def chat(self, environ: dict[str, Any], start_response: StartResponse,
              auth: str) -> Iterable[bytes]:
         call = _Call(self.state.settings, self.state.ledger)
-        call.ledger.enter()
+        call.ledger.enter(call.settings.series_interval_s)
         streaming = False
         try:
             result = self._chat(call, environ, start_response, auth)
@@ -242,6 +245,10 @@ class SimApp:
             call.status = "400"
             return _json(start_response, 400, error_body(
                 400, context_error_message(s, prompt_tokens, wanted)))
+        limit = call.ledger.admit(s)
+        if limit is not None:
+            return self._over_capacity(call, start_response, req, limit)
+        call.admitted = True
         attempt = self.state.attempts.next(req.prompt_hash)
         # Per-attempt draws (fault, provider, latency): the n-th try of a prompt is the same in
         # every run, whatever order concurrent requests arrive in.
@@ -293,6 +300,23 @@ class SimApp:
             call.status = "200"
             return _StreamBody(self._stream(call, req, gen, provider, ttft_ms), call)
         return self._plain(call, environ, start_response, req, gen, provider, ttft_ms)
+
+    def _over_capacity(self, call: _Call, start_response: StartResponse, req: ChatRequest,
+                       limit: str) -> list[bytes]:
+        s = call.settings
+        call.fault = f"capacity_{limit}"  # for the log line; not one of the injected faults
+        rng = rng_for(s.seed, req.prompt_hash, "capacity", call.ledger.requests)
+        reply = http_error("429", model=req.model, provider=rng.choice(s.providers),
+                           retry_after_s=s.capacity_retry_after_s)
+        reply.body["error"]["metadata"]["raw"] = (
+            f"capacity: {s.capacity_in_flight} in flight" if limit == IN_FLIGHT
+            else f"capacity: {s.capacity_per_s} requests per second")
+        gevent.sleep(s.error_latency_ms / 1000)
+        headers = []
+        if reply.retry_after_s is not None:
+            headers.append(("Retry-After", _fmt_retry_after(reply.retry_after_s)))
+        call.status = "429"
+        return _json(start_response, 429, reply.body, headers)
 
     @staticmethod
     def _fault(call: _Call, req: ChatRequest, script: Script | None, attempt: int,
@@ -453,8 +477,16 @@ class SimApp:
 
     def stats(self, environ: dict[str, Any], start_response: StartResponse,
               auth: str) -> Iterable[bytes]:
-        detail = parse_qs(environ.get("QUERY_STRING", "")).get("detail", ["0"])[0] not in ("", "0")
-        return _json(start_response, 200, self.state.ledger.snapshot(detail=detail))
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        detail = query.get("detail", ["0"])[0] not in ("", "0")
+        series = query.get("series", ["0"])[0] not in ("", "0")
+        try:
+            since_s = float(query.get("since_s", ["0"])[0])
+        except ValueError:
+            return _json(start_response, 400, error_body(400, "since_s: expected a number"))
+        snapshot = self.state.ledger.snapshot(detail=detail,
+                                              series_since_s=since_s if series else None)
+        return _json(start_response, 200, snapshot)
 
     def get_config(self, environ: dict[str, Any], start_response: StartResponse,
                    auth: str) -> Iterable[bytes]:

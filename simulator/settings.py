@@ -121,6 +121,18 @@ class Settings:
     hang_s: float = field(default=30.0, metadata=_meta("how long hang/hang_drop hold", lo=0))
     generation_delay_s: float = field(default=2.0, metadata=_meta(
         "GET /api/v1/generation answers 404 this long after a request ends", lo=0))
+    # --- capacity mode (capacity.py): 429 above N in flight or M per second ---
+    capacity_in_flight: int | None = field(default=None, metadata=_meta(
+        "answer 429 while this many admitted requests are in flight (null: no limit)", lo=0))
+    capacity_per_s: int | None = field(default=None, metadata=_meta(
+        "answer 429 once this many requests were admitted in the last second (null: no limit)",
+        lo=0))
+    capacity_retry_after_s: float | None = field(default=1.0, metadata=_meta(
+        "Retry-After on capacity 429s (null: none)", lo=0))
+    capacity_count_rejected: bool = field(default=False, metadata=_meta(
+        "rejected requests count against capacity_per_s too (429s held against you)"))
+    series_interval_s: float = field(default=0.5, metadata=_meta(
+        "bucket width of the in-flight series in /_sim/stats?series=1", lo=0.01))
     # --- streaming ---
     keepalive_s: float = field(default=1.0, metadata=_meta(
         "interval of ': OPENROUTER PROCESSING' comments before the first token", lo=0.001))

@@ -553,6 +553,97 @@ def test_prompt_plus_max_tokens_must_fit_the_context(sim: SimHandle) -> None:
     assert sim.stats()["billed_requests"] == 1
 
 
+# --- capacity mode -----------------------------------------------------------------------------
+
+
+def in_parallel(sim: SimHandle, payloads: list[dict[str, Any]]) -> list[requests.Response]:
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        return list(pool.map(lambda p: chat(sim, p), payloads))
+
+
+def test_capacity_in_flight_answers_429_with_retry_after(sim: SimHandle) -> None:
+    # Everyone arrives well within the 2 s the admitted requests hold their slots.
+    sim.configure(latency_median_ms=2000, latency_p99_ms=2000, capacity_in_flight=5,
+                  capacity_retry_after_s=2)
+    resps = in_parallel(sim, [body(f"cap {i}") for i in range(20)])
+    ok = [r for r in resps if r.status_code == 200]
+    limited = [r for r in resps if r.status_code == 429]
+    assert len(ok) == 5 and len(limited) == 15
+    for r in limited:
+        assert r.headers["Retry-After"] == "2" and r.json()["error"]["code"] == 429
+    stats = sim.stats()
+    assert stats["capacity_429s"] == 15 == stats["capacity_429s_by_limit"]["in_flight"]
+    assert stats["max_admitted_in_flight"] == 5 and stats["admitted_in_flight"] == 0
+    assert stats["faults"].get("429", 0) == 0  # not an injected fault
+    assert stats["billed_requests"] == len(ok)
+    sim.configure(latency_median_ms=0, latency_p99_ms=None)
+    assert chat(sim, body("cap after")).status_code == 200  # the slots were given back
+
+
+def test_capacity_refusal_is_not_an_attempt_of_the_prompt(sim: SimHandle) -> None:
+    first_try_503 = script({"fail_attempts": [503]}, tail=" capacity")
+    sim.configure(capacity_in_flight=0)
+    assert chat(sim, first_try_503).status_code == 429
+    sim.configure(capacity_in_flight=None)
+    # Still the prompt's first attempt: the seeded faults and answers follow real attempts only.
+    assert [chat(sim, first_try_503).status_code for _ in range(2)] == [503, 200]
+
+
+def test_capacity_per_second(sim: SimHandle) -> None:
+    sim.configure(capacity_per_s=3, capacity_retry_after_s=None)
+    codes = sorted(r.status_code for r in in_parallel(sim, [body(f"rps {i}") for i in range(6)]))
+    assert codes == [200, 200, 200, 429, 429, 429]
+    stats = sim.stats()
+    assert stats["capacity_429s_by_limit"] == {"in_flight": 0, "per_second": 3}
+    assert stats["per_s_window"] == 3
+    time.sleep(1.05)  # the window slides past the admitted ones
+    refused = chat(sim, body("rps later"))
+    assert refused.status_code == 200 and "Retry-After" not in refused.headers
+
+
+@pytest.mark.parametrize("count_rejected", [False, True])
+def test_capacity_per_second_counting_rejected(sim: SimHandle, count_rejected: bool) -> None:
+    sim.configure(capacity_per_s=1, capacity_count_rejected=count_rejected)
+    t0 = time.monotonic()
+    assert chat(sim, body("a")).status_code == 200
+    time.sleep(max(0.0, t0 + 0.6 - time.monotonic()))
+    assert chat(sim, body("b")).status_code == 429
+    time.sleep(max(0.0, t0 + 1.2 - time.monotonic()))
+    # "a" has left the window; "b" is in it only when rejected requests count.
+    assert chat(sim, body("c")).status_code == (429 if count_rejected else 200)
+
+
+def test_in_flight_is_readable_live_and_as_a_series(sim: SimHandle) -> None:
+    sim.configure(latency_median_ms=800, latency_p99_ms=800, capacity_in_flight=3,
+                  series_interval_s=0.1)
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(chat, sim, body(f"series {i}")) for i in range(8)]
+        deadline = time.monotonic() + 5
+        while sim.stats()["requests"] < 8:
+            assert time.monotonic() < deadline, "the requests never arrived"
+            time.sleep(0.02)
+        live = sim.stats()
+        codes = sorted(f.result().status_code for f in futures)
+    assert live["admitted_in_flight"] == 3  # three answers still on their way
+    assert codes == [200] * 3 + [429] * 5
+    series = sim.stats()  # the plain stats carry no series
+    assert "series" not in series
+    data = requests.get(sim.url + "/_sim/stats", params={"series": 1}, timeout=5).json()["series"]
+    assert data["interval_s"] == 0.1 and data["columns"][:3] == ["t_s", "in_flight",
+                                                                 "admitted_in_flight"]
+    rows = data["rows"]
+    cols = {name: i for i, name in enumerate(data["columns"])}
+    assert [r[0] for r in rows] == pytest.approx([rows[0][0] + 0.1 * i for i in range(len(rows))])
+    assert max(r[cols["admitted_in_flight"]] for r in rows) == 3
+    assert sum(r[cols["requests"]] for r in rows) == 8
+    assert sum(r[cols["capacity_429"]] for r in rows) == 5 == sum(r[cols["status_429"]] for r in rows)
+    # The answers took 0.8 s: the series shows three in flight for most of it.
+    assert sum(r[cols["admitted_in_flight"]] == 3 for r in rows) >= 6
+    later = requests.get(sim.url + "/_sim/stats", params={"series": 1, "since_s": rows[-2][0]},
+                         timeout=5).json()["series"]["rows"]
+    assert later == rows[-2:]
+
+
 # --- streaming ----------------------------------------------------------------------------------
 
 
@@ -658,6 +749,9 @@ def test_cli_flags_build_settings(tmp_path: Path) -> None:
         "--price-in-per-mtok", "0.3", "--price-out-per-mtok", "1.2", "--price-request-usd", "0.01"])
     assert settings.served_models == ("moonshotai/kimi-k2.5", "a/b", "c/d")
     assert (settings.context_length, settings.max_completion_tokens) == (1000, None)
+    assert settings_from_args(["--capacity-in-flight", "300", "--capacity-per-s", "50",
+                               "--capacity-retry-after-s", "none", "--capacity-count-rejected"]
+                              )[0].capacity_in_flight == 300
     assert settings.prices() == {"price_in_per_mtok": 0.3, "price_out_per_mtok": 1.2,
                                  "price_request_usd": 0.01}
     with pytest.raises(SettingsError, match=r"rates\.nope"):
