@@ -80,6 +80,8 @@ class GenerationRecord:
     latency_ms: float
     created: float  # unix time of the request
     ended_mono: float  # time.monotonic() at the end, for the generation endpoint's 404 window
+    engine_ids: bool = False  # answered with token ids (return_token_ids)
+    noncanonical: Mapping[str, Any] | None = None  # the injected split (engine_ids.Injection)
 
     def stats_json(self) -> dict[str, Any]:
         """The ``data`` of ``GET /api/v1/generation``."""
@@ -116,6 +118,8 @@ class GenerationRecord:
             "completion_tokens": self.usage.completion_tokens,
             "reasoning_tokens": self.usage.reasoning_tokens,
             "cost": self.usage.cost,
+            "engine_ids": self.engine_ids,
+            "noncanonical": dict(self.noncanonical) if self.noncanonical else None,
         }
 
 
@@ -138,6 +142,8 @@ class Ledger:
         self.billed: Counter[str] = Counter()
         self.billed_cost = 0.0
         self.abandoned: Counter[str] = Counter()
+        self.engine_id_answers = 0
+        self.noncanonical_answers = 0
         self.records: OrderedDict[str, GenerationRecord] = OrderedDict()
 
     def enter(self, interval_s: float) -> None:
@@ -175,6 +181,8 @@ class Ledger:
         self.finish_reasons[record.finish_reason] += 1
         if record.abandoned:
             self.abandoned.update(requests=1, completion_tokens=u.completion_tokens)
+        self.engine_id_answers += record.engine_ids
+        self.noncanonical_answers += record.noncanonical is not None
         self.records[record.id] = record
         if len(self.records) > MAX_RECORDS:
             self.records.popitem(last=False)
@@ -200,10 +208,14 @@ class Ledger:
             **{f"billed_{k}": self.billed[k] for k in billed_keys},
             "billed_cost_usd": round(self.billed_cost, 9),
             **{f"abandoned_{k}": self.abandoned[k] for k in ("requests", "completion_tokens")},
+            "engine_id_answers": self.engine_id_answers,
+            "noncanonical_answers": self.noncanonical_answers,
             "uptime_s": round(time.monotonic() - self.started_mono, 3),
         }
         if series_since_s is not None:
             out["series"] = self.series.to_json(series_since_s)
         if detail:
             out["generations"] = [r.detail_json() for r in self.records.values()]
+            out["noncanonical_generations"] = [
+                r.id for r in self.records.values() if r.noncanonical is not None]
         return out

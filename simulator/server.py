@@ -24,6 +24,7 @@ import gevent
 from simulator.billing import GenerationRecord, Ledger, Usage, priced
 from simulator.capacity import IN_FLIGHT
 from simulator.engine import Generation, base_latency_ms, generate
+from simulator.engine_ids import EngineIdsError
 from simulator.faults import HTTP_FAULTS, AttemptBook, error_body, http_error, pick_fault
 from simulator.kimi import render_prompt
 from simulator.models import (
@@ -278,7 +279,11 @@ class SimApp:
             call.status = "dropped"
             return []
 
-        gen = generate(req, s, script, self.state.counter, attempt=attempt)
+        try:
+            gen = generate(req, s, script, self.state.counter, attempt=attempt)
+        except EngineIdsError as exc:
+            call.status = "400"
+            return _json(start_response, 400, error_body(400, str(exc)))
         call.gen_id = _new_id()
         ttft_ms = base_latency_ms(rng, s)
         if script is not None and script.latency_ms is not None:
@@ -344,7 +349,7 @@ class SimApp:
         self._bill(call, req, gen, provider, gen.usage, streamed=False,
                    abandoned=environ[CONNECTION_KEY].peer_gone())
         body = completion_body(gen_id=call.gen_id, created=int(call.created), model=req.model,
-                               provider=provider, answer=gen.answer, usage=gen.usage)
+                               provider=provider, answer=gen.answer, usage=gen.usage, ids=gen.ids)
         raw = dumps(body)
         if call.fault == "bad_json":
             raw = raw[: len(raw) // 2]
@@ -363,6 +368,7 @@ class SimApp:
         cut = len(deltas) // 2 if call.fault in ("stream_error", "bad_json") else -1
         sent_tokens = 0
         settled = False
+        first = True  # vLLM sends prompt_token_ids once, on the first chunk
         try:
             yield KEEPALIVE
             remaining_s = ttft_ms / 1000
@@ -385,15 +391,24 @@ class SimApp:
                 sent_tokens += n_tokens
                 if delta is None:
                     continue
-                data = sse(chunk(*ids, delta=delta))
+                event = chunk(*ids, delta=delta)
+                if first and gen.ids is not None:
+                    event["prompt_token_ids"] = gen.ids.prompt_ids
+                first = False
+                data = sse(event)
                 if i == cut:  # bad_json: one chunk's JSON cut short
                     data = data[: len(data) // 2] + b"\n\n"
                 yield data
             answer = gen.answer
             settled = True
             self._bill(call, req, gen, provider, gen.usage, streamed=True, abandoned=False)
-            yield sse(chunk(*ids, finish=answer.finish_reason,
-                            native_finish=answer.native_finish_reason))
+            final = chunk(*ids, finish=answer.finish_reason,
+                          native_finish=answer.native_finish_reason)
+            if gen.ids is not None:
+                if first:
+                    final["prompt_token_ids"] = gen.ids.prompt_ids
+                final["choices"][0]["token_ids"] = gen.ids.token_ids
+            yield sse(final)
             last = chunk(*ids)
             last["choices"] = []
             last["usage"] = gen.usage.to_json()
@@ -429,6 +444,8 @@ class SimApp:
             latency_ms=(time.monotonic() - call.t0) * 1000,
             created=call.created,
             ended_mono=time.monotonic(),
+            engine_ids=gen.ids is not None,
+            noncanonical=gen.ids.injection.to_json() if gen.ids and gen.ids.injection else None,
         ))
 
     def generation(self, environ: dict[str, Any], start_response: StartResponse,

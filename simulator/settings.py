@@ -113,6 +113,10 @@ class Settings:
         "share of prompt tokens reported cached on a prompt's repeat attempts", lo=0, hi=1))
     length_classes: Mapping[str, LengthClass] = field(default_factory=_default_classes,
                                                       metadata=_meta("length classes"))
+    # --- engine-ids mode (engine_ids.py): requests with return_token_ids ---
+    noncanonical_rate: float = field(default=0.0, metadata=_meta(
+        "share of token-id answers whose ids hold one non-canonical tokenization of their text",
+        lo=0, hi=1))
     # --- faults ---
     rates: Mapping[str, float] = field(default_factory=lambda: types.MappingProxyType({}),
                                        metadata=_meta("fault rates by name, plus leak_im_end"))

@@ -644,6 +644,146 @@ def test_in_flight_is_readable_live_and_as_a_series(sim: SimHandle) -> None:
     assert later == rows[-2:]
 
 
+# --- engine-ids mode (vLLM's return_token_ids) --------------------------------------------------
+
+DEMO_TOKENIZER = Path(__file__).parent.parent / "demo" / "tokenizer"
+
+
+@pytest.fixture(scope="module")
+def engine_server() -> Iterator[SimHandle]:
+    with start_in_thread(BASELINE.updated({"tokenizer": str(DEMO_TOKENIZER)},
+                                          allow_fixed=True)) as handle:
+        yield handle
+
+
+@pytest.fixture
+def engine(engine_server: SimHandle) -> SimHandle:
+    engine_server.reset()
+    return engine_server
+
+
+@pytest.fixture(scope="module")
+def demo_tok() -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(DEMO_TOKENIZER / "tokenizer.json"))
+
+
+def decode(tok: Any, ids: list[int]) -> str:
+    return str(tok.decode(ids, skip_special_tokens=False))
+
+
+def encode(tok: Any, text: str) -> list[int]:
+    return list(tok.encode(text, add_special_tokens=False).ids)
+
+
+def with_ids(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "return_token_ids": True}
+
+
+def test_engine_ids_have_vllms_shape_and_end_with_the_stop_token(engine: SimHandle,
+                                                                  demo_tok: Any) -> None:
+    plain = chat(engine, script({"reasoning": "Think it over.", "content": "Hello there, world!"}))
+    assert "prompt_token_ids" not in plain.json() and "token_ids" not in plain.json()["choices"][0]
+    resp = chat(engine, with_ids(script({"reasoning": "Think it over.",
+                                         "content": "Hello there, world!",
+                                         "noncanonical": False})))
+    data = resp.json()
+    prompt_ids, ids = data["prompt_token_ids"], data["choices"][0]["token_ids"]
+    prompt = decode(demo_tok, prompt_ids)
+    # The template rendered with the generation prompt (K2.5 opens <think> in it), tokenized.
+    assert prompt.endswith('"noncanonical": false}<|im_end|><|im_assistant|>assistant<|im_middle|><think>')
+    assert prompt.count("<|im_user|>user<|im_middle|>#sim ") == 1
+    assert prompt_ids == encode(demo_tok, prompt)
+    # The sampled turn: reasoning, </think>, content and the end-of-turn token vLLM keeps.
+    assert decode(demo_tok, ids) == "Think it over.</think>Hello there, world!<|im_end|>"
+    assert ids == encode(demo_tok, decode(demo_tok, ids)) and ids[-1] == demo_tok.token_to_id("<|im_end|>")
+    usage = data["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt_ids), len(ids))
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == len(encode(demo_tok, "Think it over."))
+    stats = engine.stats()
+    assert stats["engine_id_answers"] == 1 and stats["noncanonical_answers"] == 0
+    assert stats["billed_completion_tokens"] == usage["completion_tokens"] + plain.json()["usage"]["completion_tokens"]
+
+
+def test_engine_ids_on_length_and_tool_calls(engine: SimHandle, demo_tok: Any) -> None:
+    cut = chat(engine, with_ids(script({"reasoning": "r", "content": "never ends",
+                                        "finish_reason": "length"}))).json()
+    assert decode(demo_tok, cut["choices"][0]["token_ids"]) == "r</think>never ends"  # no stop token
+    calls = chat(engine, with_ids(script({"reasoning": "r", "content": "",
+                                          "tool_calls": [{"name": "get_weather",
+                                                          "arguments": {"city": "Paris"}}]}))).json()
+    assert calls["choices"][0]["finish_reason"] == "tool_calls"
+    assert decode(demo_tok, calls["choices"][0]["token_ids"]) == (
+        "r</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+        "<|im_end|>")
+    leaked = chat(engine, with_ids(script({"reasoning": "r", "content": "c", "leak_im_end": True}))).json()
+    assert leaked["choices"][0]["message"]["content"] == "c<|im_end|>"
+    assert decode(demo_tok, leaked["choices"][0]["token_ids"]) == "r</think>c<|im_end|>"  # one stop
+
+
+def test_noncanonical_tokenization_decodes_to_the_same_text(engine: SimHandle,
+                                                            demo_tok: Any) -> None:
+    payload = with_ids(script({"reasoning": "Weather thinking.", "content": "Sunshine everywhere.",
+                               "noncanonical": True}))
+    resp = chat(engine, payload)
+    ids = resp.json()["choices"][0]["token_ids"]
+    text = decode(demo_tok, ids)
+    canonical = encode(demo_tok, text)
+    assert text == "Weather thinking.</think>Sunshine everywhere.<|im_end|>"
+    assert ids != canonical and len(ids) == len(canonical) + 1
+    stats = engine.stats(detail=True)
+    assert stats["noncanonical_answers"] == 1
+    assert stats["noncanonical_generations"] == [resp.headers["X-Generation-Id"]]
+    injected = stats["generations"][0]["noncanonical"]
+    p = injected["position"]
+    # Exactly one canonical token became two whose strings join to it.
+    assert ids[:p] == canonical[:p] and ids[p + 2:] == canonical[p + 1:]
+    assert ids[p:p + 2] == injected["ids"] and canonical[p] == injected["canonical_id"]
+    assert "".join(injected["tokens"]) == injected["canonical_token"]
+    assert resp.json()["usage"]["completion_tokens"] == len(ids)
+    # A retry of the prompt samples the same ids.
+    assert chat(engine, payload).json()["choices"][0]["token_ids"] == ids
+
+
+def test_noncanonical_rate_is_counted_per_generation(engine: SimHandle, demo_tok: Any) -> None:
+    engine.configure(noncanonical_rate=0.3)
+    seen: set[str] = set()
+    n = 200
+    for i in range(n):
+        resp = chat(engine, with_ids(body(f"rate {i}", max_tokens=60)))
+        ids = resp.json()["choices"][0]["token_ids"]
+        if ids != encode(demo_tok, decode(demo_tok, ids)):
+            seen.add(resp.headers["X-Generation-Id"])
+    stats = engine.stats(detail=True)
+    assert set(stats["noncanonical_generations"]) == seen
+    assert stats["noncanonical_answers"] == len(seen) and stats["engine_id_answers"] == n
+    assert 30 <= len(seen) <= 90  # 60 expected; binomial sd 6.5
+    engine.configure(noncanonical_rate=0.0)
+    for i in range(20):
+        ids = chat(engine, with_ids(body(f"rate {i}", max_tokens=60))).json()["choices"][0]["token_ids"]
+        assert ids == encode(demo_tok, decode(demo_tok, ids))
+
+
+def test_engine_ids_in_a_stream(engine: SimHandle) -> None:
+    payload = with_ids(body("stream my ids", max_tokens=200))
+    expected = chat(engine, payload).json()
+    _, events = sse_events(chat(engine, {**payload, "stream": True}, stream=True))
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks[0]["prompt_token_ids"] == expected["prompt_token_ids"]
+    assert all("prompt_token_ids" not in e for e in events[1:-1])
+    streamed = [i for e in chunks for i in e["choices"][0].get("token_ids", [])]
+    assert streamed == expected["choices"][0]["token_ids"]
+
+
+def test_engine_ids_need_a_tokenizer(sim: SimHandle) -> None:
+    resp = chat(sim, with_ids(body()))
+    assert resp.status_code == 400 and "--tokenizer" in resp.json()["error"]["message"]
+    bad = chat(sim, script({"noncanonical": "yes"}))
+    assert bad.status_code == 400 and "noncanonical" in bad.json()["error"]["message"]
+
+
 # --- streaming ----------------------------------------------------------------------------------
 
 
