@@ -210,6 +210,9 @@ class SimApp:
         except BadRequest as exc:
             call.status = "400"
             return _json(start_response, 400, error_body(400, str(exc)))
+        if s.serve_model is not None and req.model != s.serve_model:
+            call.status = "404"
+            return _json(start_response, 404, error_body(404, f"No endpoints found for {req.model}."))
         attempt = self.state.attempts.next(req.prompt_hash)
         # Per-attempt draws (fault, provider, latency): the n-th try of a prompt is the same in
         # every run, whatever order concurrent requests arrive in.

@@ -72,6 +72,9 @@ class Settings:
         "accept only this bearer key (default: any non-empty key)"))
     model: str = field(default="moonshotai/kimi-k2.5", metadata=_meta(
         "model named in answers when the request names none"))
+    serve_model: str | None = field(default=None, metadata=_meta(
+        "serve only this model id; a request for another gets OpenRouter's 404 \"No endpoints "
+        "found\" (null: any model)"))
     providers: tuple[str, ...] = field(
         default=("Moonshot AI", "Together", "Fireworks", "Parasail"),
         metadata=_meta("provider names to pick from (comma-separated on the CLI)"))
