@@ -129,6 +129,7 @@ class Runner:
         self.client.set(keys.config(self.config_id), self.cfg.worker_view().model_dump_json())
         if self.client.delete(keys.HALT):
             log.warning("cleared the halt of an earlier run: resuming")
+        self.client.delete(keys.MISCONFIG_STREAK)  # a fresh start: only this run's misses count
         self.client.set(
             keys.CURRENT_RUN,
             json.dumps(

@@ -130,10 +130,7 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
         answer = call(job, prepared)
         if isinstance(answer, str):
             return answer
-        # Tokenizing a 32k-token answer is CPU work: a real thread keeps the hub serving others.
-        rebuilt = gevent.get_hub().threadpool.apply(
-            rebuild, (prepared.target, payload["messages"], payload.get("tools"), answer), {"prompt": prepared.prompt}
-        )
+        rebuilt = rebuild_row(job, prepared, answer)
     except TokenMismatch as exc:
         return job.fail(FAIL_TOKEN_MISMATCH, str(exc))
     except _Failed as failed:
@@ -265,7 +262,18 @@ def _halt(job: _Job, reason: str, exc: UpstreamError) -> str:
     return "halted"
 
 
-# --- 5. settle (4. rebuild is workers/rebuild.py) -------------------------------------------------
+# --- 4. rebuild ---------------------------------------------------------------------------------
+
+
+def rebuild_row(job: _Job, prepared: Prepared, answer: Answer) -> RebuiltRow:
+    """The answer as token-exact ids after the prepared prompt; raises ``TokenMismatch``."""
+    # Tokenizing a 32k-token answer is CPU work: a real thread keeps the hub serving others.
+    args = (prepared.target, job.payload["messages"], job.payload.get("tools"), answer)
+    rebuilt: RebuiltRow = gevent.get_hub().threadpool.apply(rebuild, args, {"prompt": prepared.prompt})
+    return rebuilt
+
+
+# --- 5. settle ----------------------------------------------------------------------------------
 
 
 def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> str:
