@@ -33,6 +33,10 @@ class ModelConfig(_Strict):
     tokenizer: str = Field(min_length=1)
     trust_remote_code: bool = False
     revision: str | None = None
+    #: Tokens the model takes in and gives out together; a prompt whose ids plus ``max_tokens``
+    #: exceed it is refused before it is sent. None: unknown, not checked (read from OpenRouter's
+    #: models endpoint at run start when the run file does not say).
+    context_length: int | None = Field(default=None, gt=0)
 
 
 class LengthClass(_Strict):
@@ -43,6 +47,9 @@ class LengthClass(_Strict):
     #: max_tokens, which can't overshoot the budget in the first wave; a lower guess admits more
     #: requests at the start but overshoots if it is wrong.
     estimate_tokens: int | None = Field(default=None, gt=0)
+    #: A prompt longer than this (counted with the target tokenizer) is refused before it is sent,
+    #: failed as ``prompt_too_long``. None: only the model's context length limits it.
+    max_prompt_tokens: int | None = Field(default=None, gt=0)
 
     @property
     def prior_estimate_tokens(self) -> int:
@@ -109,6 +116,26 @@ class DatasetConfig(_Strict):
         return v
 
 
+class WorkerView(_Strict):
+    """A worker's view of a run, as the producer stores it (``keys.config``) and workers load it
+    (``WorkerView.model_validate_json``). Typed, so a renamed field fails mypy and validation, not
+    a task deep in a run."""
+
+    model: ModelConfig
+    #: The OpenRouter body keys of ``[request]`` (``RequestConfig.body``), passed through.
+    request: dict[str, Any]
+    lengths: dict[LengthName, LengthClass]
+    retry: RetryConfig
+    #: Dataset name -> its length class.
+    datasets: dict[str, LengthName]
+
+    def length(self, dataset: str) -> LengthClass:
+        name = self.datasets.get(dataset)
+        if name is None:
+            raise ConfigError(f"this run has no dataset {dataset!r}")
+        return self.lengths[name]
+
+
 class RunConfig(_Strict):
     model: ModelConfig
     request: RequestConfig = RequestConfig()
@@ -125,21 +152,21 @@ class RunConfig(_Strict):
             raise ValueError(f"dataset names must be unique, repeated: {', '.join(dupes)}")
         return self
 
-    def worker_view(self) -> dict[str, Any]:
-        """What workers need, as JSON-able data: no dataset paths, no output dir, no secrets."""
-        return {
-            "model": self.model.model_dump(mode="json"),
-            "request": self.request.body(),
-            "lengths": {k: self.length_for(k).model_dump(mode="json") for k in _LENGTHS},
-            "retry": self.retry.model_dump(mode="json"),
-            "datasets": {d.name: d.length for d in self.datasets},
-        }
+    def worker_view(self) -> WorkerView:
+        """What workers need: no dataset paths, no output dir, no secrets."""
+        return WorkerView(
+            model=self.model,
+            request=self.request.body(),
+            lengths={k: self.length_for(k) for k in _LENGTHS},
+            retry=self.retry,
+            datasets={d.name: d.length for d in self.datasets},
+        )
 
     def length_for(self, name: LengthName) -> LengthClass:
         return self.lengths.get(name) or _default_lengths()[name]
 
     def config_id(self) -> str:
-        canonical = json.dumps(self.worker_view(), sort_keys=True, separators=(",", ":"))
+        canonical = json.dumps(self.worker_view().model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 

@@ -24,7 +24,7 @@ from celery import Celery
 from common import keys
 from common.budget import Budget
 from common.config import DatasetConfig, RunConfig
-from common.contract import CONTRACT_VERSION, TaskPayload
+from common.contract import CONTRACT_VERSION, TaskPayload, halt_line
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
 from producer.collector import Collector
@@ -88,8 +88,8 @@ class Interrupted(SpecfleetError):
 
 
 class Halted(SpecfleetError):
-    """A worker found the OpenRouter account refused (bad key, no credits): the fleet stopped
-    admitting; nothing was marked failed, and running again after the fix resumes."""
+    """A worker found the OpenRouter account refused (bad key, no credits) or the URL/model wrong:
+    the fleet stopped admitting; nothing was marked failed, and running again after the fix resumes."""
 
 
 class Runner:
@@ -126,9 +126,10 @@ class Runner:
         self.lock.acquire()
         self._install_signal_handlers()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.client.set(keys.config(self.config_id), json.dumps(self.cfg.worker_view()))
+        self.client.set(keys.config(self.config_id), self.cfg.worker_view().model_dump_json())
         if self.client.delete(keys.HALT):
             log.warning("cleared the halt of an earlier run: resuming")
+        self.client.delete(keys.MISCONFIG_STREAK)  # a fresh start: only this run's misses count
         self.client.set(
             keys.CURRENT_RUN,
             json.dumps(
@@ -280,8 +281,7 @@ class Runner:
         halt = self.client.get(keys.HALT)
         if halt is not None:
             info = json.loads(halt)
-            raise Halted(f"OpenRouter refused the account ({info['reason']}: {info['message']}); "
-                         "fix the key or the credits, then run the same command again to resume")
+            raise Halted(halt_line(info["reason"], info["message"]))
         if self.collector.error is not None:
             raise SpecfleetError(f"collector failed: {self.collector.error}")
         now = time.time()

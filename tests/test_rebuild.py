@@ -21,8 +21,10 @@ from tests.tokenizer_factory import (
     write_remote_tokenizer,
     write_tokenizer,
 )
-from workers.rebuild import Answer, RebuiltRow, answer_from_message, rebuild
+from workers.openrouter import answer_from_message
+from workers.rebuild import RebuiltRow, rebuild
 from workers.target import TargetTokenizer
+from workers.upstream import Answer
 
 FAMILY_NAMES = tuple(f.name for f in FAMILIES)
 K25, K2T, CHATML = FAMILY_NAMES

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.strategies import answers_messages, conversations
 from tests.test_rebuild import FAMILY_NAMES, targets  # noqa: F401  (the session fixture, used by name)
-from workers.rebuild import answer_from_message, rebuild
+from workers.openrouter import answer_from_message
+from workers.rebuild import rebuild
 from workers.target import TargetTokenizer
 
 

@@ -1,4 +1,7 @@
-"""An API answer → the token-exact row the target model emitted, checked before it is kept.
+"""An upstream ``Answer`` → the token-exact row the target model emitted, checked before it is kept.
+
+The upstream parsed its own wire format into the ``Answer`` (``workers/upstream.py``); this module
+knows only the target's template and tokenizer.
 
 ``input_ids = prompt ids + completion ids``: the prompt is the template rendered with the generation
 prompt (what the model saw); the completion is the assistant turn rebuilt from the answer's parts in
@@ -19,6 +22,7 @@ from typing import Any, Literal
 
 from common.errors import TokenMismatch
 from workers.target import TargetTokenizer, TurnFormat
+from workers.upstream import Answer
 
 ReasoningEnd = Literal["explicit", "implicit", "none", "truncated"]
 
@@ -30,13 +34,20 @@ _KIMI_CALL_ID = re.compile(r"functions\.(?P<name>.+):(?P<index>\d+)", re.DOTALL)
 
 
 @dataclass(frozen=True)
-class Answer:
-    """The parts of one API answer a rebuild needs. ``None`` = absent, ``""`` = present and empty."""
+class Prompt:
+    """The prompt as the model saw it: the template rendered with the generation prompt, and its
+    ids. Rendered once per prompt (``render_prompt``), counted before any money is spent, reused
+    here."""
 
-    reasoning: str | None
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None
-    finish_reason: str
+    text: str
+    ids: list[int]
+
+
+def render_prompt(
+    target: TargetTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> Prompt:
+    text = target.render(messages, tools, add_generation_prompt=True)
+    return Prompt(text, target.encode(text))
 
 
 @dataclass(frozen=True)
@@ -58,27 +69,20 @@ class RebuiltRow:
     reasoning_end: ReasoningEnd
 
 
-def answer_from_message(message: dict[str, Any], finish_reason: str) -> Answer:
-    """Read an OpenRouter ``choices[0].message``: reasoning from ``reasoning``, else
-    ``reasoning_content``, else the text of ``reasoning_details`` (summaries if it has no text)."""
-    reasoning = _first_text(
-        message.get("reasoning"), message.get("reasoning_content"), _details_text(message.get("reasoning_details"))
-    )
-    calls = message.get("tool_calls")
-    return Answer(
-        reasoning=reasoning,
-        content=_content_text(message.get("content")),
-        tool_calls=[dict(c) for c in calls] if isinstance(calls, list) and calls else None,
-        finish_reason=finish_reason,
-    )
-
-
 def rebuild(
-    target: TargetTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, answer: Answer
+    target: TargetTokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    answer: Answer,
+    *,
+    prompt: Prompt | None = None,
 ) -> RebuiltRow:
-    """Rebuild ``answer`` as the token ids the model produced after ``messages``; self-checked."""
-    prompt_text = target.render(messages, tools, add_generation_prompt=True)
-    prompt_ids = target.encode(prompt_text)
+    """Rebuild ``answer`` as the token ids the model produced after ``messages``; self-checked.
+
+    ``prompt``: the already rendered prompt (the worker's prepare step); rendered here when absent."""
+    if prompt is None:
+        prompt = render_prompt(target, messages, tools)
+    prompt_text, prompt_ids = prompt.text, prompt.ids
     turn = _assemble(target, messages, answer)
     completion_ids = target.encode(turn.text)
 
@@ -297,32 +301,6 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
-
-
-def _first_text(*values: Any) -> str | None:
-    """First non-empty string; ``""`` if the only strings are empty; ``None`` if none is a string."""
-    strings = [v for v in values if isinstance(v, str)]
-    return next((s for s in strings if s), "" if strings else None)
-
-
-def _details_text(details: Any) -> str | None:
-    if not isinstance(details, list):
-        return None
-    items = [d for d in details if isinstance(d, dict)]
-    texts = [d["text"] for d in items if d.get("type") == "reasoning.text" and isinstance(d.get("text"), str)]
-    if not texts:
-        texts = [
-            d["summary"] for d in items if d.get("type") == "reasoning.summary" and isinstance(d.get("summary"), str)
-        ]
-    return "".join(texts) if texts else None
-
-
-def _content_text(content: Any) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return str(content)
 
 
 def _name(target: TargetTokenizer, token_id: int | None) -> str:
