@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from common.datasets import DEFAULT_MAX_LINE_BYTES
 from common.errors import ConfigError
 
 DEFAULT_BUDGET_TOKENS = 10_000_000
@@ -26,6 +27,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ModelPricing(_Strict):
+    prompt: float = Field(ge=0)
+    completion: float = Field(ge=0)
+    request: float = Field(default=0.0, ge=0)
+
+
 class ModelConfig(_Strict):
     #: What OpenRouter is asked for.
     name: str = Field(min_length=1)
@@ -33,6 +40,11 @@ class ModelConfig(_Strict):
     tokenizer: str = Field(min_length=1)
     trust_remote_code: bool = False
     revision: str | None = None
+    #: Tokens of prompt + answer the model takes. ``specfleet run`` reads it from the models
+    #: endpoint; set here, it wins (and lets a run without the endpoint check prompts anyway).
+    context_length: int | None = Field(default=None, gt=0)
+    #: USD per token (prompt, completion) and per request; read from the models endpoint.
+    pricing: ModelPricing | None = None
 
 
 class LengthClass(_Strict):
@@ -100,6 +112,8 @@ class DatasetConfig(_Strict):
     budget_tokens: int = Field(default=DEFAULT_BUDGET_TOKENS, gt=0)
     #: Take at most this many prompts from the file (None: all).
     max_prompts: int | None = Field(default=None, gt=0)
+    #: A longer line is reported as ``line_too_long`` in malformed.jsonl and never sent.
+    max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, gt=0)
 
     @field_validator("name")
     @classmethod
@@ -109,8 +123,18 @@ class DatasetConfig(_Strict):
         return v
 
 
+class RunSection(_Strict):
+    """What holds across all datasets of a run."""
+
+    #: Dollars the whole run may spend (None: no dollar limit).
+    budget_usd: float | None = Field(default=None, gt=0)
+    #: Start even when ``specfleet plan``'s worst case exceeds ``budget_usd`` (same as ``--yes``).
+    confirm_over_budget: bool = False
+
+
 class RunConfig(_Strict):
     model: ModelConfig
+    run: RunSection = RunSection()
     request: RequestConfig = RequestConfig()
     lengths: dict[LengthName, LengthClass] = Field(default_factory=_default_lengths)
     retry: RetryConfig = RetryConfig()
