@@ -10,6 +10,18 @@ Routes
     exactly ``--expect-key``). Answers carry ``X-Generation-Id``. ``stream: true`` gives SSE.
 ``GET /api/v1/generation?id=gen-…``  404 for ``generation_delay_s`` after the request, then stats.
 ``GET /api/v1/key``  ``{data: {limit, limit_remaining, usage, …}}``.
+``GET /api/v1/models``  ``{data: [{id, name, context_length, pricing: {prompt, completion, request,
+    internal_reasoning, input_cache_read, …}, top_provider: {context_length, max_completion_tokens},
+    supported_parameters, …}]}`` for each served model (``model`` plus ``models``); prices are USD
+    per token as decimal strings, the very prices the chat route bills with
+    (``price_in_per_mtok``, ``price_out_per_mtok``, ``price_request_usd``). No key needed.
+``GET /api/v1/models/{author}/{slug}/endpoints``  ``{data: {id, name, endpoints: [{provider_name,
+    pricing, context_length, max_completion_tokens, …}]}}``, one endpoint per provider; 404 for a
+    model not served.
+A chat request naming a model not served answers 404 ``No endpoints found for {model}.`` on every
+attempt (not billed); prompt tokens + ``max_tokens`` above ``context_length`` answer 400 with
+OpenRouter's "maximum context length" message. Any other path is a 404 (e.g. a doubled
+``/api/v1/api/v1/…`` from a base URL given with ``/api/v1`` and a client that adds it again).
 ``POST /_sim/config``  partial settings update (JSON object, same names as the CLI flags;
     ``rates`` and ``length_classes`` merge by key); answers the full settings, 400 naming a bad
     field. ``GET /_sim/config`` shows them. Example: ``{"rates": {"429": 0.1, "hang": 0.02,

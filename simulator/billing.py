@@ -37,13 +37,17 @@ class Usage:
 
 
 def priced(prompt: int, completion: int, reasoning: int, cached: int, *,
-           price_in_per_mtok: float, price_out_per_mtok: float) -> Usage:
-    cost = (prompt * price_in_per_mtok + completion * price_out_per_mtok) / 1e6
+           price_in_per_mtok: float, price_out_per_mtok: float,
+           price_request_usd: float = 0.0) -> Usage:
+    # Reasoning is part of completion and billed at the completion price (pricing.internal_reasoning
+    # is published as 0); cached prompt tokens are not discounted (input_cache_read = prompt).
+    cost = (prompt * price_in_per_mtok + completion * price_out_per_mtok) / 1e6 + price_request_usd
     return Usage(prompt, completion, reasoning, cached, round(cost, 12))
 
 
 def with_overrides(usage: Usage, overrides: Mapping[str, float], *,
-                   price_in_per_mtok: float, price_out_per_mtok: float) -> Usage:
+                   price_in_per_mtok: float, price_out_per_mtok: float,
+                   price_request_usd: float = 0.0) -> Usage:
     """A ``#sim`` ``usage`` override; cost is recomputed unless it is overridden too."""
     if not overrides:
         return usage
@@ -51,7 +55,7 @@ def with_overrides(usage: Usage, overrides: Mapping[str, float], *,
               ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens")}
     new = priced(fields["prompt_tokens"], fields["completion_tokens"], fields["reasoning_tokens"],
                  fields["cached_tokens"], price_in_per_mtok=price_in_per_mtok,
-                 price_out_per_mtok=price_out_per_mtok)
+                 price_out_per_mtok=price_out_per_mtok, price_request_usd=price_request_usd)
     if "cost" in overrides:
         new = Usage(**{**asdict(new), "cost": float(overrides["cost"])})
     return new

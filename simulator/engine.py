@@ -39,8 +39,7 @@ def generate(req: ChatRequest, settings: Settings, script: Script | None,
     reasoning = counter.count(answer.reasoning) if answer.reasoning else 0
     # A repeat of the same prompt may hit the provider's prefix cache.
     cached = int(prompt * settings.cached_fraction) if attempt > 1 else 0
-    prices = {"price_in_per_mtok": settings.price_in_per_mtok,
-              "price_out_per_mtok": settings.price_out_per_mtok}
+    prices = settings.prices()
     usage = priced(prompt, completion, reasoning, cached, **prices)
     if script is not None:
         usage = with_overrides(usage, script.usage, **prices)

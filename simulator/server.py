@@ -24,6 +24,13 @@ import gevent
 from simulator.billing import GenerationRecord, Ledger, Usage, priced
 from simulator.engine import Generation, base_latency_ms, generate
 from simulator.faults import HTTP_FAULTS, AttemptBook, error_body, http_error, pick_fault
+from simulator.kimi import render_prompt
+from simulator.models import (
+    context_error_message,
+    endpoints_json,
+    models_json,
+    no_endpoints_message,
+)
 from simulator.request import BadRequest, ChatRequest, parse_chat_request
 from simulator.script import Script, find_script
 from simulator.seeding import rng_for
@@ -146,6 +153,18 @@ def _new_id() -> str:
     return f"gen-{int(time.time())}-{secrets.token_urlsafe(15)}"
 
 
+_ENDPOINTS_PREFIX, _ENDPOINTS_SUFFIX = "/api/v1/models/", "/endpoints"
+
+
+def _endpoints_model(path: str) -> str | None:
+    """``author/slug`` of ``/api/v1/models/{author}/{slug}/endpoints``, else None."""
+    if not (path.startswith(_ENDPOINTS_PREFIX) and path.endswith(_ENDPOINTS_SUFFIX)):
+        return None
+    model_id = path[len(_ENDPOINTS_PREFIX):-len(_ENDPOINTS_SUFFIX)]
+    author, sep, slug = model_id.partition("/")
+    return model_id if sep and author and slug and "/" not in slug else None
+
+
 def _fmt_retry_after(seconds: float) -> str:
     return str(int(seconds)) if float(seconds).is_integer() else f"{seconds:g}"
 
@@ -159,6 +178,7 @@ class SimApp:
             ("POST", "/api/v1/chat/completions"): self.chat,
             ("GET", "/api/v1/generation"): self.generation,
             ("GET", "/api/v1/key"): self.key,
+            ("GET", "/api/v1/models"): self.models,
             ("GET", "/_sim/stats"): self.stats,
             ("GET", "/_sim/config"): self.get_config,
             ("POST", "/_sim/config"): self.set_config,
@@ -172,6 +192,8 @@ class SimApp:
         auth = str(environ.pop("HTTP_AUTHORIZATION", ""))
         method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
         handler = self.routes.get((method, path))
+        if handler is None and method == "GET" and _endpoints_model(path):
+            handler = self.endpoints
         if handler is None:
             known = any(p == path for _, p in self.routes)
             status = 405 if known else 404
@@ -210,6 +232,16 @@ class SimApp:
         except BadRequest as exc:
             call.status = "400"
             return _json(start_response, 400, error_body(400, str(exc)))
+        if req.model not in s.served_models:
+            # A configuration error, not the prompt's: every request for it answers the same.
+            call.status = "404"
+            return _json(start_response, 404, error_body(404, no_endpoints_message(req.model)))
+        prompt_tokens = self.state.counter.count(render_prompt(req.messages, req.tools))
+        wanted = req.max_tokens or 0
+        if prompt_tokens + wanted > s.context_length:
+            call.status = "400"
+            return _json(start_response, 400, error_body(
+                400, context_error_message(s, prompt_tokens, wanted)))
         attempt = self.state.attempts.next(req.prompt_hash)
         # Per-attempt draws (fault, provider, latency): the n-th try of a prompt is the same in
         # every run, whatever order concurrent requests arrive in.
@@ -352,8 +384,7 @@ class SimApp:
     def _partial(gen: Generation, sent_tokens: int, s: Settings) -> Usage:
         u = gen.usage
         return priced(u.prompt_tokens, sent_tokens, min(u.reasoning_tokens, sent_tokens),
-                      u.cached_tokens, price_in_per_mtok=s.price_in_per_mtok,
-                      price_out_per_mtok=s.price_out_per_mtok)
+                      u.cached_tokens, **s.prices())
 
     def _bill(self, call: _Call, req: ChatRequest, gen: Generation, provider: str, usage: Usage,
               *, streamed: bool, abandoned: bool, finish: str | None = None) -> None:
@@ -405,6 +436,18 @@ class SimApp:
             "is_free_tier": False,
             "rate_limit": {"requests": -1, "interval": "10s"},
         }})
+
+    def models(self, environ: dict[str, Any], start_response: StartResponse,
+               auth: str) -> Iterable[bytes]:
+        return _json(start_response, 200, models_json(self.state.settings))
+
+    def endpoints(self, environ: dict[str, Any], start_response: StartResponse,
+                  auth: str) -> Iterable[bytes]:
+        model_id = _endpoints_model(environ.get("PATH_INFO", "")) or ""
+        found = endpoints_json(model_id, self.state.settings)
+        if found is None:
+            return _json(start_response, 404, error_body(404, no_endpoints_message(model_id)))
+        return _json(start_response, 200, found)
 
     # --- control routes ---------------------------------------------------------------------
 

@@ -72,12 +72,21 @@ class Settings:
         "accept only this bearer key (default: any non-empty key)"))
     model: str = field(default="moonshotai/kimi-k2.5", metadata=_meta(
         "model named in answers when the request names none"))
+    models: tuple[str, ...] = field(default=("moonshotai/kimi-k2.5",), metadata=_meta(
+        "model ids served (with ``model``); any other id answers 404 \"No endpoints found for …\""
+        " (comma-separated on the CLI)"))
+    context_length: int = field(default=262144, metadata=_meta(
+        "context length published and enforced: prompt + max_tokens above it is a 400", lo=1))
+    max_completion_tokens: int | None = field(default=65536, metadata=_meta(
+        "top_provider.max_completion_tokens published by the models endpoint (null: none)", lo=1))
     providers: tuple[str, ...] = field(
         default=("Moonshot AI", "Together", "Fireworks", "Parasail"),
         metadata=_meta("provider names to pick from (comma-separated on the CLI)"))
     price_in_per_mtok: float = field(default=0.60, metadata=_meta("USD per 1M prompt tokens", lo=0))
     price_out_per_mtok: float = field(default=2.50, metadata=_meta(
         "USD per 1M completion tokens (reasoning included)", lo=0))
+    price_request_usd: float = field(default=0.0, metadata=_meta(
+        "USD per billed request (pricing.request)", lo=0))
     credit_limit_usd: float | None = field(default=None, metadata=_meta(
         "answer 402 once this much has been billed (GET /api/v1/key reports it)", lo=0))
     # --- latency: lognormal with this median and p99, plus time per completion token ---
@@ -142,6 +151,17 @@ class Settings:
         if new.latency_p99_ms is not None and new.latency_p99_ms < new.latency_median_ms:
             raise SettingsError("latency_p99_ms: must not be below latency_median_ms")
         return new
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """``model`` (the default of a request naming none) is always served."""
+        return tuple(dict.fromkeys((self.model, *self.models)))
+
+    def prices(self) -> dict[str, float]:
+        """The keyword arguments of ``billing.priced``: what is billed is what is published."""
+        return {"price_in_per_mtok": self.price_in_per_mtok,
+                "price_out_per_mtok": self.price_out_per_mtok,
+                "price_request_usd": self.price_request_usd}
 
     @property
     def p99_ms(self) -> float:

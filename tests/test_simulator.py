@@ -456,6 +456,103 @@ def test_key_endpoint_and_credit_limit(sim: SimHandle) -> None:
     assert key["limit_remaining"] == 0
 
 
+# --- models, prices, routes ---------------------------------------------------------------------
+
+PRICE = re.compile(r"^\d+(\.\d+)?$")  # a plain decimal string, never "6e-07"
+
+
+def published(sim: SimHandle, model: str = "moonshotai/kimi-k2.5") -> dict[str, Any]:
+    resp = requests.get(sim.api_base + "/models", timeout=5)  # no key needed, as on OpenRouter
+    assert resp.status_code == 200, resp.text
+    entry: dict[str, Any] = next(m for m in resp.json()["data"] if m["id"] == model)
+    return entry
+
+
+def priced_cost(pricing: dict[str, str], usage: dict[str, Any]) -> float:
+    return (usage["prompt_tokens"] * float(pricing["prompt"])
+            + usage["completion_tokens"] * float(pricing["completion"]) + float(pricing["request"]))
+
+
+def test_models_endpoint_publishes_what_is_billed(sim: SimHandle) -> None:
+    model = published(sim)
+    assert model["pricing"]["prompt"] == "0.0000006" and model["pricing"]["completion"] == "0.0000025"
+    assert model["pricing"]["request"] == "0" and model["pricing"]["internal_reasoning"] == "0"
+    assert all(PRICE.match(v) for v in model["pricing"].values()), model["pricing"]
+    assert model["context_length"] == 262144 == model["top_provider"]["context_length"]
+    assert model["top_provider"]["max_completion_tokens"] == 65536
+    assert {"max_tokens", "reasoning", "tools"} <= set(model["supported_parameters"])
+    first = chat(sim, body(max_tokens=8192)).json()["usage"]
+    assert first["cost"] == pytest.approx(priced_cost(model["pricing"], first), rel=1e-9)
+    # Changing the price changes both what is published and what is billed.
+    sim.configure(price_in_per_mtok=1.25, price_out_per_mtok=10, price_request_usd=0.001,
+                  context_length=100000, max_completion_tokens=None)
+    model = published(sim)
+    assert model["pricing"]["prompt"] == "0.00000125" and model["pricing"]["completion"] == "0.00001"
+    assert model["pricing"]["request"] == "0.001" and model["context_length"] == 100000
+    assert model["top_provider"]["max_completion_tokens"] is None
+    usage = chat(sim, body("priced again", max_tokens=8192)).json()["usage"]
+    assert usage["cost"] == pytest.approx(priced_cost(model["pricing"], usage), rel=1e-9)
+    assert usage["cost"] > 0.001  # the per-request price is in it
+    assert sim.stats()["billed_cost_usd"] == pytest.approx(first["cost"] + usage["cost"], rel=1e-9)
+
+
+def test_endpoints_per_provider_and_unknown_model(sim: SimHandle) -> None:
+    resp = requests.get(sim.api_base + "/models/moonshotai/kimi-k2.5/endpoints", timeout=5)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()["data"]
+    assert data["id"] == "moonshotai/kimi-k2.5"
+    assert [e["provider_name"] for e in data["endpoints"]] == list(BASELINE.providers)
+    model = published(sim)
+    for e in data["endpoints"]:
+        assert e["pricing"] == model["pricing"] and e["context_length"] == model["context_length"]
+        assert e["max_completion_tokens"] == model["top_provider"]["max_completion_tokens"]
+    gone = requests.get(sim.api_base + "/models/moonshotai/kimi-k9/endpoints", timeout=5)
+    assert gone.status_code == 404
+    assert gone.json()["error"]["message"] == "No endpoints found for moonshotai/kimi-k9."
+
+
+def test_unknown_model_answers_404_on_every_request(sim: SimHandle) -> None:
+    payload = {**body(), "model": "moonshotai/kimi-k9"}
+    for _ in range(3):  # not a transient fault: every attempt gets the same answer
+        resp = chat(sim, payload)
+        assert resp.status_code == 404
+        assert resp.json()["error"] == {"code": 404,
+                                        "message": "No endpoints found for moonshotai/kimi-k9."}
+    stats = sim.stats()
+    assert stats["by_status"] == {"404": 3} and stats["billed_requests"] == 0
+    assert [m["id"] for m in requests.get(sim.api_base + "/models", timeout=5).json()["data"]] \
+        == ["moonshotai/kimi-k2.5"]
+    sim.configure(models=["moonshotai/kimi-k2.5", "moonshotai/kimi-k9"])
+    assert chat(sim, payload).status_code == 200
+    assert published(sim, "moonshotai/kimi-k9")["pricing"] == published(sim)["pricing"]
+
+
+def test_base_url_forms_and_wrong_paths(sim: SimHandle) -> None:
+    # The OpenAI-SDK base (".../api/v1") plus "/chat/completions" is the same route.
+    assert sim.api_base + "/chat/completions" == sim.url + "/api/v1/chat/completions"
+    assert chat(sim, body()).status_code == 200
+    for wrong in ("/api/v1/api/v1/chat/completions", "/chat/completions", "/v1/chat/completions",
+                  "/api/v1/models/moonshotai/endpoints"):
+        resp = requests.post(sim.url + wrong, json=body(), headers=AUTH, timeout=5)
+        assert resp.status_code == 404, wrong
+        assert resp.json()["error"]["code"] == 404
+    get_models = requests.get(sim.url + "/api/v1/api/v1/models", timeout=5)
+    assert get_models.status_code == 404
+    assert sim.stats()["requests"] == 1  # wrong paths never reached the chat route
+
+
+def test_prompt_plus_max_tokens_must_fit_the_context(sim: SimHandle) -> None:
+    prompt_tokens = COUNT(render_prompt(body()["messages"], []))
+    sim.configure(context_length=prompt_tokens + 100)
+    assert chat(sim, body(max_tokens=100)).status_code == 200
+    resp = chat(sim, body(max_tokens=101))
+    assert resp.status_code == 400
+    message_text = resp.json()["error"]["message"]
+    assert f"maximum context length is {prompt_tokens + 100} tokens" in message_text
+    assert f"({prompt_tokens} of text input, 101 in the output)" in message_text
+    assert sim.stats()["billed_requests"] == 1
+
+
 # --- streaming ----------------------------------------------------------------------------------
 
 
@@ -556,6 +653,13 @@ def test_cli_flags_build_settings(tmp_path: Path) -> None:
     assert settings.latency_median_ms == 5 and dict(settings.rates) == {"429": 0.1, "leak_im_end": 1.0}
     assert settings.retry_after_s is None and settings.reasoning_details is True
     assert settings.providers == ("A", "B") and level == "debug"
+    settings, _ = settings_from_args([
+        "--models", "a/b,c/d", "--context-length", "1000", "--max-completion-tokens", "none",
+        "--price-in-per-mtok", "0.3", "--price-out-per-mtok", "1.2", "--price-request-usd", "0.01"])
+    assert settings.served_models == ("moonshotai/kimi-k2.5", "a/b", "c/d")
+    assert (settings.context_length, settings.max_completion_tokens) == (1000, None)
+    assert settings.prices() == {"price_in_per_mtok": 0.3, "price_out_per_mtok": 1.2,
+                                 "price_request_usd": 0.01}
     with pytest.raises(SettingsError, match=r"rates\.nope"):
         settings_from_args(["--fault", "nope=0.1"])
 
