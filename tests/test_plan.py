@@ -162,3 +162,27 @@ def test_run_hands_the_models_context_length_and_prices_to_the_workers(
     assert view["model"]["context_length"] == 100_000
     assert view["model"]["pricing"] == {"prompt": 1.25e-6, "completion": 7.5e-6, "request": 0.001}
     fleet.assert_exactly_once(redis_client, "B1", 5)
+
+
+def test_a_5mb_line_and_bad_content_are_reported_in_malformed_jsonl_and_never_sent(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
+    fleet.start_simulator("--latency-median-ms", "10")
+    rows: list[dict[str, object] | str] = [*prompts(4, "g")]
+    rows[1] = {"id": "huge", "messages": [{"role": "user", "content": "x" * 5_000_000}]}
+    rows[2] = {"id": "ints", "messages": [{"role": "user", "content": [1, 2]}]}
+    rows.append({"id": "parts", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                          {"type": "text", "text": "b"}]}]})
+    config = _one_dataset(fleet, rows)
+    data = fleet.tmp / "b1.jsonl"
+    fleet.start_worker("w1", concurrency=10)
+    fleet.run_producer(config)
+    bad = [json.loads(x) for x in (fleet.out / "B1" / "malformed.jsonl").read_text().splitlines()]
+    assert [(b["where"], b["reason"]) for b in bad] == [
+        (f"{data}:2", f"line_too_long ({len(json.dumps(rows[1])):,} bytes > 1,000,000)"),
+        (f"{data}:3", "messages[0].content[0]: a part must be an object like {'type': 'text', 'text': ...}, not int"),
+    ]
+    kept = {r["id"]: r for r in fleet.assert_exactly_once(redis_client, "B1", 3)}
+    assert set(kept) == {"g00000", "g00003", "parts"}
+    stats = fleet.sim_stats()
+    assert stats["requests"] == 3 and stats["billed_prompt_tokens"] < 3 * 200  # the 5 MB prompt never went
