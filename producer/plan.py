@@ -10,12 +10,14 @@ rows), and asks for ``--yes`` (or ``[run] confirm_over_budget = true``) when the
 The estimates: an answer is expected to keep ``estimate_tokens`` of its length class, or
 ``max_tokens / 4`` when that is not set; the worst case is the same requests each answered with
 ``max_tokens``. A dataset of more than ``exact_limit`` prompts is counted on a deterministic sample
-of that many (a seeded reservoir) and extrapolated; the output says so, and the context-length
-check then covers the sample only (the worker checks every prompt before sending it).
+of that many (a seeded reservoir) and extrapolated; the output says so. The context-length check
+still covers every prompt: outside the sample, each prompt whose text is long enough in bytes to
+possibly overflow is counted too (a byte-level BPE token is at least one byte).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -32,6 +34,8 @@ EXACT_LIMIT = 20_000
 _SAMPLE_SEED = 20_260_101
 _MAX_NAMED_ROWS = 20
 _COUNT_BATCH = 512
+#: Tokens a template may add around a prompt's text (role headers, default system prompt).
+_FRAMING_TOKENS = 1_024
 
 
 class PlanRefused(ConfigError):
@@ -83,30 +87,47 @@ def _sample(prompts: list[Prompt], seen: int, prompt: Prompt, rng: random.Random
         prompts[j] = prompt
 
 
+def _count(tokenizer: object, prompts: list[Prompt]) -> list[int]:
+    counts: list[int] = []
+    for start in range(0, len(prompts), _COUNT_BATCH):
+        counts += count_prompt_tokens(tokenizer, prompts[start:start + _COUNT_BATCH])
+    return counts
+
+
 def _line_no(prompt: Prompt) -> int:
     return int(prompt.where.rsplit(":", 1)[1])
+
+
+def _payload_bytes(prompt: Prompt) -> int:
+    return len(json.dumps([prompt.messages, prompt.tools], ensure_ascii=False).encode())
 
 
 def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: ModelInfo | None, *,
                  exact_limit: int = EXACT_LIMIT) -> DatasetPlan:
     length = cfg.length_for(ds.length)
+    context = cfg.model.context_length or (info.context_length if info else None)
+    room = None if context is None else context - length.max_tokens
     errors: list[DatasetRowError] = []
     stats = ReadStats()
     rng = random.Random(_SAMPLE_SEED)
     sample: list[Prompt] = []
+    # Outside the sample, a prompt is counted too when it might not fit: a byte-level token is at
+    # least one byte, so a prompt far shorter in bytes than the room left cannot overflow it.
+    suspects: list[Prompt] = []
     for seen, prompt in enumerate(read_prompts(ds.path, errors, stats, limit=ds.max_prompts,
                                                max_line_bytes=ds.max_line_bytes), start=1):
         _sample(sample, seen, prompt, rng, exact_limit)
-    counts: list[int] = []
-    for start in range(0, len(sample), _COUNT_BATCH):
-        counts += count_prompt_tokens(tokenizer, sample[start:start + _COUNT_BATCH])
-    context = cfg.model.context_length or (info.context_length if info else None)
+        if room is not None and _payload_bytes(prompt) + _FRAMING_TOKENS > room:
+            suspects.append(prompt)
+    counts = _count(tokenizer, sample)
     too_long: list[str] = []
-    if context is not None:
-        room = context - length.max_tokens
+    if context is not None and room is not None:
+        in_sample = {p.where for p in sample}
+        extra = [p for p in suspects if p.where not in in_sample]
+        checked = sorted([*zip(sample, counts, strict=True), *zip(extra, _count(tokenizer, extra), strict=True)],
+                         key=lambda pn: _line_no(pn[0]))
         too_long = [f"{p.where} ({n:,} prompt tokens + max_tokens {length.max_tokens:,} > context {context:,})"
-                    for p, n in sorted(zip(sample, counts, strict=True), key=lambda pn: _line_no(pn[0]))
-                    if n > room]
+                    for p, n in checked if n > room]
     prompt_tokens = round(sum(counts) * stats.prompts / len(counts)) if counts else 0
     expected = length.estimate_tokens or max(1, length.max_tokens // 4)
     rows = min(stats.prompts, math.ceil(ds.budget_tokens / expected))
@@ -187,7 +208,7 @@ def render(plan: Plan) -> str:
     for d in plan.datasets:
         if d.sampled:
             lines.append(f"{d.name}: prompt tokens extrapolated from a sample of {d.counted:,} of "
-                         f"{d.prompts:,} prompts; the context check covered the sample only")
+                         f"{d.prompts:,} prompts")
         if d.malformed:
             lines.append(f"{d.name}: {d.malformed:,} malformed or duplicate rows are skipped "
                          f"(`specfleet check` lists them)")

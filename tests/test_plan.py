@@ -186,3 +186,25 @@ def test_a_5mb_line_and_bad_content_are_reported_in_malformed_jsonl_and_never_se
     assert set(kept) == {"g00000", "g00003", "parts"}
     stats = fleet.sim_stats()
     assert stats["requests"] == 3 and stats["billed_prompt_tokens"] < 3 * 200  # the 5 MB prompt never went
+
+
+def test_a_sampled_dataset_still_names_every_prompt_that_cannot_fit(tmp_path: Path) -> None:
+    """Above the exact limit only a sample is counted, yet a long prompt outside it is still found."""
+    from common.config import load_config
+    from common.prompt_tokens import load_tokenizer
+    from producer.plan import plan_dataset
+
+    rows: list[dict[str, object] | str] = [*prompts(50)]
+    rows[36] = {"id": "long", "messages": [{"role": "user", "content": " ".join(f"w{i}" for i in range(3000))}]}
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    config = tmp_path / "fleet.toml"
+    config.write_text(f'[model]\nname = "m"\ntokenizer = "{DEMO_TOKENIZER}"\ncontext_length = 3000\n\n'
+                      f'[lengths.short]\nmax_tokens = 1000\ntimeout_s = 10\n\n'
+                      f'[[datasets]]\nname = "D"\npath = "{data}"\n')
+    cfg = load_config(config)
+    tokenizer = load_tokenizer(str(DEMO_TOKENIZER), trust_remote_code=False)
+    plan = plan_dataset(cfg, cfg.datasets[0], tokenizer, None, exact_limit=1)
+    assert (plan.prompts, plan.counted, plan.sampled) == (50, 1, True)
+    assert [t.split(" (")[0] for t in plan.too_long] == [f"{data}:37"]
+    exact = plan_dataset(cfg, cfg.datasets[0], tokenizer, None)
+    assert exact.too_long == plan.too_long and not exact.sampled
