@@ -13,8 +13,9 @@ from common.prompt_tokens import count_prompt_tokens, load_tokenizer
 from tests.tokenizer_factory import FAMILIES, KIMI_K25, write_remote_tokenizer, write_tokenizer
 from workers.target import TargetTokenizer
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}}]
 ROWS = [
     {"messages": [{"role": "user", "content": "Hello, what is 2 + 2? ✓"}]},
     {"messages": [{"role": "system", "content": "Be brief."},
