@@ -27,7 +27,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelPricing(_Strict):
+class Pricing(_Strict):
+    """The model's price in USD, OpenRouter's ``pricing`` shape: per token, and per request."""
+
     prompt: float = Field(ge=0)
     completion: float = Field(ge=0)
     request: float = Field(default=0.0, ge=0)
@@ -40,11 +42,13 @@ class ModelConfig(_Strict):
     tokenizer: str = Field(min_length=1)
     trust_remote_code: bool = False
     revision: str | None = None
-    #: Tokens of prompt + answer the model takes. ``specfleet run`` reads it from the models
-    #: endpoint; set here, it wins (and lets a run without the endpoint check prompts anyway).
+    #: Tokens the model takes in and gives out together; a prompt whose ids plus ``max_tokens``
+    #: exceed it is refused before it is sent. None: unknown, not checked (read from OpenRouter's
+    #: models endpoint at run start when the run file does not say).
     context_length: int | None = Field(default=None, gt=0)
-    #: USD per token (prompt, completion) and per request; read from the models endpoint.
-    pricing: ModelPricing | None = None
+    #: The price that dollar budgets use for worst-case holds. Stated here, it overrides what the
+    #: models endpoint says; absent, it is read from there at run start.
+    pricing: Pricing | None = None
 
 
 class LengthClass(_Strict):
@@ -124,9 +128,10 @@ class DatasetConfig(_Strict):
 
 
 class RunSection(_Strict):
-    """What holds across all datasets of a run."""
+    """``[run]``: limits across all datasets of the run."""
 
-    #: Dollars the whole run may spend (None: no dollar limit).
+    #: Spend at most this many USD across every dataset of the run; the datasets after the one
+    #: that reaches it are skipped (end reason ``run_budget``). None: no limit.
     budget_usd: float | None = Field(default=None, gt=0)
     #: Start even when ``specfleet plan``'s worst case exceeds ``budget_usd`` (same as ``--yes``).
     confirm_over_budget: bool = False

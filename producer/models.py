@@ -14,7 +14,7 @@ from typing import Any
 
 import requests
 
-from common.config import ModelPricing
+from common.config import Pricing
 from common.errors import ConfigError, SpecfleetError
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class UnknownModel(ConfigError):
 class ModelInfo:
     id: str
     context_length: int | None
-    pricing: ModelPricing | None
+    pricing: Pricing | None
 
 
 def api_root(base_url: str) -> str:
@@ -60,11 +60,11 @@ def _price(raw: Any, field: str) -> float:
 def parse_model(entry: dict[str, Any]) -> ModelInfo:
     context = entry.get("context_length")
     context_length = int(context) if isinstance(context, int | float) and context > 0 else None
-    pricing: ModelPricing | None = None
+    pricing: Pricing | None = None
     raw = entry.get("pricing")
     if isinstance(raw, dict):
         try:
-            pricing = ModelPricing(prompt=_price(raw.get("prompt"), "prompt"),
+            pricing = Pricing(prompt=_price(raw.get("prompt"), "prompt"),
                                    completion=_price(raw.get("completion"), "completion"),
                                    request=_price(raw.get("request", 0) or 0, "request"))
         except ValueError as exc:

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from common.config import DatasetConfig, ModelPricing, RunConfig
+from common.config import DatasetConfig, Pricing, RunConfig
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer
@@ -68,7 +68,7 @@ class Plan:
     model: str
     url: str
     context_length: int | None
-    pricing: ModelPricing | None
+    pricing: Pricing | None
     datasets: list[DatasetPlan]
     #: Why prices are unknown (the endpoint's error), when they are.
     unavailable: str | None = None
