@@ -7,6 +7,7 @@
     specfleet status [--watch]  progress of the run in Redis
     specfleet exporter          Prometheus metrics of the run in Redis
     specfleet check CONFIG      validate a run file and its datasets, send nothing
+    specfleet plan CONFIG       prompts, prompt tokens and the run's cost before any request
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.out is not None:
         cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"dir": args.out.resolve()})})
+    if not args.no_plan:
+        from producer.plan import check_plan
+
+        cfg = check_plan(cfg, settings.openrouter_base_url, yes=args.yes)
     url, _server = _redis_for(settings, cfg.output.dir)
     return execute(cfg, settings, url, progress=not args.no_progress, metrics_port=args.metrics_port,
                    stall_s=args.stall_s)
@@ -174,13 +179,20 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"{ds.path}: dataset {ds.name!r}: file not found")
             bad += 1
             continue
-        for _ in read_prompts(ds.path, errors, stats, limit=ds.max_prompts):
+        for _ in read_prompts(ds.path, errors, stats, limit=ds.max_prompts, max_line_bytes=ds.max_line_bytes):
             pass
         for err in errors:
             print(err)
         print(f"{ds.name}: {stats.prompts:,} prompts, {stats.malformed:,} malformed, "
               f"{stats.duplicates:,} duplicate ids")
     return 1 if bad else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from producer.plan import check_plan
+
+    check_plan(load_config(args.config), Settings.from_env().openrouter_base_url, yes=args.yes)
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -199,6 +211,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
     run.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
     run.add_argument("--stall-s", type=float, default=None, help=argparse.SUPPRESS)
+    run.add_argument("--yes", action="store_true", help="start even if the worst case exceeds [run] budget_usd")
+    run.add_argument("--no-plan", action="store_true",
+                     help="skip the plan (models endpoint, prompt tokens) before the run, e.g. offline")
     run.set_defaults(func=cmd_run)
     worker = sub.add_parser("worker", help="start a gevent worker (extra args go to celery)")
     worker.add_argument("celery_args", nargs=argparse.REMAINDER)
@@ -216,6 +231,10 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a run file and its datasets")
     check.add_argument("config", type=Path)
     check.set_defaults(func=cmd_check)
+    plan = sub.add_parser("plan", help="price a run and check its prompts fit, send nothing")
+    plan.add_argument("config", type=Path)
+    plan.add_argument("--yes", action="store_true", help="accept a worst case over [run] budget_usd")
+    plan.set_defaults(func=cmd_plan)
     demo = sub.add_parser("demo", help="the whole fleet on embedded defaults")
     demo.add_argument("--out", default="demo-out")
     demo.add_argument("--workers", type=int, default=2)

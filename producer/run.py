@@ -203,7 +203,7 @@ class Runner:
         previous = self._runs[-2] if len(self._runs) > 1 else None
         errors: list[DatasetRowError] = []
         stats = ReadStats()
-        prompts = read_prompts(ds.path, errors, stats, limit=ds.max_prompts)
+        prompts = read_prompts(ds.path, errors, stats, limit=ds.max_prompts, max_line_bytes=ds.max_line_bytes)
         first_batch = True
         enqueue_started = time.monotonic()
         for batch in _batches(prompts, ENQUEUE_BATCH):
@@ -343,7 +343,8 @@ class Runner:
         failed = set(k.decode() for k in self.client.hkeys(run.budget.keys.failed))
         errors: list[DatasetRowError] = []
         n = 0
-        for batch in _batches(read_prompts(run.cfg.path, errors, ReadStats(), limit=run.cfg.max_prompts),
+        for batch in _batches(read_prompts(run.cfg.path, errors, ReadStats(), limit=run.cfg.max_prompts,
+                                             max_line_bytes=run.cfg.max_line_bytes),
                               ENQUEUE_BATCH):
             n += self._enqueue(run, [p for p in batch if p.id not in failed])
         return n
