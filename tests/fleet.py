@@ -108,11 +108,11 @@ class Fleet:
                "-Q", "specfleet.idle", "-E", "-n", f"{name}@%h", "--without-mingle", "--without-gossip"]
         return self._spawn(name, cmd, self.env(SPECFLEET_CONCURRENCY=str(concurrency), **env))
 
-    def producer_cmd(self, config: Path) -> list[str]:
-        return [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "5"]
+    def producer_cmd(self, config: Path, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "5", *extra]
 
-    def start_producer(self, config: Path, name: str = "producer") -> subprocess.Popen[bytes]:
-        return self._spawn(name, self.producer_cmd(config), self.env())
+    def start_producer(self, config: Path, name: str = "producer", *extra: str) -> subprocess.Popen[bytes]:
+        return self._spawn(name, self.producer_cmd(config, *extra), self.env())
 
     def run_producer(self, config: Path, *, timeout_s: float = 180, name: str = "producer") -> str:
         proc = self.start_producer(config, name)
