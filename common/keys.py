@@ -15,6 +15,8 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:run:current           STRING  JSON {config_id, datasets, started_s, out_dir} of the run in progress
     specfleet:halt                  STRING  JSON {reason, message, worker}: the account was refused (401, 402):
                                             every admission stops until the next `specfleet run`
+    specfleet:throttle              HASH    the fleet-wide adaptive in-flight limit, pause, rate bucket (throttle.lua)
+    specfleet:throttle:slots        ZSET    upstream requests in flight, fleet-wide: slot id -> expiry ms
 
 Celery's own keys (the queue lists ``specfleet.q.<ds>``, ``unacked``, ``_kombu.*``) are kombu's.
 """
@@ -27,6 +29,9 @@ ACTIVE_QUEUES = f"{PREFIX}:active"
 PRODUCER_LOCK = f"{PREFIX}:producer:lock"
 CURRENT_RUN = f"{PREFIX}:run:current"
 HALT = f"{PREFIX}:halt"
+#: One throttle per Redis: rate limits belong to the account and model, not to a dataset or a run.
+THROTTLE = f"{PREFIX}:throttle"
+THROTTLE_SLOTS = f"{PREFIX}:throttle:slots"
 
 #: Prefix of the per-dataset Celery queue name (a Redis list of the same name).
 QUEUE_PREFIX = f"{PREFIX}.q."
