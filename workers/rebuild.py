@@ -123,6 +123,8 @@ def _assemble(target: TargetTokenizer, messages: list[dict[str, Any]], answer: A
         # does not know that hands the whole section over as reasoning. Keep it as emitted.
         at = reasoning.index(fmt.tool_call_open)
         reasoning, raw_tool_text = reasoning[:at], _strip_end(reasoning[at:], ends)
+        # No think-close follows, so the template's glue after the reasoning was never emitted.
+        reasoning = fmt.reasoning_edges.apply(reasoning, trail=False)
     elif reasoning and not content and not calls:
         reasoning = _strip_end(reasoning, ends)
 
@@ -138,14 +140,22 @@ def _assemble(target: TargetTokenizer, messages: list[dict[str, Any]], answer: A
         reasoning_end = "implicit"
     elif not content and not calls and not ended:
         # Cut off before any content: the model was still reasoning (hidden reasoning reads as "").
+        # Its end is text the model emitted, not glue before a think-close.
+        reasoning = fmt.reasoning_edges.apply(reasoning, trail=False) if reasoning else reasoning
         parts += [fmt.reasoning_prefix, reasoning or ""]
         reasoning_end = "truncated" if fmt.think_close is not None else "none"
     else:
+        # The template writes its own glue around reasoning and content and strips theirs: a
+        # provider that kept the newlines the model emitted as glue hands them over as text.
+        content_edges = fmt.plain_content_edges if reasoning is None else fmt.content_edges
+        if content is not None:
+            content = content_edges.apply(content, trail=ended or bool(calls))
         if reasoning is None:
             parts.append(fmt.no_reasoning_prefix)
             has_close = fmt.think_close is not None and fmt.think_close in fmt.no_reasoning_prefix
             reasoning_end = "explicit" if has_close else "none"
         else:
+            reasoning = fmt.reasoning_edges.apply(reasoning)
             parts += [fmt.reasoning_prefix, reasoning, fmt.reasoning_suffix]
             reasoning_end = "explicit"
         parts.append(content or "")
@@ -266,6 +276,13 @@ def _check_template(
 ) -> None:
     fmt = target.turn_format
     message = dict(assistant)
+    # The rebuilt text reads an absent content as "" and an absent reasoning as the template's
+    # empty block; say so to the template too (Qwen3's reads reasoning out of the content when
+    # none is given, and fails on a null content).
+    if message.get("content") is None:
+        message["content"] = ""
+    if fmt.reasoning_key and "reasoning_content" not in message:
+        message["reasoning_content"] = ""
     if "reasoning_content" in message and fmt.reasoning_key and fmt.reasoning_key != "reasoning_content":
         message[fmt.reasoning_key] = message.pop("reasoning_content")
     full = target.render([*messages, message], tools, add_generation_prompt=False)

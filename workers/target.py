@@ -16,7 +16,7 @@ import logging
 import re
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,6 +40,26 @@ _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 ToolCallStyle = Literal["kimi", "hermes", "none"]
 
+# Whitespace a template may strip from the edges of reasoning or content before writing its own
+# glue (Qwen3: ``reasoning_content.strip('\n')``, ``content.lstrip('\n')``); probed one at a time,
+# since ``strip('\n')`` stops at a space and ``trim`` does not.
+_EDGE_PROBE_CHARS = ("\n", " ", "\t")
+
+
+@dataclass(frozen=True)
+class StrippedEdges:
+    """Characters the template strips from the start (``lead``) and end (``trail``) of a text."""
+
+    lead: str = ""
+    trail: str = ""
+
+    def apply(self, text: str, *, lead: bool = True, trail: bool = True) -> str:
+        if lead and self.lead:
+            text = text.lstrip(self.lead)
+        if trail and self.trail:
+            text = text.rstrip(self.trail)
+        return text
+
 
 @dataclass(frozen=True)
 class TurnFormat:
@@ -48,6 +68,10 @@ class TurnFormat:
     ``reasoning_prefix + reasoning + reasoning_suffix + content + tool text + end_of_turn`` is the
     text the model generates. ``end_of_turn_tail`` is what the template writes after the
     end-of-turn token (ChatML's "\\n"): the model stops at the end token and never generates it.
+
+    ``reasoning_edges`` / ``content_edges`` (after a reasoning block) / ``plain_content_edges`` (no
+    reasoning) are what the template strips from those texts before writing its own glue: the model
+    emitted the glue once, so whatever a provider kept of it must not be written twice.
     """
 
     generation_prompt: str
@@ -65,6 +89,9 @@ class TurnFormat:
     tool_call_ids_rendered: bool
     keeps_final_reasoning: bool
     keeps_final_reasoning_with_tool_calls: bool
+    reasoning_edges: StrippedEdges = StrippedEdges()
+    content_edges: StrippedEdges = StrippedEdges()
+    plain_content_edges: StrippedEdges = StrippedEdges()
 
 
 class _DropEncodeChatter(logging.Filter):
@@ -307,6 +334,17 @@ class TargetTokenizer:
             think_open, think_close = before[-1], after[0]
             prompt_opens_think = think_open not in reasoning_prefix
 
+        reasoning_edges = content_edges = StrippedEdges()
+        if reasoning_key is not None:
+            key = reasoning_key
+            extra: dict[str, Any] = {} if keeps_plain else {"tool_calls": [probe_call]}
+            reasoning_edges, content_edges = self._probe_edges(
+                prompt, lambda r, c: {"role": "assistant", key: r, "content": c, **extra}, with_reasoning=True
+            )
+        _, plain_content_edges = self._probe_edges(
+            prompt, lambda r, c: {"role": "assistant", "content": c}, with_reasoning=False
+        )
+
         # Tool calls: which special token opens them, whether the call id is part of the text.
         tools_turn = self._turn_after_prompt(
             prompt, {"role": "assistant", "content": _PROBE_CONTENT, "tool_calls": [probe_call]}
@@ -336,7 +374,41 @@ class TargetTokenizer:
             tool_call_ids_rendered=ids_rendered,
             keeps_final_reasoning=keeps_plain,
             keeps_final_reasoning_with_tool_calls=keeps_tools,
+            reasoning_edges=reasoning_edges,
+            content_edges=content_edges,
+            plain_content_edges=plain_content_edges,
         )
+
+    def _probe_edges(
+        self, prompt: str, message: Callable[[str, str], dict[str, Any]], *, with_reasoning: bool
+    ) -> tuple[StrippedEdges, StrippedEdges]:
+        """(reasoning, content) edges the template strips, read off the probe turn rendered again
+        with each whitespace character doubled around the probe texts: a copy that is gone was
+        stripped. Anything else the template does with them counts as kept (the template check
+        has the last word on every row anyway)."""
+        base = _gaps(self._turn_after_prompt(prompt, message(_PROBE_REASONING, _PROBE_CONTENT)), with_reasoning)
+        r_lead = r_trail = c_lead = c_trail = ""
+        for ch in _EDGE_PROBE_CHARS:
+            pad = ch * 2
+            turn = self._turn_after_prompt(prompt, message(pad + _PROBE_REASONING + pad, pad + _PROBE_CONTENT + pad))
+            gaps = _gaps(turn, with_reasoning)
+            if base is None or gaps is None:
+                continue
+            if gaps[0] == base[0]:
+                if with_reasoning:
+                    r_lead += ch
+                else:
+                    c_lead += ch
+            if gaps[-1] == base[-1]:
+                c_trail += ch
+            if with_reasoning:
+                # Reasoning's end and content's start meet in one gap: which copies are left?
+                for kept_r, kept_c in ((False, False), (True, False), (False, True), (True, True)):
+                    if (pad if kept_r else "") + base[1] + (pad if kept_c else "") == gaps[1]:
+                        r_trail += "" if kept_r else ch
+                        c_lead += "" if kept_c else ch
+                        break
+        return StrippedEdges(r_lead, r_trail), StrippedEdges(c_lead, c_trail)
 
     def _split_end(self, after_content: str) -> tuple[str, str]:
         """Split what follows a turn's content into the end-of-turn text the model generates (up to
@@ -401,6 +473,19 @@ class TargetTokenizer:
                 f"tokenizer {self.name!r} fails the special-token round trip, refusing to start: "
                 + "; ".join(problems)
             )
+
+
+def _gaps(turn: str, with_reasoning: bool) -> list[str] | None:
+    """The template's text before, between and after the probe texts of a rendered turn (None if
+    a probe is missing or repeated, so the positions are not clear)."""
+    probes = [_PROBE_REASONING, _PROBE_CONTENT] if with_reasoning else [_PROBE_CONTENT]
+    gaps, rest = [], turn
+    for probe in probes:
+        if rest.count(probe) != 1:
+            return None
+        before, rest = rest.split(probe)
+        gaps.append(before)
+    return [*gaps, rest]
 
 
 def _plain_backend(tokenizer: Any) -> Any:
