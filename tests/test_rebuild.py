@@ -339,7 +339,8 @@ def test_qwen3_both_newline_forms_rebuild_the_same_ids_in_every_shape(targets: d
         (KEPT, {"reasoning": "Let me think.", "content": "Sunny, 21 °C."}, "stop", REASONING_AND_CONTENT[QWEN]),
         ({"content": "\n\nHello!"}, {"content": "Hello!"}, "stop", CONTENT_ONLY[QWEN]),
         ({"reasoning": "\nI need data.\n", "content": "\n\n", "tool_calls": STRUCTURED_CALLS},
-         {"reasoning": "I need data.", "content": None, "tool_calls": STRUCTURED_CALLS}, "tool_calls", STRUCTURED[QWEN]),
+         {"reasoning": "I need data.", "content": None, "tool_calls": STRUCTURED_CALLS}, "tool_calls",
+         STRUCTURED[QWEN]),
         # Cut inside the content: reasoning closed, the content's end is text the model emitted.
         ({"reasoning": "\nLet me think.\n", "content": "\n\nSunny, 21\n"},
          {"reasoning": "Let me think.", "content": "Sunny, 21\n"}, "length",
@@ -568,8 +569,40 @@ def test_special_token_not_matched_inside_text_refuses_to_start(tmp_path: Path) 
 
 def test_template_token_missing_from_the_vocabulary_refuses_to_start(tmp_path: Path) -> None:
     family = dataclasses.replace(KIMI_K25, specials=tuple(s for s in KIMI_K25.specials if s != "</think>"))
-    with pytest.raises(TokenizerError, match="kimi"):
+    refusal = r"kimi-no-close.*not delimited.*'</think>' encodes as \d+ ordinary tokens"
+    with pytest.raises(TokenizerError, match=refusal):
         TargetTokenizer.load(str(write_tokenizer(family, tmp_path / "kimi-no-close")), trust_remote_code=False)
+
+
+# What Kimi's remote code registers as added tokens when its config names no others.
+KIMI_NAMED_SPECIALS = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"]
+
+
+@pytest.mark.parametrize(
+    ("named", "refusal"),
+    [
+        # Kimi-like: the chat tokens are named, the think tokens are not.
+        (KIMI_NAMED_SPECIALS, r"reasoning block is not delimited by special tokens, refusing to start: "
+                              r"'<think>' encodes as \d+ ordinary tokens \['<', .*\]; "
+                              r"'</think>' encodes as \d+ ordinary tokens \['<', .*\] "
+                              r"\(this tokenizer encodes special-token text as plain text.*"
+                              r"'<\|im_end\|>' encodes to \[\d+, \d+.*\], not \[\d+\]"),
+        # None named: the end of turn is the first thing found unmarked.
+        ([], r"ends an assistant turn with '<\|im_end\|>', which holds no special token the model could stop "
+             r"on, refusing to start: '<\|im_end\|>' encodes as \d+ ordinary tokens .*as plain text"),
+    ],
+)
+def test_special_token_text_encoded_as_plain_text_refuses_naming_the_cause(
+    tmp_path: Path, named: list[str], refusal: str
+) -> None:
+    """A remote tokenizer that spells special-token text as ordinary tokens and lists only the
+    tokens its config names: the refusal says the text encodes as plain text, token by token."""
+    family = dataclasses.replace(KIMI_K25, extra_config={"additional_special_tokens": named} if named else {})
+    directory = write_remote_tokenizer(
+        family, tmp_path / "plain-specials", class_name="PlainTextSpecialsTokenizer", first_bad_id_token="[PAD]"
+    )
+    with pytest.raises(TokenizerError, match=refusal):
+        TargetTokenizer.load(str(directory), trust_remote_code=True)
 
 
 def test_load_failure_names_the_tokenizer(tmp_path: Path) -> None:

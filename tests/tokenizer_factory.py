@@ -186,91 +186,100 @@ _CHATML_TEMPLATE = r"""
 # split out of ``content`` at ``</think>``, written as ``<think>\n{reasoning.strip('\n')}\n</think>\n\n``
 # then ``content.lstrip('\n')`` on turns after the last user query; ``enable_thinking=False`` puts
 # the empty block in the generation prompt.
-_QWEN3_TEMPLATE = r'''{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set content = message.content %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in message.content %}
-                {%- set content = message.content.split('</think>')[-1].lstrip('\n') %}
-                {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}'''
+_QWEN3_TEMPLATE = "\n".join([
+    r'''{%- if tools %}''',
+    r'''    {{- '<|im_start|>system\n' }}''',
+    r'''    {%- if messages[0].role == 'system' %}''',
+    r'''        {{- messages[0].content + '\n\n' }}''',
+    r'''    {%- endif %}''',
+    r'''    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou'''
+    r''' are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}''',
+    r'''    {%- for tool in tools %}''',
+    r'''        {{- "\n" }}''',
+    r'''        {{- tool | tojson }}''',
+    r'''    {%- endfor %}''',
+    r'''    {{- "\n</tools>\n\nFor each function call, return a json object with function name and'''
+    r''' arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>,'''
+    r''' \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}''',
+    r'''{%- else %}''',
+    r'''    {%- if messages[0].role == 'system' %}''',
+    r'''        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}''',
+    r'''    {%- endif %}''',
+    r'''{%- endif %}''',
+    r'''{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}''',
+    r'''{%- for message in messages[::-1] %}''',
+    r'''    {%- set index = (messages|length - 1) - loop.index0 %}''',
+    r'''    {%- if ns.multi_step_tool and message.role == "user" and'''
+    r''' not(message.content.startswith('<tool_response>') and'''
+    r''' message.content.endswith('</tool_response>')) %}''',
+    r'''        {%- set ns.multi_step_tool = false %}''',
+    r'''        {%- set ns.last_query_index = index %}''',
+    r'''    {%- endif %}''',
+    r'''{%- endfor %}''',
+    r'''{%- for message in messages %}''',
+    r'''    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}''',
+    r'''        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}''',
+    r'''    {%- elif message.role == "assistant" %}''',
+    r'''        {%- set content = message.content %}''',
+    r'''        {%- set reasoning_content = '' %}''',
+    r'''        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}''',
+    r'''            {%- set reasoning_content = message.reasoning_content %}''',
+    r'''        {%- else %}''',
+    r'''            {%- if '</think>' in message.content %}''',
+    r'''                {%- set content = message.content.split('</think>')[-1].lstrip('\n') %}''',
+    r'''                {%- set reasoning_content ='''
+    r''' message.content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}''',
+    r'''            {%- endif %}''',
+    r'''        {%- endif %}''',
+    r'''        {%- if loop.index0 > ns.last_query_index %}''',
+    r'''            {%- if loop.last or (not loop.last and reasoning_content) %}''',
+    r'''                {{- '<|im_start|>' + message.role + '\n<think>\n' +'''
+    r''' reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}''',
+    r'''            {%- else %}''',
+    r'''                {{- '<|im_start|>' + message.role + '\n' + content }}''',
+    r'''            {%- endif %}''',
+    r'''        {%- else %}''',
+    r'''            {{- '<|im_start|>' + message.role + '\n' + content }}''',
+    r'''        {%- endif %}''',
+    r'''        {%- if message.tool_calls %}''',
+    r'''            {%- for tool_call in message.tool_calls %}''',
+    r'''                {%- if (loop.first and content) or (not loop.first) %}''',
+    r'''                    {{- '\n' }}''',
+    r'''                {%- endif %}''',
+    r'''                {%- if tool_call.function %}''',
+    r'''                    {%- set tool_call = tool_call.function %}''',
+    r'''                {%- endif %}''',
+    r'''                {{- '<tool_call>\n{"name": "' }}''',
+    r'''                {{- tool_call.name }}''',
+    r'''                {{- '", "arguments": ' }}''',
+    r'''                {%- if tool_call.arguments is string %}''',
+    r'''                    {{- tool_call.arguments }}''',
+    r'''                {%- else %}''',
+    r'''                    {{- tool_call.arguments | tojson }}''',
+    r'''                {%- endif %}''',
+    r'''                {{- '}\n</tool_call>' }}''',
+    r'''            {%- endfor %}''',
+    r'''        {%- endif %}''',
+    r'''        {{- '<|im_end|>\n' }}''',
+    r'''    {%- elif message.role == "tool" %}''',
+    r'''        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}''',
+    r'''            {{- '<|im_start|>user' }}''',
+    r'''        {%- endif %}''',
+    r'''        {{- '\n<tool_response>\n' }}''',
+    r'''        {{- message.content }}''',
+    r'''        {{- '\n</tool_response>' }}''',
+    r'''        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}''',
+    r'''            {{- '<|im_end|>\n' }}''',
+    r'''        {%- endif %}''',
+    r'''    {%- endif %}''',
+    r'''{%- endfor %}''',
+    r'''{%- if add_generation_prompt %}''',
+    r'''    {{- '<|im_start|>assistant\n' }}''',
+    r'''    {%- if enable_thinking is defined and enable_thinking is false %}''',
+    r'''        {{- '<think>\n\n</think>\n\n' }}''',
+    r'''    {%- endif %}''',
+    r'''{%- endif %}''',
+])
 
 DEEPSEEK_SPECIALS = (
     "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
@@ -457,6 +466,23 @@ class ChattyTokenizer(TokenizersBackend):
             logger.warning(f"Calling super().encode with {kwargs}")
             print(f"Calling super().encode with {kwargs}")
         return super().encode(text, **kwargs)
+
+
+class PlainTextSpecialsTokenizer(ChattyTokenizer):
+    # Lists as added tokens only the special tokens its config names (as Kimi's remote code does)
+    # and encodes every special token's text as ordinary tokens.
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.split_special_tokens = True
+        self._named_only = True
+
+    @property
+    def added_tokens_decoder(self):
+        tokens = super().added_tokens_decoder
+        if not getattr(self, "_named_only", False):  # still initialising
+            return tokens
+        named = set(self.all_special_tokens)
+        return {i: t for i, t in tokens.items() if t.content in named}
 
 
 class BuggyDecodeTokenizer(ChattyTokenizer):

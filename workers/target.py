@@ -325,13 +325,20 @@ class TargetTokenizer:
             at_c = turn.index(_PROBE_CONTENT)
             reasoning_prefix = turn[:at_r]
             reasoning_suffix = turn[at_r + len(_PROBE_REASONING) : at_c]
-            before = [m.group() for m in self.specials_in(prompt + reasoning_prefix)]
-            after = [m.group() for m in self.specials_in(reasoning_suffix)]
-            if not before or not after:
-                raise TokenizerError(
-                    f"tokenizer {self.name!r}: the template's reasoning block is not delimited by special tokens"
+            # The delimiters are the special tokens right next to the reasoning (whitespace apart):
+            # a special token further out (Kimi's <|im_middle|>) is not what opens it.
+            open_text = prompt + reasoning_prefix
+            before = list(self.specials_in(open_text))
+            after = list(self.specials_in(reasoning_suffix))
+            opener = before[-1] if before and not open_text[before[-1].end() :].strip() else None
+            closer = after[0] if after and not reasoning_suffix[: after[0].start()].strip() else None
+            if opener is None or closer is None:
+                raise self._refuse_unmarked(
+                    "the template's reasoning block is not delimited by special tokens",
+                    ([] if opener else open_text[before[-1].end() if before else 0 :].split()[-1:])
+                    + ([] if closer else reasoning_suffix[: after[0].start() if after else None].split()[:1]),
                 )
-            think_open, think_close = before[-1], after[0]
+            think_open, think_close = opener.group(), closer.group()
             prompt_opens_think = think_open not in reasoning_prefix
 
         reasoning_edges = content_edges = StrippedEdges()
@@ -415,11 +422,42 @@ class TargetTokenizer:
         and including the first special token) and the template's tail after it."""
         first = next(iter(self.specials_in(after_content)), None)
         if first is None:
-            raise TokenizerError(
-                f"tokenizer {self.name!r}: the template ends an assistant turn with {after_content!r}, "
-                "which holds no special token the model could stop on"
+            raise self._refuse_unmarked(
+                f"the template ends an assistant turn with {after_content!r}, which holds no special token "
+                "the model could stop on",
+                after_content.split()[:1],
             )
         return after_content[: first.end()], after_content[first.end() :]
+
+    def _refuse_unmarked(self, problem: str, words: Sequence[str]) -> TokenizerError:
+        """The refusal for a template whose structure should be marked by special tokens and is not,
+        naming why: usually the tokenizer encodes the special-token text the template writes as
+        ordinary tokens (remote code that does not map it to its id, a vocabulary without it)."""
+        causes, plain = [], False
+        for word in words:
+            ids = self.encode(word)
+            if len(ids) > 1:
+                plain = True
+                causes.append(f"{word!r} encodes as {len(ids)} ordinary tokens {[self.decode([i]) for i in ids]}")
+            elif ids:
+                causes.append(f"{word!r} encodes to id {ids[0]}, which the tokenizer does not list as an added token")
+        message = f"tokenizer {self.name!r}: {problem}, refusing to start"
+        if causes:
+            message += ": " + "; ".join(causes)
+        if plain:
+            message += (
+                " (this tokenizer encodes special-token text as plain text, so rows would train on its "
+                "characters instead of the token the model emits)"
+            )
+        spelled = [
+            f"{token!r} encodes to {ids}, not [{token_id}]"
+            for token, token_id in self.special_ids_by_string.items()
+            if (ids := self.encode(token)) != [token_id]
+        ]
+        if spelled:
+            message += f"; the special tokens it does list are spelled out too: {'; '.join(spelled[:4])}"
+            message += f" (and {len(spelled) - 4} more)" if len(spelled) > 4 else ""
+        return TokenizerError(message)
 
     # --- start-up check -----------------------------------------------------------------------
 
