@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from common.errors import TokenizerError, TokenMismatch
+from tests.tokenizer_factory import CHATML as CHATML_FAMILY
 from tests.tokenizer_factory import (
     FAMILIES,
     KIMI_K2_THINKING,
@@ -398,6 +399,27 @@ def test_without_the_strip_the_template_check_refuses_the_kept_newlines(
     assert family != REAL_QWEN or leaves == 1  # as the issue reports for the real tokenizer
 
 
+def test_generated_text_is_encoded_without_the_normalizer(tmp_path: Path) -> None:
+    """Qwen's tokenizer normalizes to NFC. The server does that to the prompt; the model's sampled
+    tokens are never normalized, so a decomposed "e\u0301" in the answer is the two characters'
+    ids (which decode back to it), while the same text in the prompt is the ids of "é"."""
+    directory = write_tokenizer(CHATML_FAMILY, tmp_path / "nfc")
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "NFC"}
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    target = TargetTokenizer.load(str(directory), trust_remote_code=False)
+    decomposed, composed = "Cafe\u0301", "Caf\u00e9"
+    messages = [{"role": "user", "content": decomposed}]
+    row = run(target, {"reasoning": decomposed, "content": decomposed}, "stop", messages=messages)
+    assert row.completion_text == REASONING_AND_CONTENT[CHATML].replace("Let me think.", decomposed).replace(
+        "Sunny, 21 °C.", decomposed
+    )
+    assert target.decode(completion_ids(row)) == row.completion_text
+    assert target.decode(row.input_ids[: row.prompt_tokens]) == target.render(
+        [{"role": "user", "content": composed}], None, add_generation_prompt=True
+    )
+
+
 # --- answer_from_message ------------------------------------------------------------------------
 
 
@@ -430,8 +452,9 @@ def test_answer_keeps_empty_and_null_apart() -> None:
 
 
 def _with_encode(monkeypatch: pytest.MonkeyPatch, target: TargetTokenizer, text: str, fake: Any) -> None:
-    real = target.encode
-    monkeypatch.setattr(target, "encode", lambda t: fake(real, t) if t == text else real(t))
+    for name in ("encode", "encode_generated"):
+        real = getattr(target, name)
+        monkeypatch.setattr(target, name, lambda t, real=real: fake(real, t) if t == text else real(t))
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

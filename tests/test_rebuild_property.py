@@ -18,6 +18,7 @@ that module's docstring.
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any
 
 import pytest
@@ -99,6 +100,9 @@ def test_both_newline_forms_rebuild_what_the_model_emitted(
     # end of reasoning, tested elsewhere).
     leaks = ("<|im_end|>", "<|im_end|>\n")
     assume(not content.endswith(leaks))
+    # The oracle encodes through the tokenizer's normalizer (the real Qwen3's NFC), which generated
+    # text skips (tested in test_rebuild): keep to text it leaves alone.
+    assume(unicodedata.is_normalized("NFC", reasoning + content))
     assume(content or not (reasoning.endswith(leaks) or "<tool_call>" in reasoning))
 
     # A reasoning parser that keeps the newlines hands over everything between the tags.

@@ -80,7 +80,7 @@ def rebuild(
     prompt_text = target.render(messages, tools, add_generation_prompt=True)
     prompt_ids = target.encode(prompt_text)
     turn = _assemble(target, messages, answer)
-    completion_ids = target.encode(turn.text)
+    completion_ids = target.encode_generated(turn.text)
 
     _check_round_trip(target, turn.text, completion_ids)
     _check_special_ids(target, turn.text, completion_ids)
@@ -257,7 +257,7 @@ def _check_special_ids(target: TargetTokenizer, text: str, ids: list[int]) -> No
         if want == got:
             continue
         # Where it went wrong: the token at which the k-th special should have started.
-        position = len(target.encode(text[: wanted[k][0]])) if k < len(wanted) else found[k][0]
+        position = len(target.encode_generated(text[: wanted[k][0]])) if k < len(wanted) else found[k][0]
         raise TokenMismatch(
             "special",
             position,
@@ -300,7 +300,7 @@ def _check_template(
         turn = full[cut + len(fmt.generation_prompt) :] if cut >= 0 else full
     if fmt.end_of_turn_tail and turn.endswith(fmt.end_of_turn_tail):
         turn = turn[: -len(fmt.end_of_turn_tail)]
-    position = _first_difference(target.encode(turn), completion_ids)
+    position = _first_difference(target.encode_generated(turn), completion_ids)
     raise TokenMismatch(
         "template", position, f"template renders the turn as {_clip(turn)}, rebuilt {_clip(completion_text)}"
     )

@@ -140,6 +140,7 @@ class TargetTokenizer:
         self.name = name
         self._tok = tokenizer
         self._backend = _plain_backend(tokenizer)
+        self._generated_backend = _without_normalizer(self._backend)
         self._encode_kwargs: dict[str, Any] = {}
         self.special_ids_by_string: dict[str, int] = {
             str(added.content): int(token_id) for token_id, added in tokenizer.added_tokens_decoder.items()
@@ -214,6 +215,17 @@ class TargetTokenizer:
             return list(self._tok.encode(text))
         with _quiet_stdout():
             return list(self._tok.encode(text, **self._encode_kwargs))
+
+    def encode_generated(self, text: str) -> list[int]:
+        """Token ids of text the model generated. Like ``encode`` but without the tokenizer's
+        normalizer (Qwen's NFC): the server normalizes the prompt it encodes, never the tokens the
+        model samples, so generated "e\u0301" is the ids of those two characters, which decode back
+        to them, not the ids of "é"."""
+        if self._generated_backend is None or self._generated_backend is self._backend:
+            return self.encode(text)
+        if not text:
+            return []
+        return list(self._generated_backend.encode_batch_fast([text], add_special_tokens=False)[0].ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens kept and no clean-up of spaces."""
@@ -524,6 +536,17 @@ def _gaps(turn: str, with_reasoning: bool) -> list[str] | None:
         before, rest = rest.split(probe)
         gaps.append(before)
     return [*gaps, rest]
+
+
+def _without_normalizer(backend: Any) -> Any:
+    """A copy of a Rust tokenizer without its normalizer (the same object if it has none)."""
+    if backend is None or backend.normalizer is None:
+        return backend
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.normalizer = None
+    return copy
 
 
 def _plain_backend(tokenizer: Any) -> Any:
