@@ -2,8 +2,11 @@
 
 ``input_ids = prompt ids + completion ids``: the prompt is the template rendered with the generation
 prompt (what the model saw); the completion is the assistant turn rebuilt from the answer's parts in
-the template's own layout (``TurnFormat``). Never render the finished conversation and cut it: Kimi's
-templates render a final turn without tool calls as history and drop its reasoning.
+the template's own layout (``TurnFormat``), with the edges the template strips from reasoning and
+content stripped (whether the provider kept the newlines around them or not, the model emitted the
+template's glue once), encoded as generated text (no normalizer). Never render the finished
+conversation and cut it: Kimi's templates render a final turn without tool calls as history and
+drop its reasoning.
 
 Every row passes three self-checks or raises ``TokenMismatch``: the completion ids decode back to
 the rebuilt text; every special-token string in that text became its single id; and, where the
@@ -276,12 +279,13 @@ def _check_template(
 ) -> None:
     fmt = target.turn_format
     message = dict(assistant)
-    # The rebuilt text reads an absent content as "" and an absent reasoning as the template's
-    # empty block; say so to the template too (Qwen3's reads reasoning out of the content when
-    # none is given, and fails on a null content).
+    # The rebuilt text reads an absent content as "", and an absent reasoning as the empty block
+    # where the template writes one for it; say so to the template too (Qwen3's reads reasoning
+    # out of the content when none is given, and fails on a null content).
     if message.get("content") is None:
         message["content"] = ""
-    if fmt.reasoning_key and "reasoning_content" not in message:
+    empty_block = fmt.reasoning_prefix + fmt.reasoning_suffix
+    if fmt.reasoning_key and "reasoning_content" not in message and fmt.no_reasoning_prefix == empty_block:
         message["reasoning_content"] = ""
     if "reasoning_content" in message and fmt.reasoning_key and fmt.reasoning_key != "reasoning_content":
         message[fmt.reasoning_key] = message.pop("reasoning_content")
