@@ -15,25 +15,21 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import redis
 
 from common import logs
-from common.config import RunConfig, load_config
-from common.contract import IDLE_QUEUE
+from common.config import load_config
 from common.datasets import ReadStats, read_prompts
 from common.errors import DatasetRowError, SpecfleetError
 from common.settings import Settings
+from common.worker_cmd import worker_argv
+from producer.execute import execute
 
 log = logging.getLogger("specfleet")
-
-EXIT_INTERRUPTED = 130
-EXIT_HALTED = 3
 
 
 def _redis_for(settings: Settings, out_dir: Path) -> tuple[str, object | None]:
@@ -49,52 +45,6 @@ def _redis_for(settings: Settings, out_dir: Path) -> tuple[str, object | None]:
     return url, server
 
 
-def execute(
-    cfg: RunConfig,
-    settings: Settings,
-    redis_url: str,
-    *,
-    progress: bool = True,
-    metrics_port: int | None = None,
-    stall_s: float | None = None,
-) -> int:
-    """Run a config to its end against ``redis_url`` and print the per-dataset report."""
-    from producer.celery_app import make_app
-    from producer.progress import ProgressView
-    from producer.report import write_report
-    from producer.run import Halted, Interrupted, Runner, Tuning, report_line
-    from producer.state import read_timeline
-
-    client = redis.Redis.from_url(redis_url)
-    if metrics_port:
-        from producer.metrics import start_metrics_server
-
-        start_metrics_server(client, metrics_port)
-        log.info("metrics on :%d/metrics", metrics_port)
-    names = [d.name for d in cfg.datasets]
-    runner = Runner(
-        cfg,
-        client,
-        make_app(settings, redis_url),
-        progress=ProgressView(names) if progress else None,
-        tuning=Tuning(stall_s=stall_s) if stall_s else Tuning(),
-    )
-    try:
-        summaries = runner.run()
-    except Interrupted:
-        print("interrupted: state is kept in Redis; run the same command again to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Halted as exc:
-        print(f"specfleet: halted: {exc}", file=sys.stderr)
-        return EXIT_HALTED
-    report = write_report(cfg.output.dir, summaries, {n: read_timeline(client, n) for n in names})
-    print()
-    for s in summaries:
-        print(report_line(s))
-    print(f"rows: {cfg.output.dir}/<dataset>/shard-*.jsonl · report: {report}")
-    return 0
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     cfg = load_config(args.config)
@@ -108,15 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     settings.require_redis_url()
-    celery = shutil.which("celery") or "celery"
-    argv = [
-        celery, "-A", "workers", "worker", "-P", "gevent",
-        "-c", str(settings.worker_concurrency),
-        "-Q", IDLE_QUEUE, "-E",
-        "-n", f"worker-{uuid.uuid4().hex[:6]}@%h",
-        "--without-mingle", "--without-gossip",
-        *args.celery_args,
-    ]
+    argv = worker_argv(settings.worker_concurrency, extra=args.celery_args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.execvp(argv[0], argv)
 

@@ -9,7 +9,8 @@ import msgpack
 import redis
 
 from common.budget import Budget
-from producer.collector import CHECKPOINT, Collector, shard_path
+from producer.collector import Collector
+from producer.rows import CHECKPOINT, shard_path
 
 
 def _keep(b: Budget, n: int, start: int = 0) -> None:
