@@ -99,9 +99,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_exporter(args: argparse.Namespace) -> int:
     from producer.metrics import start_metrics_server
 
-    client = redis.Redis.from_url(Settings.from_env().require_redis_url())
-    start_metrics_server(client, args.port)
-    log.info("metrics on :%d/metrics", args.port)
+    settings = Settings.from_env()
+    client = redis.Redis.from_url(settings.require_redis_url())
+    port = settings.metrics_port if args.port is None else args.port
+    start_metrics_server(client, port)
+    log.info("metrics on :%d/metrics", port)
     while True:
         time.sleep(3600)
 
@@ -153,7 +155,9 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
     exporter = sub.add_parser("exporter", help="serve Prometheus metrics of the run in Redis")
-    exporter.add_argument("--port", type=int, default=Settings.from_env().metrics_port)
+    # The default is read when the command runs, inside main's error handling: a bad
+    # SPECFLEET_METRICS_PORT is then one `specfleet:` line, not a traceback from building the parser.
+    exporter.add_argument("--port", type=int, default=None, help="default: SPECFLEET_METRICS_PORT (9808)")
     exporter.set_defaults(func=cmd_exporter)
     check = sub.add_parser("check", help="validate a run file and its datasets")
     check.add_argument("config", type=Path)
@@ -184,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except SpecfleetError as exc:
         print(f"specfleet: {exc}", file=sys.stderr)
+        return 2
+    except redis.ConnectionError as exc:  # status/exporter/worker checks meet a Redis that is not there
+        print(f"specfleet: cannot reach Redis: {exc}", file=sys.stderr)
         return 2
 
 
