@@ -170,8 +170,12 @@ class JsonlShards:
                     room = self.shard_rows
                 chunk, lines = lines[:room], lines[room:]
                 path = shard_path(self.dir, cp.shard)
-                with path.open("ab") as fh:
+                # At the checkpoint's offset, not appended: bytes a failed write left behind
+                # are overwritten, so writing a batch again never writes it twice.
+                with path.open("r+b" if path.exists() else "wb") as fh:
+                    fh.seek(cp.offset)
                     fh.write(b"".join(chunk))
+                    fh.truncate()
                     fh.flush()
                     os.fsync(fh.fileno())
                     cp = replace(cp, offset=fh.tell(), rows_in_shard=cp.rows_in_shard + len(chunk))

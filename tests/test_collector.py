@@ -135,7 +135,10 @@ def test_a_refused_write_keeps_the_writer_at_its_last_durable_position(
         with pytest.raises(OutputError):
             writer.write([{"id": f"p{i}", "num_tokens": 1} for i in range(1, 4)], "4-0")
     assert (writer.last_id, writer.rows) == ("1-0", 1)
-    # The rows the failed batch got onto disk are not "kept": only the checkpointed one is, before
-    # recovery cuts the rest off and after.
+    # The rows the failed batch got onto disk are not "kept": only the checkpointed one is.
     assert [r["id"] for r in JsonlShards(tmp_path / "D", shard_rows=2).iter_kept()] == ["p0"]
-    assert [r["id"] for r in open_writer(tmp_path / "D", shard_rows=2).iter_kept()] == ["p0"]
+    # Writing the batch again (the folder has room now) writes it once, over what the failure left.
+    writer.write([{"id": f"p{i}", "num_tokens": 1} for i in range(1, 4)], "4-0")
+    assert [r["id"] for r in writer.iter_kept()] == ["p0", "p1", "p2", "p3"]
+    assert [r["id"] for r in open_writer(tmp_path / "D", shard_rows=2).iter_kept()] == ["p0", "p1", "p2", "p3"]
+    assert writer.files() == ["shard-00000.jsonl", "shard-00001.jsonl"]
