@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from common.budget import Budget
-from producer.collector import Collector
 from common.errors import OutputError
+from producer.collector import Collector
 from producer.rows import CHECKPOINT, JsonlShards, open_writer, shard_path
 
 
