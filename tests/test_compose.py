@@ -256,10 +256,11 @@ def test_specfleet_worker_execs_celery_with_gevent_and_concurrency_from_env(monk
     argv: list[str] = []
     monkeypatch.setattr(os, "execvp", lambda _file, args: argv.extend(args))
     cli.main(["worker"])
-    assert Path(argv[0]).name == "celery" and argv[1:5] == ["-A", "workers", "worker", "-P"]
+    assert argv[1:3] == ["-m", "celery"] and argv[3:7] == ["-A", "workers", "worker", "-P"]
     joined = " ".join(argv)
     assert "-P gevent" in joined and "-c 37" in joined and " -E" in joined and "-Q specfleet.idle" in joined
-    assert re.search(r"-n worker-[0-9a-f]{6}@%h", joined), joined
+    # One worker per container: the stable name, so a restarted container is the same node in Flower.
+    assert "-n specfleet@%h" in joined, joined
 
 
 def test_stop_grace_periods_outlast_what_each_process_finishes_on_sigterm() -> None:
