@@ -31,7 +31,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(node: str, path: list[str]) -> list[str] | None:
         if node in path:
-            return path[path.index(node):] + [node]
+            return [*path[path.index(node):], node]
         if node in done:
             return None
         for dep in sorted(graph[node]):
