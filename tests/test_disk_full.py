@@ -9,9 +9,12 @@ import signal
 import subprocess
 import time
 
+import pytest
 import redis
 
 from tests.fleet import Fleet
+
+pytestmark = pytest.mark.fleet
 
 #: Enough for the first rows of the first shard, far below the run's output (~300 rows of a few kB).
 FSIZE_LIMIT_BYTES = 64 * 1024
