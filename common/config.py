@@ -26,6 +26,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class Pricing(_Strict):
+    """The model's price in USD, OpenRouter's ``pricing`` shape: per token, and per request."""
+
+    prompt: float = Field(ge=0)
+    completion: float = Field(ge=0)
+    request: float = Field(default=0.0, ge=0)
+
+
 class ModelConfig(_Strict):
     #: What OpenRouter is asked for.
     name: str = Field(min_length=1)
@@ -33,6 +41,9 @@ class ModelConfig(_Strict):
     tokenizer: str = Field(min_length=1)
     trust_remote_code: bool = False
     revision: str | None = None
+    #: The price that dollar budgets use for worst-case holds. Stated here, it overrides what the
+    #: models endpoint says; absent, it is read from there at run start.
+    pricing: Pricing | None = None
 
 
 class LengthClass(_Strict):
@@ -43,10 +54,6 @@ class LengthClass(_Strict):
     #: max_tokens, which can't overshoot the budget in the first wave; a lower guess admits more
     #: requests at the start but overshoots if it is wrong.
     estimate_tokens: int | None = Field(default=None, gt=0)
-
-    @property
-    def prior_estimate_tokens(self) -> int:
-        return self.estimate_tokens or self.max_tokens
 
 
 LengthName = Literal["short", "long"]
@@ -98,6 +105,8 @@ class DatasetConfig(_Strict):
     path: Path
     length: Literal["short", "long"] = "short"
     budget_tokens: int = Field(default=DEFAULT_BUDGET_TOKENS, gt=0)
+    #: Spend at most this many USD on the dataset (billed answers, kept or not). None: no limit.
+    budget_usd: float | None = Field(default=None, gt=0)
     #: Take at most this many prompts from the file (None: all).
     max_prompts: int | None = Field(default=None, gt=0)
 
@@ -109,8 +118,21 @@ class DatasetConfig(_Strict):
         return v
 
 
+class RunSection(_Strict):
+    """``[run]``: limits across all datasets of the run."""
+
+    #: Spend at most this many USD across every dataset of the run; the datasets after the one
+    #: that reaches it are skipped (end reason ``run_budget``). None: no limit.
+    budget_usd: float | None = Field(default=None, gt=0)
+    #: ``hard``: the kept tokens and the dollars spent never exceed their budgets (requests near
+    #: the end hold their worst case). ``projected``: tokens are admitted on an estimate, which
+    #: can end slightly over or under (dollars always hold worst cases).
+    budget_mode: Literal["hard", "projected"] = "hard"
+
+
 class RunConfig(_Strict):
     model: ModelConfig
+    run: RunSection = RunSection()
     request: RequestConfig = RequestConfig()
     lengths: dict[LengthName, LengthClass] = Field(default_factory=_default_lengths)
     retry: RetryConfig = RetryConfig()
@@ -134,6 +156,17 @@ class RunConfig(_Strict):
             "retry": self.retry.model_dump(mode="json"),
             "datasets": {d.name: d.length for d in self.datasets},
         }
+
+    def require_prices(self) -> None:
+        """A dollar budget needs the model's price (config or models endpoint) before any request."""
+        with_usd = [f"datasets[{i}] ({d.name}).budget_usd" for i, d in enumerate(self.datasets) if d.budget_usd]
+        if self.run.budget_usd:
+            with_usd.insert(0, "[run] budget_usd")
+        if with_usd and self.model.pricing is None:
+            raise ConfigError(
+                f"{', '.join(with_usd)} needs the price of model {self.model.name!r}, which is unknown: "
+                "state it as [model.pricing] prompt = …, completion = … (USD per token, request = USD "
+                "per request), or let specfleet read it from OpenRouter's models endpoint")
 
     def length_for(self, name: LengthName) -> LengthClass:
         return self.lengths.get(name) or _default_lengths()[name]

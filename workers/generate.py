@@ -20,7 +20,7 @@ import gevent
 import msgpack
 import redis
 
-from common.budget import Budget
+from common.budget import POLICY, Budget, Price
 from common.contract import (
     CONTRACT_VERSION,
     FAIL_INTERNAL,
@@ -56,9 +56,6 @@ class Busy:
 #: 401 bad key, 402 out of credits (without Retry-After): the account, not the prompt, is at fault.
 ACCOUNT_REFUSED_STATUSES = frozenset({401, 402})
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
-
-#: How often a request parked by a full budget asks again.
-ADMISSION_POLL_S = 1.0
 
 #: Slack on a lease beyond one attempt and one backoff: connect time, rebuild, a Redis blip.
 LEASE_SLACK_S = 10.0
@@ -123,13 +120,16 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
     lease = uuid.uuid4().hex
 
     ttl_ms = lease_ttl_ms(length, retry)
-    prior = int(length.get("estimate_tokens") or length["max_tokens"])
-    admission = budget.reserve(pid, lease, ttl_ms=ttl_ms, prior_estimate=prior)
+    # TODO(prepare step): use the prepared prompt's ids instead of rendering here.
+    prompt_tokens = len(ctx.tokenizer(view).prompt_ids(payload["messages"], payload.get("tools")))
+    ask = POLICY.ask(max_tokens=int(length["max_tokens"]), estimate_tokens=length.get("estimate_tokens"),
+                     prompt_tokens=prompt_tokens, price=Price.from_view(view.model.get("pricing")))
+    admission = budget.reserve(pid, lease, ttl_ms=ttl_ms, ask=ask)
     while admission.status == "wait":
-        # The budget is committed to requests in flight whose size is still a guess: a greenlet
-        # costs nothing to park, and re-asking is one Lua call.
-        gevent.sleep(ADMISSION_POLL_S * random.uniform(0.5, 1.5))
-        admission = budget.reserve(pid, lease, ttl_ms=ttl_ms, prior_estimate=prior)
+        # The budget is committed to requests in flight that may land smaller: a greenlet costs
+        # nothing to park, and re-asking is one Lua call.
+        gevent.sleep(POLICY.wait_poll_s * random.uniform(0.5, 1.5))
+        admission = budget.reserve(pid, lease, ttl_ms=ttl_ms, ask=ask)
     log.info("%s/%s reserve: %s %d", dataset, pid, admission.status, admission.value)
     if admission.status == "busy":
         return Busy(wait_s=min(60.0, admission.value / 1000 + 1))
@@ -140,19 +140,23 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
         return admission.status
 
     attempts = 0
+    billed_usd = 0.0  # money spent is spent: every way out below passes it to the budget
     try:
         target = ctx.tokenizer(view)
         body = request_body(view, payload, int(length["max_tokens"]))
         completion, attempts = _call_with_retries(ctx, budget, lease, body, payload, length, retry)
+        if completion == "lost":
+            return Busy(wait_s=1.0)  # our lease was reaped: a fresh delivery asks the budget again
         if isinstance(completion, str):
             return completion
+        billed_usd = completion.usage["cost"]
         answer = answer_from_message(completion.message, completion.finish_reason)
         # Tokenizing a 32k-token answer is CPU work: a real thread keeps the hub serving others.
         rebuilt = gevent.get_hub().threadpool.apply(
             rebuild, (target, payload["messages"], payload.get("tools"), answer)
         )
     except TokenMismatch as exc:
-        budget.fail(pid, lease, FAIL_TOKEN_MISMATCH, attempts, str(exc))
+        budget.fail(pid, lease, FAIL_TOKEN_MISMATCH, attempts, str(exc), cost_usd=billed_usd)
         ctx.redis.hincrby(budget.keys.stats, f"fail:{FAIL_TOKEN_MISMATCH}", 1)
         log.warning("%s/%s rebuild: token mismatch: %s", dataset, pid, exc)
         return "failed"
@@ -166,26 +170,27 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
         # Not the prompt's fault (Redis gone, worker shutting down): give the admission back so the
         # next delivery can take it at once instead of waiting for the lease to expire.
         with contextlib.suppress(Exception):
-            budget.release(pid, lease)
+            budget.release(pid, lease, cost_usd=billed_usd)
         raise
     except Exception as exc:
         # A bug or an answer nobody foresaw: the prompt gets an outcome with the evidence, instead
         # of vanishing from the dataset's accounting.
         log.exception("%s/%s internal error", dataset, pid)
-        budget.fail(pid, lease, FAIL_INTERNAL, attempts, f"{type(exc).__name__}: {exc}")
+        budget.fail(pid, lease, FAIL_INTERNAL, attempts, f"{type(exc).__name__}: {exc}", cost_usd=billed_usd)
         ctx.redis.hincrby(budget.keys.stats, f"fail:{FAIL_INTERNAL}", 1)
         return "failed"
 
     row = _row(payload, rebuilt, completion, attempts)
-    kept = budget.settle(pid, lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True))
-    if not kept:
+    settled = budget.settle(pid, lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True),
+                            cost_usd=billed_usd, attempts=attempts)
+    if settled == "duplicate":
         ctx.redis.hincrby(budget.keys.stats, STAT_DUPLICATES, 1)
     log.info(
         "%s/%s settle: %s tokens=%d attempts=%d finish=%s %.1fs",
-        dataset, pid, "kept" if kept else "duplicate", rebuilt.completion_tokens, attempts,
+        dataset, pid, settled, rebuilt.completion_tokens, attempts,
         completion.finish_reason, time.monotonic() - started,
     )
-    return "kept" if kept else "duplicate"
+    return "failed" if settled == "discarded" else settled
 
 
 class _Failed(Exception):
@@ -230,12 +235,12 @@ def _call_with_retries(
             )
             # A stopped dataset makes no further upstream calls; an exhausted one still finishes
             # what it admitted (the admission was within budget).
-            renewal = budget.reserve(pid, lease, ttl_ms=lease_ttl_ms(length, retry), prior_estimate=0)
-            if renewal.status == "stopped":
+            renewal = budget.renew(pid, lease, ttl_ms=lease_ttl_ms(length, retry))
+            if renewal in ("stopped", "lost"):
                 budget.release(pid, lease)
-                return "skipped:stopped", attempt
-            if renewal.status != "ok":  # done elsewhere, or our lease expired and was taken over
-                return renewal.status, attempt
+                return ("skipped:stopped" if renewal == "stopped" else "lost"), attempt
+            if renewal != "ok":  # done elsewhere, or halted
+                return renewal, attempt
             continue
         _record_usage(ctx, budget.keys.stats, completion)
         log.info(
