@@ -2,7 +2,7 @@
 -- hand-off, atomically. common/budget.py is its only caller and the only Python that names a field.
 --
 -- KEYS[1] budget   HASH   the dataset's counters:
---                           rule            hard | projected (how tokens are admitted)
+--                           tokens_rule     hard | projected (how tokens are admitted)
 --                           tokens_limit    token budget; tokens_kept, tokens_kept_sq (sum of squares)
 --                                           and rows_kept of kept rows
 --                           tokens_held     sum of the token holds of live leases (hard: worst cases)
@@ -10,7 +10,7 @@
 --                                           billed answer's usage.cost, kept or not
 --                           uusd_held       worst-case cost of live leases plus orphans; uusd_orphaned
 --                                           the orphans' part
---                           admission       active | exhausted | stopped
+--                           admission_state active | exhausted | stopped
 --                           ended_by        tokens | usd | run_usd: the limit that exhausted it
 -- KEYS[2] done     SET    prompt ids whose row was kept: the exactly-once guard
 -- KEYS[3] leases   HASH   prompt id -> "<lease>|<hold tokens>|<hold micro-usd>|<expires_ms>"
@@ -18,7 +18,7 @@
 -- KEYS[5] results  STREAM kept rows, fields: id <prompt id>, row <msgpack row>
 -- KEYS[6] halt     STRING set when OpenRouter refused the account: nothing is admitted anywhere
 -- KEYS[7] run      HASH   the run's dollars across datasets: uusd_limit, uusd_spent, uusd_held,
---                         uusd_orphaned, admission (active | exhausted), ended_by
+--                         uusd_orphaned, admission_state (active | exhausted), ended_by
 -- KEYS[8] orphans  HASH   lease -> micro-usd held for a reaped lease whose answer may still be billed
 --
 -- The rule. A request asks with its worst case: W tokens (max_tokens plus the turn's own tokens) and
@@ -76,7 +76,7 @@ if op == "run_open" then
     spent, held, orphaned = spent + num(b[1]), held + num(b[2]), orphaned + num(b[3])
   end
   redis.call("HSET", KEYS[1], "uusd_limit", ARGV[2], "uusd_spent", spent, "uusd_held", held,
-             "uusd_orphaned", orphaned, "admission", "active")
+             "uusd_orphaned", orphaned, "admission_state", "active")
   redis.call("HDEL", KEYS[1], "ended_by")
   return {"run_open", spent}
 end
@@ -136,8 +136,8 @@ local function finish(id, lease)
 end
 
 local function exhaust(by, run_too)
-  redis.call("HSET", budget, "admission", "exhausted", "ended_by", by)
-  if run_too then redis.call("HSET", run, "admission", "exhausted", "ended_by", by) end
+  redis.call("HSET", budget, "admission_state", "exhausted", "ended_by", by)
+  if run_too then redis.call("HSET", run, "admission_state", "exhausted", "ended_by", by) end
 end
 
 -- "over", "wait" or nil for a dollar limit (0: none).
@@ -158,7 +158,7 @@ if op == "reserve" then
     finish(id, lease)
     return {"halted"}
   end
-  local state = redis.call("HGET", budget, "admission")
+  local state = redis.call("HGET", budget, "admission_state")
   if state ~= "active" and state ~= "exhausted" then return {"stopped"} end
   local raw = redis.call("HGET", leases, id)
   if raw then
@@ -168,12 +168,12 @@ if op == "reserve" then
     orphan_lease(id, raw)  -- its holder died or stalled: take its place
   end
   if state ~= "active" then return {"stopped"} end
-  if redis.call("HGET", run, "admission") == "exhausted" then
+  if redis.call("HGET", run, "admission_state") == "exhausted" then
     exhaust("run_usd", false)
     return {"over", 0}
   end
 
-  local b = redis.call("HMGET", budget, "rule", "tokens_limit", "tokens_kept", "tokens_kept_sq",
+  local b = redis.call("HMGET", budget, "tokens_rule", "tokens_limit", "tokens_kept", "tokens_kept_sq",
                        "tokens_held", "rows_kept", "uusd_limit", "uusd_spent", "uusd_held", "uusd_orphaned")
   local rule, limit, kept, kept_sq = b[1], num(b[2]), num(b[3]), num(b[4])
   local held, rows = num(b[5]), num(b[6])
@@ -214,7 +214,7 @@ elseif op == "renew" then
     finish(id, lease)
     return {"halted"}
   end
-  local state = redis.call("HGET", budget, "admission")
+  local state = redis.call("HGET", budget, "admission_state")
   if state ~= "active" and state ~= "exhausted" then return {"stopped"} end
   local raw = redis.call("HGET", leases, id)
   if raw then
@@ -234,7 +234,7 @@ elseif op == "settle" then
   spend(cost)  -- money spent is spent, whatever happens to the row
   local over_hold = (cost > held_usd) and 1 or 0
   if redis.call("SISMEMBER", done, id) == 1 then return {"duplicate", over_hold} end
-  local b = redis.call("HMGET", budget, "rule", "tokens_limit", "tokens_kept", "tokens_held")
+  local b = redis.call("HMGET", budget, "tokens_rule", "tokens_limit", "tokens_kept", "tokens_held")
   if b[1] == "hard" and num(b[3]) + num(b[4]) + tokens > num(b[2]) then
     redis.call("HSET", failed, id, cjson.encode({reason = "over_budget", attempts = attempts,
       detail = "answer of " .. tokens .. " tokens landed without room under the hard token cap: billed, not kept"}))
@@ -287,8 +287,8 @@ elseif op == "open" then
   local before = redis.call("HMGET", budget, "uusd_held", "uusd_orphaned")
   add(run, "uusd_held", usd + orphaned - num(before[1]))
   add(run, "uusd_orphaned", orphaned - num(before[2]))
-  redis.call("HSET", budget, "tokens_limit", ARGV[2], "uusd_limit", ARGV[3], "rule", ARGV[4],
-             "admission", "active", "tokens_held", tok, "uusd_held", usd + orphaned, "uusd_orphaned", orphaned)
+  redis.call("HSET", budget, "tokens_limit", ARGV[2], "uusd_limit", ARGV[3], "tokens_rule", ARGV[4],
+             "admission_state", "active", "tokens_held", tok, "uusd_held", usd + orphaned, "uusd_orphaned", orphaned)
   redis.call("HDEL", budget, "ended_by")
   for _, f in ipairs({"tokens_kept", "rows_kept", "tokens_kept_sq", "uusd_spent"}) do
     redis.call("HSETNX", budget, f, 0)
@@ -297,7 +297,7 @@ elseif op == "open" then
   return {"open", num(b[1]), num(b[2])}
 
 elseif op == "close" then
-  redis.call("HSET", budget, "admission", "stopped")
+  redis.call("HSET", budget, "admission_state", "stopped")
   return {"closed"}
 
 elseif op == "restore" then

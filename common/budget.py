@@ -23,8 +23,8 @@ _SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
 
 #: Every field of the dataset budget hash and the run budget hash (see budget.lua's header).
 FIELDS = (
-    "rule", "tokens_limit", "tokens_kept", "tokens_kept_sq", "tokens_held", "rows_kept",
-    "uusd_limit", "uusd_spent", "uusd_held", "uusd_orphaned", "admission", "ended_by",
+    "tokens_rule", "tokens_limit", "tokens_kept", "tokens_kept_sq", "tokens_held", "rows_kept",
+    "uusd_limit", "uusd_spent", "uusd_held", "uusd_orphaned", "admission_state", "ended_by",
 )
 
 Mode = Literal["hard", "projected"]
@@ -160,9 +160,9 @@ class BudgetSnapshot:
         return self.run_state == "exhausted"
 
 
-_SNAPSHOT_FIELDS = ("tokens_limit", "tokens_kept", "tokens_held", "rows_kept", "admission", "rule", "ended_by",
-                    "uusd_limit", "uusd_spent", "uusd_held", "uusd_orphaned")
-_RUN_FIELDS = ("uusd_limit", "uusd_spent", "admission")
+_SNAPSHOT_FIELDS = ("tokens_limit", "tokens_kept", "tokens_held", "rows_kept", "admission_state", "tokens_rule",
+                    "ended_by", "uusd_limit", "uusd_spent", "uusd_held", "uusd_orphaned")
+_RUN_FIELDS = ("uusd_limit", "uusd_spent", "admission_state")
 #: Commands ``queue_snapshot`` adds to a pipeline.
 SNAPSHOT_COMMANDS = 3
 
