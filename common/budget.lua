@@ -6,23 +6,23 @@
 --                           tokens_limit    token budget; tokens_kept, tokens_kept_sq (sum of squares)
 --                                           and rows_kept of kept rows
 --                           tokens_held     sum of the token holds of live leases (hard: worst cases)
---                           uusd_limit      dollar budget in micro-dollars (0: none); uusd_spent: every
+--                           nusd_limit      dollar budget in nano-dollars (0: none); nusd_spent: every
 --                                           billed answer's usage.cost, kept or not
---                           uusd_held       worst-case cost of live leases plus orphans; uusd_orphaned
+--                           nusd_held       worst-case cost of live leases plus orphans; nusd_orphaned
 --                                           the orphans' part
 --                           admission_state active | exhausted | stopped
 --                           ended_by        tokens | usd | run_usd: the limit that exhausted it
 -- KEYS[2] done     SET    prompt ids whose row was kept: the exactly-once guard
--- KEYS[3] leases   HASH   prompt id -> "<lease>|<hold tokens>|<hold micro-usd>|<expires_ms>"
+-- KEYS[3] leases   HASH   prompt id -> "<lease>|<hold tokens>|<hold nano-usd>|<expires_ms>"
 -- KEYS[4] failed   HASH   prompt id -> JSON {reason, attempts, detail}
 -- KEYS[5] results  STREAM kept rows, fields: id <prompt id>, row <msgpack row>
 -- KEYS[6] halt     STRING set when OpenRouter refused the account: nothing is admitted anywhere
--- KEYS[7] run      HASH   the run's dollars across datasets: uusd_limit, uusd_spent, uusd_held,
---                         uusd_orphaned, admission_state (active | exhausted), ended_by
--- KEYS[8] orphans  HASH   lease -> micro-usd held for a reaped lease whose answer may still be billed
+-- KEYS[7] run      HASH   the run's dollars across datasets: nusd_limit, nusd_spent, nusd_held,
+--                         nusd_orphaned, admission_state (active | exhausted), ended_by
+-- KEYS[8] orphans  HASH   lease -> nano-usd held for a reaped lease whose answer may still be billed
 --
 -- The rule. A request asks with its worst case: W tokens (max_tokens plus the turn's own tokens) and
--- C micro-dollars (prompt tokens x prompt price + max_tokens x completion price + request price).
+-- C nano-dollars (prompt tokens x prompt price + max_tokens x completion price + request price).
 --   Dollars, always: admitted only if spent + held + C <= limit, for the dataset and for the run.
 --     Settling frees the hold and adds the real cost (<= C), so spent + held <= limit holds after
 --     every step: spent never crosses the limit while answers cost no more than their worst case.
@@ -46,37 +46,39 @@
 --     resolve the orphan: the real cost replaces the hold; the row is kept only if it fits.
 --
 -- ARGV[1] is the operation; the rest depends on it:
---   reserve id lease now_ms ttl_ms worst_tokens worst_uusd prior prior_weight trust_rows
+--   reserve id lease now_ms ttl_ms worst_tokens worst_nusd prior prior_weight trust_rows
 --           -> {"ok", hold} | {"done"} | {"stopped"} | {"busy", ms_left} | {"over", hold}
 --              | {"wait", hold} | {"halted"}
 --   renew   id lease now_ms ttl_ms -> {"ok"} | {"done"} | {"stopped"} | {"halted"} | {"lost"}
 --           Extends a live lease before a retry (works while exhausted; "stopped" ends it). "lost":
 --           the lease was reaped; no budget is taken: the caller releases and asks again later.
---   settle  id lease tokens cost_uusd attempts row
+--   settle  id lease tokens cost_nusd attempts row
 --           -> {"kept", kept, limit, over_hold} | {"duplicate", over_hold} | {"discarded", over_hold}
 --              over_hold is 1 when the answer cost more than the worst case it held
---   fail    id lease failure_json cost_uusd -> {"failed"} | {"duplicate"}
---   release id lease cost_uusd     -> {"released"}   (give back an admission, no outcome)
+--   fail    id lease failure_json cost_nusd -> {"failed"} | {"duplicate"}
+--   release id lease cost_nusd     -> {"released"}   (give back an admission, no outcome)
 --   reap    now_ms                 -> {"reaped", n}
---   open    tokens_limit uusd_limit rule -> {"open", kept, rows}   (start or resume the dataset)
+--   open    tokens_limit nusd_limit rule -> {"open", kept, rows}   (start or resume the dataset)
 --   close                          -> {"closed"}
---   restore n_rows tokens tokens_sq cost_uusd id... -> {"restored", n} | {"current", rows}
+--   restore n_rows tokens tokens_sq cost_nusd id... -> {"restored", n} | {"current", rows}
 --           Rebuilds kept counters and the done set from the shards when Redis holds fewer rows.
---   run_open uusd_limit            -> {"run_open", spent}   KEYS[1] is the run hash, KEYS[2..] the
+--   run_open nusd_limit            -> {"run_open", spent}   KEYS[1] is the run hash, KEYS[2..] the
 --           budget hashes of the run's datasets: the run's dollars are re-summed from them.
 local op = ARGV[1]
 
 local function num(v) return tonumber(v or "0") or 0 end
-local function add(h, f, n) if n ~= 0 then redis.call("HINCRBY", h, f, n) end end
+-- Integers as Redis arguments: a Lua number would be sent as "%.14g", which turns 1e14 into "1e+14".
+local function int(n) return string.format("%.0f", n) end
+local function add(h, f, n) if n ~= 0 then redis.call("HINCRBY", h, f, int(n)) end end
 
 if op == "run_open" then
   local spent, held, orphaned = 0, 0, 0
   for i = 2, #KEYS do
-    local b = redis.call("HMGET", KEYS[i], "uusd_spent", "uusd_held", "uusd_orphaned")
+    local b = redis.call("HMGET", KEYS[i], "nusd_spent", "nusd_held", "nusd_orphaned")
     spent, held, orphaned = spent + num(b[1]), held + num(b[2]), orphaned + num(b[3])
   end
-  redis.call("HSET", KEYS[1], "uusd_limit", ARGV[2], "uusd_spent", spent, "uusd_held", held,
-             "uusd_orphaned", orphaned, "admission_state", "active")
+  redis.call("HSET", KEYS[1], "nusd_limit", ARGV[2], "nusd_spent", int(spent), "nusd_held", int(held),
+             "nusd_orphaned", int(orphaned), "admission_state", "active")
   redis.call("HDEL", KEYS[1], "ended_by")
   return {"run_open", spent}
 end
@@ -90,13 +92,13 @@ local function parse_lease(raw)
 end
 
 local function hold_usd(n)
-  add(budget, "uusd_held", n)
-  add(run, "uusd_held", n)
+  add(budget, "nusd_held", n)
+  add(run, "nusd_held", n)
 end
 
-local function spend(uusd)
-  add(budget, "uusd_spent", uusd)
-  add(run, "uusd_spent", uusd)
+local function spend(nusd)
+  add(budget, "nusd_spent", nusd)
+  add(run, "nusd_spent", nusd)
 end
 
 -- An expired lease: its tokens go back, its dollars stay held as an orphan (see the header).
@@ -105,9 +107,9 @@ local function orphan_lease(id, raw)
   redis.call("HDEL", leases, id)
   add(budget, "tokens_held", -tok)
   if usd > 0 then
-    redis.call("HSET", orphans, holder, usd)
-    add(budget, "uusd_orphaned", usd)
-    add(run, "uusd_orphaned", usd)
+    redis.call("HSET", orphans, holder, int(usd))
+    add(budget, "nusd_orphaned", usd)
+    add(run, "nusd_orphaned", usd)
   end
 end
 
@@ -128,8 +130,8 @@ local function finish(id, lease)
     local usd = tonumber(o)
     redis.call("HDEL", orphans, lease)
     hold_usd(-usd)
-    add(budget, "uusd_orphaned", -usd)
-    add(run, "uusd_orphaned", -usd)
+    add(budget, "nusd_orphaned", -usd)
+    add(run, "nusd_orphaned", -usd)
     return usd
   end
   return 0
@@ -174,10 +176,10 @@ if op == "reserve" then
   end
 
   local b = redis.call("HMGET", budget, "tokens_rule", "tokens_limit", "tokens_kept", "tokens_kept_sq",
-                       "tokens_held", "rows_kept", "uusd_limit", "uusd_spent", "uusd_held", "uusd_orphaned")
+                       "tokens_held", "rows_kept", "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
   local rule, limit, kept, kept_sq = b[1], num(b[2]), num(b[3]), num(b[4])
   local held, rows = num(b[5]), num(b[6])
-  local r = redis.call("HMGET", run, "uusd_limit", "uusd_spent", "uusd_held", "uusd_orphaned")
+  local r = redis.call("HMGET", run, "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
 
   local hold, tokens
   if rule == "hard" then
@@ -202,7 +204,7 @@ if op == "reserve" then
   if run_usd == "over" then exhaust("run_usd", true); return {"over", hold} end
   if tokens or usd or run_usd then return {"wait", hold} end
 
-  redis.call("HSET", leases, id, lease .. "|" .. hold .. "|" .. worst_usd .. "|" .. (now + ttl))
+  redis.call("HSET", leases, id, lease .. "|" .. int(hold) .. "|" .. int(worst_usd) .. "|" .. int(now + ttl))
   add(budget, "tokens_held", hold)
   hold_usd(worst_usd)
   return {"ok", hold}
@@ -221,7 +223,7 @@ elseif op == "renew" then
     local holder, tok, usd = parse_lease(raw)
     if holder == lease then
       -- The holder renews before each retry: a lease only has to outlive one attempt.
-      redis.call("HSET", leases, id, lease .. "|" .. tok .. "|" .. usd .. "|" .. (now + ttl))
+      redis.call("HSET", leases, id, lease .. "|" .. int(tok) .. "|" .. int(usd) .. "|" .. int(now + ttl))
       return {"ok"}
     end
   end
@@ -243,7 +245,7 @@ elseif op == "settle" then
   redis.call("SADD", done, id)
   local kept = redis.call("HINCRBY", budget, "tokens_kept", tokens)
   redis.call("HINCRBY", budget, "rows_kept", 1)
-  redis.call("HINCRBY", budget, "tokens_kept_sq", tokens * tokens)
+  redis.call("HINCRBY", budget, "tokens_kept_sq", int(tokens * tokens))
   redis.call("HDEL", failed, id)
   redis.call("XADD", results, "*", "id", id, "row", row)
   return {"kept", kept, num(b[2]), over_hold}
@@ -284,13 +286,14 @@ elseif op == "open" then
   end
   local o = redis.call("HVALS", orphans)
   for i = 1, #o do orphaned = orphaned + tonumber(o[i]) end
-  local before = redis.call("HMGET", budget, "uusd_held", "uusd_orphaned")
-  add(run, "uusd_held", usd + orphaned - num(before[1]))
-  add(run, "uusd_orphaned", orphaned - num(before[2]))
-  redis.call("HSET", budget, "tokens_limit", ARGV[2], "uusd_limit", ARGV[3], "tokens_rule", ARGV[4],
-             "admission_state", "active", "tokens_held", tok, "uusd_held", usd + orphaned, "uusd_orphaned", orphaned)
+  local before = redis.call("HMGET", budget, "nusd_held", "nusd_orphaned")
+  add(run, "nusd_held", usd + orphaned - num(before[1]))
+  add(run, "nusd_orphaned", orphaned - num(before[2]))
+  redis.call("HSET", budget, "tokens_limit", ARGV[2], "nusd_limit", ARGV[3], "tokens_rule", ARGV[4],
+             "admission_state", "active", "tokens_held", int(tok), "nusd_held", int(usd + orphaned),
+             "nusd_orphaned", int(orphaned))
   redis.call("HDEL", budget, "ended_by")
-  for _, f in ipairs({"tokens_kept", "rows_kept", "tokens_kept_sq", "uusd_spent"}) do
+  for _, f in ipairs({"tokens_kept", "rows_kept", "tokens_kept_sq", "nusd_spent"}) do
     redis.call("HSETNX", budget, f, 0)
   end
   local b = redis.call("HMGET", budget, "tokens_kept", "rows_kept")
@@ -308,9 +311,9 @@ elseif op == "restore" then
   for i = 6, #ARGV, 5000 do
     redis.call("SADD", done, unpack(ARGV, i, math.min(i + 4999, #ARGV)))
   end
-  redis.call("HSET", budget, "tokens_kept", tokens, "rows_kept", n, "tokens_kept_sq", tokens_sq)
+  redis.call("HSET", budget, "tokens_kept", int(tokens), "rows_kept", int(n), "tokens_kept_sq", int(tokens_sq))
   -- Dollars: the kept rows' costs are a floor of what was spent (billed answers not kept are lost).
-  local spent = num(redis.call("HGET", budget, "uusd_spent"))
+  local spent = num(redis.call("HGET", budget, "nusd_spent"))
   if cost > spent then spend(cost - spent) end
   return {"restored", n}
 end

@@ -2,7 +2,7 @@
 
 The only Python that names a field of the budget hashes (a test holds it to that). Workers
 reserve/renew/settle/fail/release; the producer opens, restores, reaps, closes and reads snapshots.
-Dollars travel as integer micro-dollars (``uusd``) so the sums in Redis stay exact.
+Dollars travel as integer nano-dollars (``nusd``) so the sums in Redis stay exact.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
 #: Every field of the dataset budget hash and the run budget hash (see budget.lua's header).
 FIELDS = (
     "tokens_rule", "tokens_limit", "tokens_kept", "tokens_kept_sq", "tokens_held", "rows_kept",
-    "uusd_limit", "uusd_spent", "uusd_held", "uusd_orphaned", "admission_state", "ended_by",
+    "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned", "admission_state", "ended_by",
 )
 
 Mode = Literal["hard", "projected"]
@@ -34,11 +34,11 @@ Settled = Literal["kept", "duplicate", "discarded"]
 #: The limit that exhausted a dataset: its tokens, its dollars, the run's dollars ("" while open).
 EndedBy = Literal["tokens", "usd", "run_usd", ""]
 
-UUSD_PER_USD = 1_000_000
+NUSD_PER_USD = 1_000_000_000
 
 
-def to_uusd(usd: float) -> int:
-    return round(usd * UUSD_PER_USD)
+def to_nusd(usd: float) -> int:
+    return round(usd * NUSD_PER_USD)
 
 
 def now_ms() -> int:
@@ -66,7 +66,7 @@ class Ask:
     """What one request asks the budget for: its worst case, and the prior of the projected rule."""
 
     worst_tokens: int
-    worst_uusd: int
+    worst_nusd: int
     prior_tokens: int
 
 
@@ -106,17 +106,17 @@ class BudgetPolicy:
     def worst_tokens(self, max_tokens: int) -> int:
         return int(max_tokens) + self.turn_overhead_tokens
 
-    def worst_uusd(self, price: Price | None, prompt_tokens: int, max_tokens: int) -> int:
-        """Worst-case cost in micro-dollars; 0 when the price is unknown (no dollar budget then)."""
+    def worst_nusd(self, price: Price | None, prompt_tokens: int, max_tokens: int) -> int:
+        """Worst-case cost in nano-dollars; 0 when the price is unknown (no dollar budget then)."""
         if price is None:
             return 0
         prompt = math.ceil(prompt_tokens * (1 + self.prompt_slack_fraction)) + self.prompt_slack_tokens
         usd = prompt * price.prompt + max_tokens * price.completion + price.request
-        return math.ceil(usd * UUSD_PER_USD)
+        return math.ceil(usd * NUSD_PER_USD)
 
     def ask(self, *, max_tokens: int, estimate_tokens: int | None, prompt_tokens: int,
             price: Price | None) -> Ask:
-        return Ask(self.worst_tokens(max_tokens), self.worst_uusd(price, prompt_tokens, max_tokens),
+        return Ask(self.worst_tokens(max_tokens), self.worst_nusd(price, prompt_tokens, max_tokens),
                    self.prior_tokens(max_tokens, estimate_tokens))
 
     def should_top_up(self, snap: BudgetSnapshot) -> bool:
@@ -147,12 +147,12 @@ class BudgetSnapshot:
     in_flight: int
     rule: str
     ended_by: str
-    limit_uusd: int  # 0: no dollar budget
-    spent_uusd: int
-    held_uusd: int
-    orphaned_uusd: int
-    run_limit_uusd: int
-    run_spent_uusd: int
+    limit_nusd: int  # 0: no dollar budget
+    spent_nusd: int
+    held_nusd: int
+    orphaned_nusd: int
+    run_limit_nusd: int
+    run_spent_nusd: int
     run_state: str
 
     @property
@@ -161,8 +161,8 @@ class BudgetSnapshot:
 
 
 _SNAPSHOT_FIELDS = ("tokens_limit", "tokens_kept", "tokens_held", "rows_kept", "admission_state", "tokens_rule",
-                    "ended_by", "uusd_limit", "uusd_spent", "uusd_held", "uusd_orphaned")
-_RUN_FIELDS = ("uusd_limit", "uusd_spent", "admission_state")
+                    "ended_by", "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
+_RUN_FIELDS = ("nusd_limit", "nusd_spent", "admission_state")
 #: Commands ``queue_snapshot`` adds to a pipeline.
 SNAPSHOT_COMMANDS = 3
 
@@ -187,8 +187,8 @@ def parse_snapshot(replies: Sequence[Any]) -> BudgetSnapshot:
 
     return BudgetSnapshot(
         limit=i(b[0]), kept=i(b[1]), held=i(b[2]), rows=i(b[3]), state=s(b[4]), in_flight=i(in_flight),
-        rule=s(b[5]), ended_by=s(b[6]), limit_uusd=i(b[7]), spent_uusd=i(b[8]), held_uusd=i(b[9]),
-        orphaned_uusd=i(b[10]), run_limit_uusd=i(r[0]), run_spent_uusd=i(r[1]), run_state=s(r[2]),
+        rule=s(b[5]), ended_by=s(b[6]), limit_nusd=i(b[7]), spent_nusd=i(b[8]), held_nusd=i(b[9]),
+        orphaned_nusd=i(b[10]), run_limit_nusd=i(r[0]), run_spent_nusd=i(r[1]), run_state=s(r[2]),
     )
 
 
@@ -197,8 +197,8 @@ def open_run(client: redis.Redis, limit_usd: float | None, datasets: Sequence[st
     run continues, and another config's spending is not carried in). Returns dollars spent so far."""
     script = client.register_script(_SCRIPT)
     reply = script(keys=[RUN_BUDGET, *(DatasetKeys(d).budget for d in datasets)],
-                   args=["run_open", to_uusd(limit_usd) if limit_usd else 0])
-    return int(reply[1]) / UUSD_PER_USD
+                   args=["run_open", to_nusd(limit_usd) if limit_usd else 0])
+    return int(reply[1]) / NUSD_PER_USD
 
 
 class Budget:
@@ -215,7 +215,7 @@ class Budget:
     # --- workers ---------------------------------------------------------------------------
 
     def reserve(self, prompt_id: str, lease: str, *, ttl_ms: int, ask: Ask) -> Reservation:
-        reply = self._call("reserve", prompt_id, lease, now_ms(), ttl_ms, ask.worst_tokens, ask.worst_uusd,
+        reply = self._call("reserve", prompt_id, lease, now_ms(), ttl_ms, ask.worst_tokens, ask.worst_nusd,
                            ask.prior_tokens, self.policy.prior_weight_rows, self.policy.trust_rows)
         return Reservation(reply[0], int(reply[1]) if len(reply) > 1 else 0)
 
@@ -228,17 +228,17 @@ class Budget:
                attempts: int = 0) -> Settled:
         """Count a billed answer's cost, and keep its row (hand it to the collector) unless another
         delivery already did ("duplicate") or the hard cap has no room for it ("discarded")."""
-        status: Settled = self._call("settle", prompt_id, lease, tokens, to_uusd(cost_usd), attempts, row)[0]
+        status: Settled = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row)[0]
         return status
 
     def fail(self, prompt_id: str, lease: str, reason: str, attempts: int, detail: str, *,
              cost_usd: float = 0.0) -> bool:
         """Record a failure; ``cost_usd`` of an answer that was billed before it failed still counts."""
         failure = json.dumps({"reason": reason, "attempts": attempts, "detail": detail[:500]})
-        return self._call("fail", prompt_id, lease, failure, to_uusd(cost_usd))[0] == "failed"
+        return self._call("fail", prompt_id, lease, failure, to_nusd(cost_usd))[0] == "failed"
 
     def release(self, prompt_id: str, lease: str, *, cost_usd: float = 0.0) -> None:
-        self._call("release", prompt_id, lease, to_uusd(cost_usd))
+        self._call("release", prompt_id, lease, to_nusd(cost_usd))
 
     def halt(self, reason: str, message: str, worker: str) -> None:
         """Stop every admission of every dataset: the account itself was refused."""
@@ -248,7 +248,7 @@ class Budget:
 
     def open(self, limit_tokens: int, limit_usd: float | None = None, mode: Mode = "hard") -> tuple[int, int]:
         """Start or resume the dataset; returns (kept tokens, rows) so far."""
-        reply = self._call("open", limit_tokens, to_uusd(limit_usd) if limit_usd else 0, mode)
+        reply = self._call("open", limit_tokens, to_nusd(limit_usd) if limit_usd else 0, mode)
         return int(reply[1]), int(reply[2])
 
     def close(self) -> None:
@@ -262,7 +262,7 @@ class Budget:
         """Rebuild the kept counters, the done set and (as a floor) the dollars spent from the rows
         on disk, when Redis holds fewer kept rows than they do. True if it restored."""
         reply = self._call("restore", len(ids), sum(tokens), sum(t * t for t in tokens),
-                           sum(to_uusd(c) for c in costs_usd), *ids)
+                           sum(to_nusd(c) for c in costs_usd), *ids)
         return bool(reply[0] == "restored")
 
     def snapshot(self) -> BudgetSnapshot:

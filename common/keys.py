@@ -6,8 +6,8 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:active                HASH    queue name -> run-config id: what workers consume now (they poll it)
     specfleet:ds:<ds>:budget        HASH    the dataset's budget counters (fields: see budget.lua)
     specfleet:ds:<ds>:done          SET     prompt ids whose row was kept (the exactly-once guard)
-    specfleet:ds:<ds>:leases        HASH    prompt id -> "<lease>|<hold tokens>|<hold micro-usd>|<expires_ms>"
-    specfleet:ds:<ds>:orphans       HASH    lease -> micro-usd still held for a reaped lease (it may be billed)
+    specfleet:ds:<ds>:leases        HASH    prompt id -> "<lease>|<hold tokens>|<hold nano-usd>|<expires_ms>"
+    specfleet:ds:<ds>:orphans       HASH    lease -> nano-usd still held for a reaped lease (it may be billed)
     specfleet:ds:<ds>:failed        HASH    prompt id -> JSON {reason, attempts, detail} (cleared when kept later)
     specfleet:ds:<ds>:results       STREAM  kept rows (field ``row``: msgpack), drained by the collector
     specfleet:ds:<ds>:stats         HASH    counters for reports and metrics (billed tokens, errors by class…)

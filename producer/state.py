@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from common.budget import SNAPSHOT_COMMANDS, UUSD_PER_USD, parse_snapshot, queue_snapshot
+from common.budget import NUSD_PER_USD, SNAPSHOT_COMMANDS, parse_snapshot, queue_snapshot
 from common.contract import (
     STAT_BILLED_COMPLETION,
     STAT_BILLED_PROMPT,
@@ -95,12 +95,12 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
         state=b.state,
         budget_mode=b.rule,
         ended_by=b.ended_by,
-        budget_usd=b.limit_uusd / UUSD_PER_USD,
-        spent_usd=b.spent_uusd / UUSD_PER_USD,
-        held_usd=b.held_uusd / UUSD_PER_USD,
-        orphaned_usd=b.orphaned_uusd / UUSD_PER_USD,
-        run_budget_usd=b.run_limit_uusd / UUSD_PER_USD,
-        run_spent_usd=b.run_spent_uusd / UUSD_PER_USD,
+        budget_usd=b.limit_nusd / NUSD_PER_USD,
+        spent_usd=b.spent_nusd / NUSD_PER_USD,
+        held_usd=b.held_nusd / NUSD_PER_USD,
+        orphaned_usd=b.orphaned_nusd / NUSD_PER_USD,
+        run_budget_usd=b.run_limit_nusd / NUSD_PER_USD,
+        run_spent_usd=b.run_spent_nusd / NUSD_PER_USD,
         requests=stats.get(STAT_REQUESTS, 0),
         billed_prompt_tokens=stats.get(STAT_BILLED_PROMPT, 0),
         billed_completion_tokens=stats.get(STAT_BILLED_COMPLETION, 0),

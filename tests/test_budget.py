@@ -19,9 +19,19 @@ def _row(pid: str) -> bytes:
     return msgpack.packb({"id": pid})
 
 
+#: Nano-dollars per micro-dollar: the figures below are in micro-dollars, the budget counts nano.
+U = 1_000
+
+
 def ask(tokens: int, uusd: int = 0, prior: int | None = None) -> Ask:
-    """A request whose worst case is ``tokens`` / ``uusd``; the projected rule's prior defaults to it."""
-    return Ask(worst_tokens=tokens, worst_uusd=uusd, prior_tokens=tokens if prior is None else prior)
+    """A request whose worst case is ``tokens`` / ``uusd`` micro-dollars; the projected rule's prior
+    defaults to its worst case."""
+    return Ask(worst_tokens=tokens, worst_nusd=uusd * U, prior_tokens=tokens if prior is None else prior)
+
+
+def usd(s: BudgetSnapshot) -> tuple[float, float, float, float]:
+    """(spent, held, orphaned, run spent) in micro-dollars."""
+    return s.spent_nusd / U, s.held_nusd / U, s.orphaned_nusd / U, s.run_spent_nusd / U
 
 
 def opened(client: redis.Redis, name: str = "ds", *, tokens: int = 1_000, usd: float | None = None,
@@ -35,10 +45,10 @@ def opened(client: redis.Redis, name: str = "ds", *, tokens: int = 1_000, usd: f
 def hard_invariant(s: BudgetSnapshot) -> None:
     """What the hard rule promises after every step: nothing over, nothing committed beyond."""
     assert s.kept <= s.limit and s.kept + s.held <= s.limit, s
-    if s.limit_uusd:
-        assert s.spent_uusd <= s.limit_uusd and s.spent_uusd + s.held_uusd <= s.limit_uusd, s
-    if s.run_limit_uusd:
-        assert s.run_spent_uusd <= s.run_limit_uusd, s
+    if s.limit_nusd:
+        assert s.spent_nusd <= s.limit_nusd and s.spent_nusd + s.held_nusd <= s.limit_nusd, s
+    if s.run_limit_nusd:
+        assert s.run_spent_nusd <= s.run_limit_nusd, s
 
 
 # --- the policy -------------------------------------------------------------------------------------
@@ -47,8 +57,8 @@ def hard_invariant(s: BudgetSnapshot) -> None:
 def test_worst_case_cost_covers_prompt_completion_and_request() -> None:
     price = Price(prompt=1e-6, completion=1e-5, request=0.001)
     prompt = 1_000 * 1.02 + POLICY.prompt_slack_tokens
-    assert POLICY.worst_uusd(price, 1_000, 2_000) == pytest.approx(prompt * 1 + 2_000 * 10 + 1_000, abs=1)
-    assert POLICY.worst_uusd(None, 1_000, 2_000) == 0
+    assert POLICY.worst_nusd(price, 1_000, 2_000) == pytest.approx((prompt * 1 + 2_000 * 10 + 1_000) * U, abs=1)
+    assert POLICY.worst_nusd(None, 1_000, 2_000) == 0
     assert POLICY.worst_tokens(8_192) == 8_192 + POLICY.turn_overhead_tokens
     assert POLICY.prior_tokens(8_192, None) == 8_192 and POLICY.prior_tokens(8_192, 500) == 500
 
@@ -64,13 +74,13 @@ def test_unopened_dataset_admits_nothing(redis_client: redis.Redis) -> None:
 def test_settle_counts_once_and_a_duplicate_still_pays(redis_client: redis.Redis) -> None:
     b = opened(redis_client, tokens=1_000, usd=1.0)
     assert b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask(100, 2_000)).status == "ok"
-    assert (b.snapshot().held, b.snapshot().held_uusd) == (100, 2_000)
+    assert (b.snapshot().held, usd(b.snapshot())[1]) == (100, 2_000)
     assert b.settle("p1", "L1", 42, _row("p1"), cost_usd=0.0015) == "kept"
     # A second delivery (acks_late after a crash) finishes the same prompt again: billed, not kept.
     assert b.settle("p1", "L2", 42, _row("p1"), cost_usd=0.001) == "duplicate"
     s = b.snapshot()
-    assert (s.kept, s.rows, s.held, s.in_flight, s.held_uusd, s.spent_uusd) == (42, 1, 0, 0, 0, 2_500)
-    assert s.run_spent_uusd == 2_500
+    assert (s.kept, s.rows, s.held, s.in_flight) == (42, 1, 0, 0)
+    assert usd(s) == (2_500, 0, 0, 2_500)
     assert redis_client.xlen(b.keys.results) == 1
     assert b.reserve("p1", "L3", ttl_ms=TTL_MS, ask=ask(100)).status == "done"
 
@@ -82,7 +92,7 @@ def test_a_billed_failure_and_a_release_count_their_cost(redis_client: redis.Red
     b.reserve("p2", "L2", ttl_ms=TTL_MS, ask=ask(100, 5_000))
     b.release("p2", "L2", cost_usd=0.002)
     s = b.snapshot()
-    assert (s.spent_uusd, s.held_uusd, s.held) == (5_000, 0, 0)
+    assert usd(s)[:2] == (5_000, 0) and s.held == 0
     assert b.failures()["p1"]["reason"] == "token_mismatch"
 
 
@@ -118,11 +128,11 @@ def test_expired_lease_is_taken_over_and_its_dollars_stay_held_until_it_lands(re
     assert b.reserve("p1", "L2", ttl_ms=TTL_MS, ask=ask(100, 7_000)).status == "ok"
     s = b.snapshot()
     # Tokens: only the live lease holds. Dollars: the dead one may have been billed in full.
-    assert (s.held, s.held_uusd, s.orphaned_uusd) == (100, 14_000, 7_000)
+    assert s.held == 100 and usd(s)[1:3] == (14_000, 7_000)
     assert b.settle("p1", "dead", 7, _row("p1"), cost_usd=0.004) == "kept"
     assert b.settle("p1", "L2", 7, _row("p1"), cost_usd=0.005) == "duplicate"
     s = b.snapshot()
-    assert (s.kept, s.held, s.in_flight, s.held_uusd, s.orphaned_uusd, s.spent_uusd) == (7, 0, 0, 0, 0, 9_000)
+    assert (s.kept, s.held, s.in_flight) == (7, 0, 0) and usd(s)[:3] == (9_000, 0, 0)
 
 
 def test_reap_frees_tokens_and_orphans_dollars(redis_client: redis.Redis) -> None:
@@ -132,9 +142,9 @@ def test_reap_frees_tokens_and_orphans_dollars(redis_client: redis.Redis) -> Non
     time.sleep(0.01)
     assert b.reap() == 1
     s = b.snapshot()
-    assert (s.held, s.in_flight, s.held_uusd, s.orphaned_uusd) == (10, 1, 600, 300)
+    assert (s.held, s.in_flight) == (10, 1) and usd(s)[1:3] == (600, 300)
     assert b.fail("p1", "L1", "retries_exhausted", 3, "late") is True  # the orphan resolves, unbilled
-    assert (b.snapshot().held_uusd, b.snapshot().orphaned_uusd) == (300, 0)
+    assert usd(b.snapshot())[1:3] == (300, 0)
 
 
 # --- the hard rule ----------------------------------------------------------------------------------
@@ -170,7 +180,7 @@ def test_hard_rule_discards_a_reaped_answer_that_would_cross_the_cap(redis_clien
     assert b.settle("p1", "L1", 600, _row("p1"), cost_usd=0.01) == "kept"
     s = b.snapshot()
     hard_invariant(s)
-    assert (s.kept, s.spent_uusd, s.held_uusd, s.orphaned_uusd) == (600, 18_000, 0, 0)
+    assert s.kept == 600 and usd(s)[:3] == (18_000, 0, 0)
 
 
 def test_dollar_budget_ends_the_dataset_first_when_it_binds(redis_client: redis.Redis) -> None:
@@ -183,7 +193,7 @@ def test_dollar_budget_ends_the_dataset_first_when_it_binds(redis_client: redis.
         n += 1
     s = b.snapshot()
     assert r.status == "over" and s.ended_by == "usd"
-    assert 0 <= s.limit_uusd - s.spent_uusd < w.worst_uusd
+    assert 0 <= s.limit_nusd - s.spent_nusd < w.worst_nusd
 
 
 def test_run_dollars_span_datasets_and_end_the_run(redis_client: redis.Redis) -> None:
@@ -201,7 +211,7 @@ def test_run_dollars_span_datasets_and_end_the_run(redis_client: redis.Redis) ->
     assert b.reserve("q1", "L", ttl_ms=TTL_MS, ask=w).status == "over"
     assert (b.snapshot().ended_by, b.snapshot().run_exhausted) == ("run_usd", True)
     assert a.reserve("p9", "L", ttl_ms=TTL_MS, ask=ask(1, 1)).status == "over"
-    assert a.snapshot().ended_by == "run_usd" and a.snapshot().run_spent_uusd == 41_000
+    assert a.snapshot().ended_by == "run_usd" and usd(a.snapshot())[3] == 41_000
     # A resumed run re-sums its datasets' dollars; another run's datasets are not carried in.
     assert open_run(redis_client, 1.0, ["a", "b"]) == pytest.approx(0.041)
     assert open_run(redis_client, 1.0, ["b"]) == pytest.approx(0.011)
@@ -284,12 +294,12 @@ def test_open_rederives_holds_and_resumes_counts(redis_client: redis.Redis) -> N
     b.reap()
     # As if a crash lost a lease between two writes: open re-derives the holds from what is left.
     redis_client.hdel(b.keys.leases, "p2")
-    assert b.snapshot().held_uusd == 200
+    assert usd(b.snapshot())[1] == 200
     assert b.open(5_000, 2.0, "hard") == (50, 1)
     s = b.snapshot()
-    assert (s.limit, s.held, s.held_uusd, s.orphaned_uusd, s.state) == (5_000, 0, 100, 100, "active")
-    assert s.run_spent_uusd == 100 and b.reserve("p4", "L4", ttl_ms=TTL_MS, ask=ask(10, 100)).status == "ok"
-    assert s.limit_uusd == 2_000_000 and s.spent_uusd == 100
+    assert (s.limit, s.held, s.state) == (5_000, 0, "active") and usd(s) == (100, 100, 100, 100)
+    assert s.limit_nusd == 2_000_000 * U
+    assert b.reserve("p4", "L4", ttl_ms=TTL_MS, ask=ask(10, 100)).status == "ok"
 
 
 def test_restore_rebuilds_counts_and_dollars_only_when_redis_knows_less(redis_client: redis.Redis) -> None:
@@ -297,9 +307,22 @@ def test_restore_rebuilds_counts_and_dollars_only_when_redis_knows_less(redis_cl
     ids = [f"p{i}" for i in range(12_000)]
     assert b.restore(ids, [3] * len(ids), [0.00001] * len(ids)) is True
     s = b.snapshot()
-    assert (s.rows, s.kept, s.spent_uusd, s.run_spent_uusd) == (12_000, 36_000, 120_000, 120_000)
+    assert (s.rows, s.kept, usd(s)[0], usd(s)[3]) == (12_000, 36_000, 120_000, 120_000)
     assert redis_client.scard(b.keys.done) == 12_000
     assert b.reserve("p11999", "L", ttl_ms=TTL_MS, ask=ask(1)).status == "done"
     assert b.restore(ids[:10], [1] * 10, [0.0] * 10) is False
     assert b.snapshot().kept == 36_000
 
+
+
+def test_large_sums_stay_exact_integers(redis_client: redis.Redis) -> None:
+    # Past 1e14 a Lua number would reach Redis as "1e+14": every sum goes out as an integer string.
+    b = opened(redis_client, tokens=10**12, usd=5_000_000.0, run_usd=5_000_000.0)
+    ids = [f"p{i}" for i in range(1_000)]
+    assert b.restore(ids, [10**6] * len(ids), [1_234.567891234] * len(ids))
+    s = b.snapshot()
+    assert (s.kept, s.spent_nusd, s.run_spent_nusd) == (10**9, 1_234_567_891_234_000, 1_234_567_891_234_000)
+    assert open_run(redis_client, 5_000_000.0, ["ds"]) == pytest.approx(1_234_567.891234)
+    b.reserve("x", "L", ttl_ms=TTL_MS, ask=ask(10, 10))
+    assert b.settle("x", "L", 5, _row("x"), cost_usd=0.000000001) == "kept"
+    assert b.snapshot().spent_nusd == 1_234_567_891_234_001

@@ -22,7 +22,7 @@ import redis
 from common.budget import Ask, Budget, BudgetSnapshot, open_run, parse_snapshot, queue_snapshot
 
 WORST_TOKENS = 2_016
-WORST_UUSD = 20_200
+WORST_NUSD = 20_200_000
 THREADS = 24
 PROMPTS = 1_200
 
@@ -51,10 +51,10 @@ def atomic_snapshot(client: redis.Redis, dataset: str) -> BudgetSnapshot:
 
 def check(s: BudgetSnapshot) -> None:
     assert s.kept <= s.limit and s.kept + s.held <= s.limit, s
-    if s.limit_uusd:
-        assert s.spent_uusd + s.held_uusd <= s.limit_uusd, s
-    if s.run_limit_uusd:
-        assert s.run_spent_uusd <= s.run_limit_uusd, s
+    if s.limit_nusd:
+        assert s.spent_nusd + s.held_nusd <= s.limit_nusd, s
+    if s.run_limit_nusd:
+        assert s.run_spent_nusd <= s.run_limit_nusd, s
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -67,10 +67,10 @@ def test_many_racing_workers_never_cross_the_hard_cap(redis_client: redis.Redis,
         deliveries.put(pid)
     stop = threading.Event()
     errors: list[BaseException] = []
-    billed_uusd = [0]  # every cost any thread passed to the budget
+    billed_nusd = [0]  # every cost any thread passed to the budget
     # Dollars a reaped request gave back by landing after all (its worst case held as an orphan,
     # less its real cost): room that may appear only after the dataset stopped.
-    late_room_uusd = [0]
+    late_room_nusd = [0]
     lock = threading.Lock()
     outcomes: dict[str, int] = {}
 
@@ -89,7 +89,7 @@ def test_many_racing_workers_never_cross_the_hard_cap(redis_client: redis.Redis,
                 lease = uuid.uuid4().hex
                 dying = rng.random() < 0.08
                 ttl_ms = 30 if dying else 5_000
-                ask = Ask(WORST_TOKENS, WORST_UUSD, WORST_TOKENS)
+                ask = Ask(WORST_TOKENS, WORST_NUSD, WORST_TOKENS)
                 r = budget.reserve(pid, lease, ttl_ms=ttl_ms, ask=ask)
                 while r.status == "wait" and not stop.is_set():
                     time.sleep(rng.uniform(0.001, 0.01))
@@ -103,7 +103,7 @@ def test_many_racing_workers_never_cross_the_hard_cap(redis_client: redis.Redis,
                         outcomes[r.status] = outcomes.get(r.status, 0) + 1
                     continue
                 tokens = rng.randint(1, WORST_TOKENS)
-                cost = rng.randint(0, WORST_UUSD) / 1e6
+                cost = rng.randint(0, WORST_NUSD) / 1e9
                 if dying:
                     # Stalls past its lease (reaped or taken over); half of them land afterwards.
                     time.sleep(0.06)
@@ -111,7 +111,7 @@ def test_many_racing_workers_never_cross_the_hard_cap(redis_client: redis.Redis,
                         continue
                 if dying:
                     with lock:
-                        late_room_uusd[0] += WORST_UUSD
+                        late_room_nusd[0] += WORST_NUSD
                 action = rng.random()
                 if action < 0.75:
                     out = budget.settle(pid, lease, tokens, msgpack.packb({"id": pid}), cost_usd=cost)
@@ -127,8 +127,8 @@ def test_many_racing_workers_never_cross_the_hard_cap(redis_client: redis.Redis,
                     deliveries.put(pid)
                     out = "released"
                 with lock:
-                    billed_uusd[0] += round(cost * 1e6)
-                    late_room_uusd[0] -= round(cost * 1e6) if dying else 0
+                    billed_nusd[0] += round(cost * 1e9)
+                    late_room_nusd[0] -= round(cost * 1e9) if dying else 0
                     outcomes[out] = outcomes.get(out, 0) + 1
                 step_done()
         except BaseException as exc:  # surfaced by the main thread
@@ -163,7 +163,7 @@ def test_many_racing_workers_never_cross_the_hard_cap(redis_client: redis.Redis,
     s = atomic_snapshot(redis_client, "race")
     check(s)
     # Every cost passed in is in the count (none lost, none twice), and the kept rows match.
-    assert s.spent_uusd == billed_uusd[0]
+    assert s.spent_nusd == billed_nusd[0]
     assert redis_client.xlen(Budget(redis_client, "race").keys.results) == s.rows == outcomes.get("kept", 0)
     assert s.in_flight == 0
     assert s.ended_by == case.ends_by, (s, outcomes)
@@ -173,10 +173,10 @@ def test_many_racing_workers_never_cross_the_hard_cap(redis_client: redis.Redis,
         fill = s.kept / s.limit
     elif case.ends_by == "usd":
         # Orphans (reaped, never landed) stay held as possibly billed: they count as spent here.
-        assert s.limit_uusd - s.spent_uusd - s.orphaned_uusd < WORST_UUSD + late_room_uusd[0]
-        fill = s.spent_uusd / s.limit_uusd
+        assert s.limit_nusd - s.spent_nusd - s.orphaned_nusd < WORST_NUSD + late_room_nusd[0]
+        fill = s.spent_nusd / s.limit_nusd
     else:
-        assert s.run_limit_uusd - s.run_spent_uusd - s.orphaned_uusd < WORST_UUSD + late_room_uusd[0]
-        fill = s.run_spent_uusd / s.run_limit_uusd
-    print(f"{case.name}: fill {100 * fill:.1f}% outcomes {outcomes} orphaned ${s.orphaned_uusd / 1e6:.4f} "
-          f"late room ${late_room_uusd[0] / 1e6:.4f}")
+        assert s.run_limit_nusd - s.run_spent_nusd - s.orphaned_nusd < WORST_NUSD + late_room_nusd[0]
+        fill = s.run_spent_nusd / s.run_limit_nusd
+    print(f"{case.name}: fill {100 * fill:.1f}% outcomes {outcomes} orphaned ${s.orphaned_nusd / 1e9:.4f} "
+          f"late room ${late_room_nusd[0] / 1e9:.4f}")
