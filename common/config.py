@@ -189,11 +189,15 @@ def _line_of(text: str, loc: tuple[int | str, ...]) -> int | None:
             end = later[0] if later else len(lines)
         path = path[2:]
     elif path and isinstance(path[0], str):
+        # A sub-table of its own ([model.pricing]) before its parent ([model]).
+        depth = 2 if len(path) >= 2 and isinstance(path[1], str) and f"[{path[0]}.{path[1]}]" in (
+            ln.strip() for ln in lines) else 1
+        header = ".".join(str(p) for p in path[:depth])
         for i, ln in enumerate(lines):
-            if ln.strip() in (f"[{path[0]}]", f"[[{path[0]}]]"):
+            if ln.strip() in (f"[{header}]", f"[[{header}]]"):
                 start = i
                 break
-        path = path[1:]
+        path = path[depth:]
     key = next((p for p in path if isinstance(p, str)), None)
     if key is None:
         return start + 1 if start else None
