@@ -50,9 +50,10 @@ class LengthClass(_Strict):
     max_tokens: int = Field(gt=0)
     #: Read timeout of one HTTP attempt: the only real time limit under gevent.
     timeout_s: float = Field(gt=0)
-    #: Tokens a request is expected to keep, before kept rows give a measured mean. Default:
-    #: max_tokens, which can't overshoot the budget in the first wave; a lower guess admits more
-    #: requests at the start but overshoots if it is wrong.
+    #: ``budget_mode = "projected"`` only: tokens a request is expected to keep, before kept rows
+    #: give a measured mean. Default: max_tokens, which can't overshoot the budget in the first
+    #: wave; a lower guess admits more requests at the start but overshoots if it is wrong. The
+    #: hard rule always holds max_tokens (common/budget.py BudgetPolicy).
     estimate_tokens: int | None = Field(default=None, gt=0)
 
 
