@@ -54,7 +54,7 @@
 --           the lease was reaped; no budget is taken: the caller releases and asks again later.
 --   settle  id lease tokens cost_nusd attempts row
 --           -> {"kept", kept, limit, over_hold} | {"duplicate", over_hold} | {"discarded", over_hold}
---              over_hold is 1 when the answer cost more than the worst case it held
+--              over_hold is 1 when the answer cost more than the worst case it held (a wrong price)
 --   fail    id lease failure_json cost_nusd -> {"failed"} | {"duplicate"}
 --   release id lease cost_nusd     -> {"released"}   (give back an admission, no outcome)
 --   reap    now_ms                 -> {"reaped", n}
@@ -234,7 +234,7 @@ elseif op == "settle" then
   local attempts, row = tonumber(ARGV[6]), ARGV[7]
   local held_usd = finish(id, lease)
   spend(cost)  -- money spent is spent, whatever happens to the row
-  local over_hold = (cost > held_usd) and 1 or 0
+  local over_hold = (held_usd > 0 and cost > held_usd) and 1 or 0
   if redis.call("SISMEMBER", done, id) == 1 then return {"duplicate", over_hold} end
   local b = redis.call("HMGET", budget, "tokens_rule", "tokens_limit", "tokens_kept", "tokens_held")
   if b[1] == "hard" and num(b[3]) + num(b[4]) + tokens > num(b[2]) then

@@ -8,6 +8,7 @@ Dollars travel as integer nano-dollars (``nusd``) so the sums in Redis stay exac
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,8 @@ from typing import Any, Literal
 import redis
 
 from common.keys import HALT, RUN_BUDGET, DatasetKeys
+
+log = logging.getLogger(__name__)
 
 _SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
 
@@ -228,7 +231,12 @@ class Budget:
                attempts: int = 0) -> Settled:
         """Count a billed answer's cost, and keep its row (hand it to the collector) unless another
         delivery already did ("duplicate") or the hard cap has no room for it ("discarded")."""
-        status: Settled = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row)[0]
+        reply = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row)
+        if int(reply[-1]):
+            # The dollar cap holds only while answers cost no more than their worst case.
+            log.warning("%s/%s: the answer cost $%.6f, more than its worst case: is the model's price right?",
+                        self.keys.dataset, prompt_id, cost_usd)
+        status: Settled = reply[0]
         return status
 
     def fail(self, prompt_id: str, lease: str, reason: str, attempts: int, detail: str, *,

@@ -326,3 +326,11 @@ def test_large_sums_stay_exact_integers(redis_client: redis.Redis) -> None:
     b.reserve("x", "L", ttl_ms=TTL_MS, ask=ask(10, 10))
     assert b.settle("x", "L", 5, _row("x"), cost_usd=0.000000001) == "kept"
     assert b.snapshot().spent_nusd == 1_234_567_891_234_001
+
+
+def test_an_answer_dearer_than_its_worst_case_is_counted_and_flagged(
+        redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    b = opened(redis_client, usd=1.0)
+    b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask(100, 1_000))
+    assert b.settle("p1", "L1", 10, _row("p1"), cost_usd=0.002) == "kept"
+    assert usd(b.snapshot())[0] == 2_000 and "more than its worst case" in caplog.text
