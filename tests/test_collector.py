@@ -8,15 +8,15 @@ from pathlib import Path
 import msgpack
 import redis
 
-from common.budget import Budget
+from common.budget import Ask, Budget
 from producer.collector import CHECKPOINT, Collector, shard_path
 
 
 def _keep(b: Budget, n: int, start: int = 0) -> None:
     for i in range(start, start + n):
         pid = f"p{i}"
-        b.reserve(pid, "L", ttl_ms=60_000, prior_estimate=1)
-        b.settle(pid, "L", 3, msgpack.packb({"id": pid, "num_tokens": 3, "text": "héllo ✓"}))
+        b.reserve(pid, "L", ttl_ms=60_000, ask=Ask(3, 0, 3))
+        b.settle(pid, "L", 3, msgpack.packb({"id": pid, "num_tokens": 3, "text": "héllo ✓"}), cost_usd=0.0)
 
 
 def _ids(out: Path) -> list[str]:
@@ -62,8 +62,8 @@ def test_a_row_is_one_line_for_every_reader(tmp_path: Path, redis_client: redis.
     b = Budget(redis_client, "D")
     b.open(10_000)
     tricky = "line\u2028sep\u2029para\x85nel é ✓ 🙂"
-    b.reserve("p", "L", ttl_ms=60_000, prior_estimate=1)
-    b.settle("p", "L", 3, msgpack.packb({"id": "p", "content": tricky}))
+    b.reserve("p", "L", ttl_ms=60_000, ask=Ask(3, 0, 3))
+    b.settle("p", "L", 3, msgpack.packb({"id": "p", "content": tricky}), cost_usd=0.0)
     c = Collector(redis_client, tmp_path, shard_rows=10)
     c.add("D")
     c.drain_once(block_ms=10)
