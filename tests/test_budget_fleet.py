@@ -77,3 +77,28 @@ def test_small_token_budgets_end_within_one_worst_case_never_over(
     assert budget - POLICY.worst_tokens(max_tokens) < s["tokens"] <= budget, s
     snap = Budget(redis_client, "T").snapshot()
     assert snap.held == 0 and snap.in_flight == 0
+
+
+def test_resume_continues_dollars_even_after_redis_lost_them(fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator("--latency-median-ms", "20")
+    data = write_jsonl(fleet.tmp / "r.jsonl", prompts(300, "r"))
+
+    def config(usd: float) -> Path:
+        return with_sections(fleet.write_config([{"name": "R", "path": data, "length": "short",
+                                                  "budget_usd": usd}]), PRICING)
+
+    fleet.start_worker("w1", concurrency=20)
+    fleet.run_producer(config(0.01), name="producer1")
+    first = read_summary(fleet.out, "R")
+    assert first["end_reason"] == "budget_usd" and first["spent_usd"] <= 0.01
+    rows = fleet.assert_exactly_once(redis_client, "R")
+    redis_client.flushdb()  # a Redis without persistence restarted: the dollars come back from the rows
+    fleet.run_producer(config(0.02), name="producer2")
+    assert "restoring from the shards" in fleet.log("producer2")
+    second = read_summary(fleet.out, "R")
+    assert second["end_reason"] == "budget_usd" and second["results"] > len(rows)
+    # Every answer was kept, so the rows' costs are every dollar billed: the count continued exactly.
+    assert sum(r["usage"]["cost"] for r in rows) == pytest.approx(first["spent_usd"], abs=1e-8)
+    billed = fleet.sim_stats()["billed_cost_usd"]
+    assert second["spent_usd"] == pytest.approx(billed, abs=1e-8) and billed <= 0.02
+    fleet.assert_exactly_once(redis_client, "R")
