@@ -6,6 +6,9 @@
 --                           tokens_limit    token budget; tokens_kept, tokens_kept_sq (sum of squares)
 --                                           and rows_kept of kept rows
 --                           tokens_held     sum of the token holds of live leases (hard: worst cases)
+--                           tokens_max_seen the largest answer kept or discarded so far: the hard rule's
+--                                           worst case when it exceeds max_tokens (our tokenizer may
+--                                           count more than the provider that enforced max_tokens)
 --                           nusd_limit      dollar budget in nano-dollars (0: none); nusd_spent: every
 --                                           billed answer's usage.cost, kept or not
 --                           nusd_held       worst-case cost of live leases plus orphans; nusd_orphaned
@@ -21,7 +24,8 @@
 --                         nusd_orphaned, admission_state (active | exhausted), ended_by
 -- KEYS[8] orphans  HASH   lease -> nano-usd held for a reaped lease whose answer may still be billed
 --
--- The rule. A request asks with its worst case: W tokens (max_tokens plus the turn's own tokens) and
+-- The rule. A request asks with its worst case: W tokens (max_tokens plus the turn's own tokens, or
+-- the largest answer seen if that is more) and
 -- C nano-dollars (prompt tokens x prompt price + max_tokens x completion price + request price).
 --   Dollars, always: admitted only if spent + held + C <= limit, for the dataset and for the run.
 --     Settling frees the hold and adds the real cost (<= C), so spent + held <= limit holds after
@@ -176,13 +180,15 @@ if op == "reserve" then
   end
 
   local b = redis.call("HMGET", budget, "tokens_rule", "tokens_limit", "tokens_kept", "tokens_kept_sq",
-                       "tokens_held", "rows_kept", "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
+                       "tokens_held", "rows_kept", "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned",
+                       "tokens_max_seen")
   local rule, limit, kept, kept_sq = b[1], num(b[2]), num(b[3]), num(b[4])
   local held, rows = num(b[5]), num(b[6])
   local r = redis.call("HMGET", run, "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
 
   local hold, tokens
   if rule == "hard" then
+    worst_tok = math.max(worst_tok, num(b[11]))
     hold = worst_tok
     if kept + worst_tok > limit then tokens = "over"
     elseif kept + held + worst_tok > limit then tokens = "wait" end
@@ -236,7 +242,9 @@ elseif op == "settle" then
   spend(cost)  -- money spent is spent, whatever happens to the row
   local over_hold = (held_usd > 0 and cost > held_usd) and 1 or 0
   if redis.call("SISMEMBER", done, id) == 1 then return {"duplicate", over_hold} end
-  local b = redis.call("HMGET", budget, "tokens_rule", "tokens_limit", "tokens_kept", "tokens_held")
+  local b = redis.call("HMGET", budget, "tokens_rule", "tokens_limit", "tokens_kept", "tokens_held",
+                       "tokens_max_seen")
+  if tokens > num(b[5]) then redis.call("HSET", budget, "tokens_max_seen", tokens) end
   if b[1] == "hard" and num(b[3]) + num(b[4]) + tokens > num(b[2]) then
     redis.call("HSET", failed, id, cjson.encode({reason = "over_budget", attempts = attempts,
       detail = "answer of " .. tokens .. " tokens landed without room under the hard token cap: billed, not kept"}))

@@ -26,7 +26,7 @@ _SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
 
 #: Every field of the dataset budget hash and the run budget hash (see budget.lua's header).
 FIELDS = (
-    "tokens_rule", "tokens_limit", "tokens_kept", "tokens_kept_sq", "tokens_held", "rows_kept",
+    "tokens_rule", "tokens_limit", "tokens_kept", "tokens_kept_sq", "tokens_held", "tokens_max_seen", "rows_kept",
     "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned", "admission_state", "ended_by",
 )
 

@@ -334,3 +334,13 @@ def test_an_answer_dearer_than_its_worst_case_is_counted_and_flagged(
     b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask(100, 1_000))
     assert b.settle("p1", "L1", 10, _row("p1"), cost_usd=0.002) == "kept"
     assert usd(b.snapshot())[0] == 2_000 and "more than its worst case" in caplog.text
+
+
+def test_hard_rule_learns_a_worst_case_above_max_tokens(redis_client: redis.Redis) -> None:
+    # Our tokenizer may count more than the provider that enforced max_tokens: the largest answer
+    # seen becomes the hold, so later answers of that size find room instead of being discarded.
+    b = opened(redis_client, tokens=10_000)
+    assert b.reserve("p0", "L0", ttl_ms=TTL_MS, ask=ask(500)).value == 500
+    assert b.settle("p0", "L0", 1_500, _row("p0"), cost_usd=0) == "kept"
+    assert b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask(500)).value == 1_500
+    hard_invariant(b.snapshot())
