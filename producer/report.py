@@ -44,6 +44,7 @@ _COLUMNS = [
     "billed completion",
     "billed/kept",
     "cost (USD)",
+    "USD budget",
     "wall",
     "rows/s",
 ]
@@ -91,7 +92,8 @@ def table_row(summary: dict[str, Any]) -> list[str]:
     tokens = _num(summary, "tokens")
     budget = _num(summary, "budget_tokens")
     completion = _num(summary, "billed_completion_tokens")
-    cost = _num(summary, "cost_usd")
+    cost = _num(summary, "spent_usd")
+    cost = _num(summary, "cost_usd") if cost is None else cost
     wall = _num(summary, "wall_s")
     return [
         str(summary.get("dataset", "?")),
@@ -107,6 +109,7 @@ def table_row(summary: dict[str, Any]) -> list[str]:
         _int_cell(completion),
         _ratio(completion, tokens, ".2f"),
         "-" if cost is None else f"{cost:.4f}",
+        "-" if (usd := _num(summary, "budget_usd")) is None else f"{usd:.2f}",
         "-" if wall is None else fmt_duration(wall),
         _ratio(results, wall, ".2f"),
     ]
@@ -124,6 +127,8 @@ def _totals(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "billed_prompt_tokens",
         "billed_completion_tokens",
         "cost_usd",
+        "spent_usd",
+        "budget_usd",
         "wall_s",  # datasets run one after another: the run's wall time is the sum
     ):
         values = [v for s in summaries if (v := _num(s, key)) is not None]
