@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from common.budget import Price
-from common.config import load_config
+from common.config import WorkerView, load_config
 from common.errors import ConfigError
 
 GOOD = """
@@ -34,7 +34,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 def test_defaults_are_the_hard_rule_without_dollar_limits(tmp_path: Path) -> None:
     cfg = load_config(_write(tmp_path, GOOD))
     assert (cfg.run.budget_mode, cfg.run.budget_usd, cfg.datasets[0].budget_usd) == ("hard", None, None)
-    assert cfg.model.pricing is None and cfg.worker_view()["model"]["pricing"] is None
+    assert cfg.model.pricing is None and cfg.worker_view().model.pricing is None
     cfg.require_prices()  # no dollar budget: no price needed
 
 
@@ -42,9 +42,9 @@ def test_dollar_budgets_and_the_price_reach_the_worker_view(tmp_path: Path) -> N
     text = GOOD + "budget_usd = 250\n" + PRICING + '\n[run]\nbudget_usd = 400.5\nbudget_mode = "projected"\n'
     cfg = load_config(_write(tmp_path, text))
     assert (cfg.run.budget_mode, cfg.run.budget_usd, cfg.datasets[0].budget_usd) == ("projected", 400.5, 250)
-    view = cfg.worker_view()["model"]["pricing"]
-    assert view == {"prompt": 6e-7, "completion": 2.5e-6, "request": 0.0}
-    assert Price.from_view(view) == Price(6e-7, 2.5e-6, 0.0)
+    view = WorkerView.model_validate_json(cfg.worker_view().model_dump_json()).model.pricing  # as workers load it
+    assert view is not None and view.model_dump() == {"prompt": 6e-7, "completion": 2.5e-6, "request": 0.0}
+    assert Price.of(view) == Price(6e-7, 2.5e-6, 0.0)
     cfg.require_prices()
 
 

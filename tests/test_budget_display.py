@@ -6,7 +6,7 @@ import io
 
 from producer.progress import ProgressView
 from producer.report import render_markdown
-from producer.run import report_line
+from producer.summary import Summary, report_line
 from tests.test_progress import _state
 
 
@@ -30,7 +30,9 @@ def test_report_line_and_table_show_tokens_and_dollars() -> None:
                "results": 12, "skipped": 3, "failed": 0, "malformed": 0, "billed_completion_tokens": 9_100,
                "cost_usd": 0.0412, "spent_usd": 0.0413, "budget_usd": 0.05, "run_budget_usd": 1.0,
                "run_spent_usd": 0.3, "wall_s": 2.0}
-    line = report_line(summary)
+    line = report_line(Summary(**{
+        "prompts": 15, "results_this_run": 12, "billed_prompt_tokens": 0, "billed_reasoning_tokens": 0,
+        "requests": 12, "duplicates": 0, **summary}))
     assert line.startswith("d: dollar budget reached, 9,000 of 10,000,000 tokens · $0.0413 of $0.05 ")
     assert "(run $0.3000 of $1.00)" in line
     md = render_markdown([summary], {})
