@@ -52,6 +52,9 @@ class ResultRow(TypedDict):
     where: NotRequired[str]
     #: The row's tool declarations, when the prompt had them (they are part of the prompt ids).
     tools: NotRequired[list[dict[str, Any]]]
+    #: Rows whose ids came from the engine: the text rebuild checked against them
+    #: (``{"match", "prompt_match", …}``, see ``workers/engine_ids.py``).
+    engine_check: NotRequired[dict[str, Any]]
 
 
 # Failure reasons written to failed.jsonl (stable words for reports and metrics).

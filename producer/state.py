@@ -35,6 +35,10 @@ class DatasetState:
     cost_usd: float
     duplicates: int
     skipped_by_workers: int
+    #: Kept rows with an engine's ids; of those, rebuilt ids or prompt ids that differed.
+    engine_rows: int = 0
+    engine_mismatch: int = 0
+    engine_prompt_mismatch: int = 0
     #: Upstream errors by class (``http_429``, ``timeout`` …) and final failures by reason.
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
@@ -75,6 +79,9 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
         cost_usd=stats.cost_usd,
         duplicates=stats.duplicates,
         skipped_by_workers=stats.skipped,
+        engine_rows=stats.engine_rows,
+        engine_mismatch=stats.engine_mismatch,
+        engine_prompt_mismatch=stats.engine_prompt_mismatch,
         errors=stats.errors,
         failures=stats.failures,
     )

@@ -42,6 +42,7 @@ from common.contract import (
 from common.errors import MisconfiguredError, TokenMismatch, UpstreamError
 from common.stats import DatasetStats
 from workers.context import WorkerContext
+from workers.engine_ids import rebuild_from_engine
 from workers.rebuild import Prompt, RebuiltRow, rebuild, render_prompt
 from workers.retry import RetryPolicy
 from workers.target import TargetTokenizer
@@ -220,7 +221,7 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
         timeout_s=job.length.timeout_s,
         prompt_ids=prepared.prompt.ids,
     )
-    upstream = job.ctx.client
+    upstream = job.ctx.upstream(job.view)
     while True:
         job.attempts += 1
         t0 = time.monotonic()
@@ -269,7 +270,9 @@ def rebuild_row(job: _Job, prepared: Prepared, answer: Answer) -> RebuiltRow:
     """The answer as token-exact ids after the prepared prompt; raises ``TokenMismatch``."""
     # Tokenizing a 32k-token answer is CPU work: a real thread keeps the hub serving others.
     args = (prepared.target, job.payload["messages"], job.payload.get("tools"), answer)
-    rebuilt: RebuiltRow = gevent.get_hub().threadpool.apply(rebuild, args, {"prompt": prepared.prompt})
+    # An engine's ids are the row; the text rebuild becomes their cross-check (engine_ids.py).
+    step = rebuild if answer.completion_ids is None else rebuild_from_engine
+    rebuilt: RebuiltRow = gevent.get_hub().threadpool.apply(step, args, {"prompt": prepared.prompt})
     return rebuilt
 
 
@@ -281,6 +284,8 @@ def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> str:
     kept = job.budget.settle(job.pid, job.lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True))
     if not kept:
         job.stats.record_duplicate()
+    elif rebuilt.engine_check is not None:
+        job.stats.record_engine_check(rebuilt.engine_check["match"], rebuilt.engine_check["prompt_match"])
     log.info(
         "%s/%s settle: %s tokens=%d attempts=%d finish=%s %.1fs",
         job.dataset, job.pid, "kept" if kept else "duplicate", rebuilt.completion_tokens, job.attempts,
@@ -307,4 +312,6 @@ def _row(payload: TaskPayload, rebuilt: RebuiltRow, answer: Answer, attempts: in
     }
     if tools := payload.get("tools"):
         row["tools"] = tools
+    if rebuilt.engine_check is not None:
+        row["engine_check"] = rebuilt.engine_check
     return row
