@@ -136,7 +136,7 @@ def test_rows_hold_the_engines_ids_and_a_noncanonical_one_is_flagged_at_its_toke
     # The injected one: the row holds the sampled ids, not the canonical ones, and says where they part.
     row2 = rows["p2"]
     assert row2["generation_id"] == injected_gen
-    prompt2, completion2 = _split(row2)
+    _, completion2 = _split(row2)
     p = injection["position"]
     assert completion2 == canonical[:p] + injection["ids"] + canonical[p + 1:]
     assert tok.decode(completion2, skip_special_tokens=False) == TURN
