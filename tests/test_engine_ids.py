@@ -9,6 +9,7 @@ differently is counted apart; an engine that returns no ids halts instead of sil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,10 +67,10 @@ class World:
                             engine_url=engine_url, engine_api_key=TEST_KEY)
         return WorkerContext(settings, upstream=fake)
 
-    def payload(self, pid: str, script: dict[str, Any]) -> TaskPayload:
+    def payload(self, pid: str, script: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> TaskPayload:
         content = f"#sim {json.dumps(script)} case {pid}"
         return {"v": CONTRACT_VERSION, "run": self.config_id, "dataset": DS, "id": pid, "where": f"e.jsonl:{pid}",
-                "messages": [{"role": "user", "content": content}], "tools": None}
+                "messages": [{"role": "user", "content": content}], "tools": tools}
 
     def rows(self) -> dict[str, dict[str, Any]]:
         entries = self.client.xrange(keys.DatasetKeys(DS).results)
@@ -111,6 +112,9 @@ def _split(row: dict[str, Any]) -> tuple[list[int], list[int]]:
 
 REASONING, CONTENT = "Weather thinking, step by step.", "Sunshine everywhere, all afternoon."
 TURN = f"{REASONING}</think>{CONTENT}{END}"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
 def test_rows_hold_the_engines_ids_and_a_noncanonical_one_is_flagged_at_its_token(
@@ -151,6 +155,37 @@ def test_rows_hold_the_engines_ids_and_a_noncanonical_one_is_flagged_at_its_toke
     assert (snap.failures, Budget(world.client, DS).failures()) == ({}, {})
     kept = int(world.client.hget(keys.DatasetKeys(DS).budget, "kept") or 0)
     assert kept == len(canonical) + len(canonical) + 1  # the budget counts the engine's completion ids
+
+
+def test_a_rebuild_that_fails_its_self_check_keeps_the_engines_row(
+        world: World, sim: SimHandle, tok: Tokenizer) -> None:
+    """Without ids the row would be failed as token_mismatch; with them it is kept as the engine
+    sampled it, and counted as a mismatch with the rebuild's error. The rebuild is made wrong the
+    way test_rebuild.py does it: a turn format that writes the think-close token twice."""
+    ctx = world.start("vllm", engine_url=sim.url + "/api/v1")
+    target = ctx.tokenizer(ctx.run(world.config_id))
+    fmt = target.turn_format
+    target.turn_format = dataclasses.replace(fmt, reasoning_suffix=fmt.reasoning_suffix + (fmt.think_close or ""))
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    try:
+        outcome = generate(ctx, world.payload("p1", {"reasoning": REASONING, "content": "", "tool_calls": [call],
+                                                     "noncanonical": False}, tools=[WEATHER]))
+    finally:
+        target.turn_format = fmt
+    assert outcome == "kept"
+    row = world.rows()["p1"]
+    completion = _split(row)[1]
+    assert completion == _encode(tok, tok.decode(completion, skip_special_tokens=False))  # the engine's (canonical)
+    assert row["finish_reason"] == "tool_calls" and completion[-1] == tok.token_to_id(END)
+    check = row["engine_check"]
+    assert (check["match"], check["prompt_match"]) == (False, True)
+    assert check["rebuild_error"].startswith("token_mismatch (template)")
+    assert check["position"] == len(_encode(tok, f"{REASONING}</think>"))  # where the second </think> went
+    assert row["conversations"][-1]["reasoning_content"] == REASONING
+    assert row["conversations"][-1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert row["reasoning_end"] == "explicit"
+    snap = DatasetStats(world.client, DS).read()
+    assert (snap.engine_rows, snap.engine_mismatch, snap.failures) == (1, 1, {})
 
 
 def test_a_prompt_rendered_unlike_the_engines_and_a_trimmed_stop_token(world: World, tok: Tokenizer) -> None:
