@@ -9,8 +9,9 @@ difference no self-check on the text can see. So with ids:
   completion) and ``num_tokens`` counts the engine's completion ids;
 - the rebuild still runs, and the row's ``engine_check`` says whether it agreed: ``match``; if not,
   the first differing completion ``position``, the token at it on each side (``engine``/``rebuilt``
-  as text, ``engine_id``/``rebuilt_id``). The row is kept either way: the engine's ids are the
-  truth, the count says how often text-only rebuilding would have been wrong;
+  as text, ``engine_id``/``rebuilt_id``), or the rebuild's own ``rebuild_error`` when it failed its
+  self-checks. The row is kept either way: the engine's ids are the truth, the count says how
+  often text-only rebuilding would have been wrong (or would have lost the row);
 - the engine's prompt ids are compared with the prompt the worker rendered with the target's chat
   template (``prompt_match``, ``prompt_position``): a difference means the engine serves another
   chat template than the tokenizer the run names, a configuration smell counted on its own.
@@ -26,7 +27,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from workers.rebuild import ENDED_FINISH_REASONS, Prompt, RebuiltRow, rebuild
+from common.errors import TokenMismatch
+from workers.rebuild import ENDED_FINISH_REASONS, Prompt, ReasoningEnd, RebuiltRow, rebuild
 from workers.target import TargetTokenizer
 from workers.upstream import Answer
 
@@ -63,19 +65,22 @@ def rebuild_from_engine(
     *,
     prompt: Prompt,
 ) -> RebuiltRow:
-    """The row from the engine's ids, ``engine_check`` filled from the text rebuild.
-
-    Raises ``TokenMismatch`` when the text rebuild fails its own self-checks, as without ids."""
-    rebuilt = rebuild(target, messages, tools, answer, prompt=prompt)
+    """The row from the engine's ids, ``engine_check`` filled from the text rebuild. A rebuild that
+    fails its own self-checks (which would fail the row without ids) is a mismatch too: the row
+    keeps the engine's ids, the answer's parts as its message and the check's ``rebuild_error``."""
     engine_prompt = list(answer.prompt_ids or [])
     completion, end_appended = engine_completion(target, answer)
-    rebuilt_completion = rebuilt.input_ids[rebuilt.prompt_tokens:]
-
     check: dict[str, Any] = {"match": True, "prompt_match": True}
-    position = first_difference(completion, rebuilt_completion)
+    try:
+        rebuilt = rebuild(target, messages, tools, answer, prompt=prompt)
+    except TokenMismatch as exc:
+        rebuilt = _unchecked(target, answer, completion)
+        check.update(match=False, position=exc.position, rebuild_error=str(exc))
+
+    position = first_difference(completion, rebuilt.input_ids[rebuilt.prompt_tokens:]) if check["match"] else None
     if position is not None:
         engine_text, engine_id = _token(target, completion, position)
-        rebuilt_text, rebuilt_id = _token(target, rebuilt_completion, position)
+        rebuilt_text, rebuilt_id = _token(target, rebuilt.input_ids[rebuilt.prompt_tokens:], position)
         check.update(match=False, position=position, engine=engine_text, rebuilt=rebuilt_text,
                      engine_id=engine_id, rebuilt_id=rebuilt_id)
     prompt_position = first_difference(engine_prompt, prompt.ids)
@@ -92,6 +97,25 @@ def rebuild_from_engine(
         completion_tokens=len(completion),
         engine_check=check,
     )
+
+
+def _unchecked(target: TargetTokenizer, answer: Answer, completion: list[int]) -> RebuiltRow:
+    """The row's other fields straight from the answer and the engine's ids, for when the text
+    rebuild refused them (the ids and counts are the engine's, set by the caller)."""
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if answer.reasoning is not None:
+        message["reasoning_content"] = answer.reasoning
+    if answer.tool_calls:
+        message["tool_calls"] = answer.tool_calls
+    close = target.special_ids_by_string.get(target.turn_format.think_close or "")
+    reasoning_end: ReasoningEnd = "none"
+    if close is not None and close in completion:
+        reasoning_end = "explicit"
+    elif answer.reasoning and answer.finish_reason not in ENDED_FINISH_REASONS:
+        reasoning_end = "truncated"
+    return RebuiltRow(input_ids=[], loss_mask=[], prompt_tokens=0, completion_tokens=0,
+                      completion_text=target.decode(completion), assistant_message=message,
+                      reasoning_end=reasoning_end)
 
 
 __all__ = ["engine_completion", "first_difference", "rebuild_from_engine"]
