@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from common.datasets import DEFAULT_MAX_LINE_BYTES
 from common.errors import ConfigError
 
 DEFAULT_BUDGET_TOKENS = 10_000_000
@@ -31,6 +32,14 @@ class _Strict(BaseModel):
 UpstreamKind = Literal["openrouter", "vllm", "sglang"]
 
 
+class Pricing(_Strict):
+    """The model's price in USD, OpenRouter's ``pricing`` shape: per token, and per request."""
+
+    prompt: float = Field(ge=0)
+    completion: float = Field(ge=0)
+    request: float = Field(default=0.0, ge=0)
+
+
 class ModelConfig(_Strict):
     #: What the upstream is asked for (OpenRouter's model id, or the engine's served model name).
     name: str = Field(min_length=1)
@@ -43,6 +52,9 @@ class ModelConfig(_Strict):
     #: exceed it is refused before it is sent. None: unknown, not checked (read from OpenRouter's
     #: models endpoint at run start when the run file does not say).
     context_length: int | None = Field(default=None, gt=0)
+    #: The price that dollar budgets use for worst-case holds. Stated here, it overrides what the
+    #: models endpoint says; absent, it is read from there at run start.
+    pricing: Pricing | None = None
 
 
 class LengthClass(_Strict):
@@ -113,6 +125,8 @@ class DatasetConfig(_Strict):
     budget_tokens: int = Field(default=DEFAULT_BUDGET_TOKENS, gt=0)
     #: Take at most this many prompts from the file (None: all).
     max_prompts: int | None = Field(default=None, gt=0)
+    #: A longer line is reported as ``line_too_long`` in malformed.jsonl and never sent.
+    max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, gt=0)
 
     @field_validator("name")
     @classmethod
@@ -120,6 +134,16 @@ class DatasetConfig(_Strict):
         if not _DATASET_NAME.match(v):
             raise ValueError("use letters, digits, '_', '-', '.' (it names a queue and a folder)")
         return v
+
+
+class RunSection(_Strict):
+    """``[run]``: limits across all datasets of the run."""
+
+    #: Spend at most this many USD across every dataset of the run; the datasets after the one
+    #: that reaches it are skipped (end reason ``run_budget``). None: no limit.
+    budget_usd: float | None = Field(default=None, gt=0)
+    #: Start even when ``specfleet plan``'s worst case exceeds ``budget_usd`` (same as ``--yes``).
+    confirm_over_budget: bool = False
 
 
 class WorkerView(_Strict):
@@ -144,6 +168,7 @@ class WorkerView(_Strict):
 
 class RunConfig(_Strict):
     model: ModelConfig
+    run: RunSection = RunSection()
     request: RequestConfig = RequestConfig()
     lengths: dict[LengthName, LengthClass] = Field(default_factory=_default_lengths)
     retry: RetryConfig = RetryConfig()

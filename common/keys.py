@@ -18,6 +18,8 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
                                             `specfleet run` (contract.halt_line says it to the user)
     specfleet:misconfig             SET     prompt ids that met a "wrong URL or model" answer since the last
                                             answer anywhere (common/stats.py; workers/retry.py halts on it)
+    specfleet:throttle              HASH    the fleet-wide adaptive in-flight limit, pause, rate bucket (throttle.lua)
+    specfleet:throttle:slots        ZSET    upstream requests in flight, fleet-wide: slot id -> expiry ms
 
 Celery's own keys (the queue lists ``specfleet.q.<ds>``, ``unacked``, ``_kombu.*``) are kombu's.
 """
@@ -31,6 +33,9 @@ PRODUCER_LOCK = f"{PREFIX}:producer:lock"
 CURRENT_RUN = f"{PREFIX}:run:current"
 HALT = f"{PREFIX}:halt"
 MISCONFIG_STREAK = f"{PREFIX}:misconfig"
+#: One throttle per Redis: rate limits belong to the account and model, not to a dataset or a run.
+THROTTLE = f"{PREFIX}:throttle"
+THROTTLE_SLOTS = f"{PREFIX}:throttle:slots"
 
 #: Prefix of the per-dataset Celery queue name (a Redis list of the same name).
 QUEUE_PREFIX = f"{PREFIX}.q."

@@ -23,7 +23,9 @@ def test_the_documented_base_url_works_and_a_wrong_model_halts_then_resumes(
     # OpenRouter's documented base URL, as the OpenAI SDK takes it (with a trailing slash even).
     fleet.start_worker("w1", concurrency=CONCURRENCY, OPENROUTER_BASE_URL=fleet.sim_url + "/api/v1/")
 
-    producer = fleet.start_producer(config, name="producer1")
+    # The plan would refuse the unknown id before any request (tests/test_plan.py); here the
+    # workers meet it, as they would behind an engine that publishes no model list.
+    producer = fleet.start_producer(config, "producer1", "--no-plan")
     assert producer.wait(timeout=120) == 3, fleet.all_logs()
     halted = [ln for ln in fleet.log("producer1").splitlines() if ln.startswith("specfleet: halted:")]
     assert len(halted) == 1, fleet.log("producer1")
