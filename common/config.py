@@ -27,6 +27,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+#: Who answers: OpenRouter (text only), or a self-hosted OpenAI-compatible engine that returns the
+#: token ids it sampled (``return_token_ids``), at the workers' ``SPECFLEET_ENGINE_URL``.
+UpstreamKind = Literal["openrouter", "vllm", "sglang"]
+
+
 class Pricing(_Strict):
     """The model's price in USD, OpenRouter's ``pricing`` shape: per token, and per request."""
 
@@ -36,8 +41,9 @@ class Pricing(_Strict):
 
 
 class ModelConfig(_Strict):
-    #: What OpenRouter is asked for.
+    #: What the upstream is asked for (OpenRouter's model id, or the engine's served model name).
     name: str = Field(min_length=1)
+    upstream: UpstreamKind = "openrouter"
     #: HF hub id or local folder, loaded with AutoTokenizer.
     tokenizer: str = Field(min_length=1)
     trust_remote_code: bool = False

@@ -156,6 +156,26 @@ def _breakdown(title: str, key: str, timelines: dict[str, list[dict[str, Any]]])
     return [f"## {title}", "", *lines, ""] if lines else []
 
 
+def _engine_ids(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """Datasets whose rows carry an engine's ids: how often the text rebuild disagreed with them."""
+    lines = []
+    for s in summaries:
+        rows = _num(s, "engine_rows")
+        if not rows:
+            continue
+        wrong, prompts = _num(s, "engine_mismatch") or 0, _num(s, "engine_prompt_mismatch") or 0
+        lines.append(
+            f"- **{s.get('dataset', '?')}**: {int(rows):,} rows with the engine's ids; `engine_mismatch` "
+            f"{int(wrong):,} ({wrong / rows:.2%} of them: text-only rebuilding would have been wrong); "
+            f"prompt ids unlike the template-rendered prompt: {int(prompts):,} ({prompts / rows:.2%})"
+        )
+    if not lines:
+        return []
+    note = ("A prompt-ids difference means the engine serves another chat template than the run's "
+            "tokenizer: check the configuration.")
+    return ["## Engine ids", "", *lines, "", note, ""]
+
+
 def render_markdown(
     summaries: list[dict[str, Any]], timelines: dict[str, list[dict[str, Any]]], *, png_name: str = REPORT_PNG
 ) -> str:
@@ -176,6 +196,7 @@ def render_markdown(
         "",
         f"![budget consumption and throughput over time]({png_name})",
         "",
+        *_engine_ids(summaries),
         *_breakdown("Upstream errors by class", "errors", timelines),
         *_breakdown("Failures by reason", "failures", timelines),
     ]

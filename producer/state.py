@@ -47,6 +47,10 @@ class DatasetState:
     orphaned_usd: float = 0.0
     run_budget_usd: float = 0.0
     run_spent_usd: float = 0.0
+    #: Kept rows with an engine's ids; of those, rebuilt ids or prompt ids that differed.
+    engine_rows: int = 0
+    engine_mismatch: int = 0
+    engine_prompt_mismatch: int = 0
     #: Upstream errors by class (``http_429``, ``timeout`` …) and final failures by reason.
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
@@ -100,6 +104,9 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
         cost_usd=stats.cost_usd,
         duplicates=stats.duplicates,
         skipped_by_workers=stats.skipped,
+        engine_rows=stats.engine_rows,
+        engine_mismatch=stats.engine_mismatch,
+        engine_prompt_mismatch=stats.engine_prompt_mismatch,
         errors=stats.errors,
         failures=stats.failures,
     )

@@ -44,6 +44,11 @@ class Summary:
     unresolved_usd: float = 0.0
     run_budget_usd: float | None = None
     run_spent_usd: float = 0.0
+    #: Rows with an engine's ids (``model.upstream`` an engine); of those, rows whose text rebuild
+    #: differed from them, and rows whose prompt ids differed from the template-rendered prompt.
+    engine_rows: int = 0
+    engine_mismatch: int = 0
+    engine_prompt_mismatch: int = 0
     #: Attempts that failed, by reason, and prompts that failed for good, by reason.
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)

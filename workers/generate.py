@@ -45,6 +45,7 @@ from common.contract import (
 from common.errors import MisconfiguredError, TokenMismatch, UpstreamError
 from common.stats import DatasetStats
 from workers.context import WorkerContext
+from workers.engine_ids import rebuild_from_engine
 from workers.rebuild import Prompt, RebuiltRow, rebuild, render_prompt
 from workers.retry import RetryPolicy
 from workers.target import TargetTokenizer
@@ -225,7 +226,7 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
         timeout_s=job.length.timeout_s,
         prompt_ids=prepared.prompt.ids,
     )
-    upstream = job.ctx.client
+    upstream = job.ctx.upstream(job.view)
     while True:
         job.attempts += 1
         t0 = time.monotonic()
@@ -275,7 +276,9 @@ def rebuild_row(job: _Job, prepared: Prepared, answer: Answer) -> RebuiltRow:
     """The answer as token-exact ids after the prepared prompt; raises ``TokenMismatch``."""
     # Tokenizing a 32k-token answer is CPU work: a real thread keeps the hub serving others.
     args = (prepared.target, job.payload["messages"], job.payload.get("tools"), answer)
-    rebuilt: RebuiltRow = gevent.get_hub().threadpool.apply(rebuild, args, {"prompt": prepared.prompt})
+    # An engine's ids are the row; the text rebuild becomes their cross-check (engine_ids.py).
+    step = rebuild if answer.completion_ids is None else rebuild_from_engine
+    rebuilt: RebuiltRow = gevent.get_hub().threadpool.apply(step, args, {"prompt": prepared.prompt})
     return rebuilt
 
 
@@ -292,6 +295,8 @@ def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> str:
         job.stats.record_duplicate()
     elif settled == "discarded":
         job.stats.record_failure("over_budget")
+    elif rebuilt.engine_check is not None:
+        job.stats.record_engine_check(rebuilt.engine_check["match"], rebuilt.engine_check["prompt_match"])
     log.info(
         "%s/%s settle: %s tokens=%d attempts=%d finish=%s %.1fs",
         job.dataset, job.pid, settled, rebuilt.completion_tokens, job.attempts,
@@ -318,4 +323,6 @@ def _row(payload: TaskPayload, rebuilt: RebuiltRow, answer: Answer, attempts: in
     }
     if tools := payload.get("tools"):
         row["tools"] = tools
+    if rebuilt.engine_check is not None:
+        row["engine_check"] = rebuilt.engine_check
     return row
