@@ -153,7 +153,7 @@ def test_rows_hold_the_engines_ids_and_a_noncanonical_one_is_flagged_at_its_toke
     snap = DatasetStats(world.client, DS).read()
     assert (snap.engine_rows, snap.engine_mismatch, snap.engine_prompt_mismatch) == (2, 1, 0)
     assert (snap.failures, Budget(world.client, DS).failures()) == ({}, {})
-    kept = int(world.client.hget(keys.DatasetKeys(DS).budget, "kept") or 0)
+    kept = Budget(world.client, DS).snapshot().kept
     assert kept == len(canonical) + len(canonical) + 1  # the budget counts the engine's completion ids
 
 
