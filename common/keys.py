@@ -13,6 +13,7 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:ds:<ds>:timeline      LIST    JSON samples of progress over time, for the run report's plot
     specfleet:producer:lock         STRING  one producer per Redis at a time
     specfleet:run:current           STRING  JSON {config_id, datasets, started_s, out_dir} of the run in progress
+    specfleet:collector:fence       STRING  a counter the collector bumps so WAITAOF covers the rows it read
     specfleet:halt                  STRING  JSON {reason, message, worker}: the account was refused (401, 402):
                                             every admission stops until the next `specfleet run`
 
@@ -27,6 +28,7 @@ ACTIVE_QUEUES = f"{PREFIX}:active"
 PRODUCER_LOCK = f"{PREFIX}:producer:lock"
 CURRENT_RUN = f"{PREFIX}:run:current"
 HALT = f"{PREFIX}:halt"
+COLLECTOR_FENCE = f"{PREFIX}:collector:fence"
 
 #: Prefix of the per-dataset Celery queue name (a Redis list of the same name).
 QUEUE_PREFIX = f"{PREFIX}.q."

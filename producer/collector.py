@@ -20,7 +20,8 @@ from typing import Any
 import msgpack
 import redis
 
-from common.keys import DatasetKeys
+from common.keys import COLLECTOR_FENCE, DatasetKeys
+from common.redis_client import WAITAOF_TIMEOUT_MS
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,19 @@ class Collector:
         if not sinks:
             return 0
         streams = {s.keys.results: s.cp.last_id for s in sinks}
-        reply = self._client.xread(streams, count=BATCH_ROWS, block=block_ms) or []
+        # Rows go to disk only once they are in Redis' AOF: a row read before a Redis crash lost it
+        # would be settled again by its worker and land in the shard twice. WAITAOF waits for this
+        # client's own writes, so the INCR puts the rows just read behind the fence; one pipeline,
+        # so a retry after a broken connection reads again from the restarted server.
+        pipe = self._client.pipeline(transaction=False)
+        pipe.xread(streams, count=BATCH_ROWS, block=block_ms)
+        pipe.incr(COLLECTOR_FENCE)
+        pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
+        reply, _, synced = pipe.execute(raise_on_error=False)
+        for answer in (reply, synced):
+            if isinstance(answer, Exception) and "appendonly" not in str(answer):
+                raise answer
+        reply = reply or []
         by_stream = {s.keys.results: s for s in sinks}
         total = 0
         for stream, entries in reply:
@@ -175,6 +188,9 @@ class Collector:
         try:
             while not self._stop.is_set():
                 self.drain_once()
+        except redis.ConnectionError as exc:  # past the retry window: one line, the run loop says it
+            self.error = exc
+            log.error("collector stopped: %s", exc)
         except BaseException as exc:  # surfaced to the run loop, which stops the run
             self.error = exc
             log.exception("collector stopped")

@@ -27,6 +27,7 @@ from common.config import DatasetConfig, RunConfig
 from common.contract import CONTRACT_VERSION, TaskPayload
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
+from common.redis_client import CLOCK, RedisOutage
 from producer.collector import Collector
 from producer.enqueue import push
 from producer.lock import ProducerLock
@@ -38,6 +39,8 @@ ENQUEUE_BATCH = 1000
 TICK_S = 0.25
 SAMPLE_EVERY_S = 1.0
 REAP_EVERY_S = 5.0
+#: How often "Redis unreachable, retrying (n s)" is shown while Redis is away.
+OUTAGE_NOTICE_EVERY_S = 5.0
 
 
 @dataclass
@@ -115,6 +118,8 @@ class Runner:
         self._interrupted = threading.Event()
         self._last_sample_s = 0.0
         self._last_reap_s = 0.0
+        self._outages_seen = 0
+        self._outage_shown_s = -OUTAGE_NOTICE_EVERY_S
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -141,6 +146,7 @@ class Runner:
             ),
         )
         self.collector.start()
+        CLOCK.observe(self._outage_notice)
         try:
             self._warn_if_no_workers()
             for ds in self.cfg.datasets:
@@ -154,11 +160,32 @@ class Runner:
                 self.client.hdel(keys.ACTIVE_QUEUES, r.budget.keys.queue)
             raise
         finally:
-            self.collector.stop()
-            if self.progress is not None:
-                self.progress.close()
-            self.lock.release()
+            CLOCK.unobserve(self._outage_notice)
+            try:
+                self.collector.stop()
+            finally:
+                if self.progress is not None:
+                    self.progress.close()
+                self.lock.release()
         return [r.summary for r in self._runs]
+
+    def _outage_notice(self, elapsed_s: float) -> None:
+        """Called by every failed Redis attempt of any thread while Redis is away: shown every few s."""
+        if elapsed_s - self._outage_shown_s < OUTAGE_NOTICE_EVERY_S and elapsed_s >= self._outage_shown_s:
+            return
+        self._outage_shown_s = elapsed_s
+        text = f"Redis unreachable, retrying ({elapsed_s:.0f} s)"
+        if self.progress is not None and hasattr(self.progress, "notice"):
+            self.progress.notice(text)
+        else:
+            log.warning("%s", text)
+
+    def _check_collector(self) -> None:
+        error = self.collector.error
+        if isinstance(error, RedisOutage):
+            raise error
+        if error is not None:
+            raise SpecfleetError(f"collector failed: {error}")
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -268,8 +295,7 @@ class Runner:
     def _admission_over(self, run: DatasetRun) -> bool:
         if self._interrupted.is_set():
             raise Interrupted("interrupted")
-        if self.collector.error is not None:
-            raise SpecfleetError(f"collector failed: {self.collector.error}")
+        self._check_collector()
         return bool(run.end_reason)
 
     # --- watching ---------------------------------------------------------------------------
@@ -282,9 +308,12 @@ class Runner:
             info = json.loads(halt)
             raise Halted(f"OpenRouter refused the account ({info['reason']}: {info['message']}); "
                          "fix the key or the credits, then run the same command again to resume")
-        if self.collector.error is not None:
-            raise SpecfleetError(f"collector failed: {self.collector.error}")
+        self._check_collector()
         now = time.time()
+        if CLOCK.outages != self._outages_seen:
+            # Redis was away: make sure the lock is still ours before anything else is written.
+            self._outages_seen = CLOCK.outages
+            self.lock.refresh()
         if now - self._last_reap_s >= REAP_EVERY_S:
             self._last_reap_s = now
             self.lock.refresh()

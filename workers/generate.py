@@ -42,6 +42,7 @@ from workers.context import RunView, WorkerContext
 from workers.openrouter import Completion
 from workers.rebuild import RebuiltRow, answer_from_message, rebuild
 from workers.retry import backoff_s
+from workers.spool import fail_or_spool, settle_or_spool
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +153,11 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
             rebuild, (target, payload["messages"], payload.get("tools"), answer)
         )
     except TokenMismatch as exc:
-        budget.fail(pid, lease, FAIL_TOKEN_MISMATCH, attempts, str(exc))
-        ctx.redis.hincrby(budget.keys.stats, f"fail:{FAIL_TOKEN_MISMATCH}", 1)
+        _fail(ctx, budget, pid, lease, FAIL_TOKEN_MISMATCH, attempts, str(exc))
         log.warning("%s/%s rebuild: token mismatch: %s", dataset, pid, exc)
         return "failed"
     except _Failed as failed:
-        budget.fail(pid, lease, failed.reason, failed.attempts, failed.detail)
-        ctx.redis.hincrby(budget.keys.stats, f"fail:{failed.reason}", 1)
+        _fail(ctx, budget, pid, lease, failed.reason, failed.attempts, failed.detail)
         log.warning("%s/%s failed: %s after %d attempts: %s", dataset, pid, failed.reason, failed.attempts,
                     failed.detail)
         return "failed"
@@ -172,20 +171,27 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
         # A bug or an answer nobody foresaw: the prompt gets an outcome with the evidence, instead
         # of vanishing from the dataset's accounting.
         log.exception("%s/%s internal error", dataset, pid)
-        budget.fail(pid, lease, FAIL_INTERNAL, attempts, f"{type(exc).__name__}: {exc}")
-        ctx.redis.hincrby(budget.keys.stats, f"fail:{FAIL_INTERNAL}", 1)
+        _fail(ctx, budget, pid, lease, FAIL_INTERNAL, attempts, f"{type(exc).__name__}: {exc}")
         return "failed"
 
     row = _row(payload, rebuilt, completion, attempts)
-    kept = budget.settle(pid, lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True))
-    if not kept:
+    settled = settle_or_spool(ctx.redis, ctx.settings.spool_dir, budget, pid, lease, rebuilt.completion_tokens,
+                              msgpack.packb(row, use_bin_type=True), within_s=LEASE_SLACK_S)
+    if settled == "duplicate":
         ctx.redis.hincrby(budget.keys.stats, STAT_DUPLICATES, 1)
     log.info(
         "%s/%s settle: %s tokens=%d attempts=%d finish=%s %.1fs",
-        dataset, pid, "kept" if kept else "duplicate", rebuilt.completion_tokens, attempts,
+        dataset, pid, settled, rebuilt.completion_tokens, attempts,
         completion.finish_reason, time.monotonic() - started,
     )
-    return "kept" if kept else "duplicate"
+    return settled
+
+
+def _fail(ctx: WorkerContext, budget: Budget, pid: str, lease: str, reason: str, attempts: int, detail: str) -> None:
+    """Record the failure (spooled while Redis is away) and count it."""
+    if fail_or_spool(ctx.redis, ctx.settings.spool_dir, budget, pid, lease, reason, attempts, detail,
+                     within_s=LEASE_SLACK_S) != "spooled":
+        ctx.redis.hincrby(budget.keys.stats, f"fail:{reason}", 1)
 
 
 class _Failed(Exception):
