@@ -12,7 +12,7 @@
 --
 -- ARGV[1] is the operation; the rest depends on it:
 --   reserve  id lease now_ms ttl_ms prior_estimate prior_weight trust_rows
---            -> {"ok", estimate} | {"done"} | {"stopped"} | {"busy", ms_left} | {"over", estimate}
+--            -> {"ok", estimate} | {"done"} (kept, or failed in this run) | {"stopped"} | {"busy", ms_left} | {"over", estimate}
 --               | {"wait", estimate}  (full for now: ask again when in-flight requests have landed)
 --               | {"halted"}          (the account was refused; the prompt keeps no outcome)
 --            Admits a request only if kept + in-flight × estimate + estimate fits under limit; the first
@@ -52,6 +52,9 @@ if op == "reserve" then
   local now, ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
   local prior, prior_weight, trust_rows = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
   if redis.call("SISMEMBER", done, id) == 1 then return {"done"} end
+  -- A failure is final for this run (the next run clears `failed` and asks again): a stray second
+  -- delivery (a restored message after a Redis restart) must not pay for the prompt again.
+  if redis.call("HEXISTS", failed, id) == 1 then return {"done"} end
   if redis.call("EXISTS", halt) == 1 then
     drop_lease(id, lease)
     return {"halted"}

@@ -10,7 +10,8 @@ from workers.context import context
 from workers.generate import Busy, generate
 
 
-@app.task(name=TASK_NAME, bind=True, acks_late=True, max_retries=None, ignore_result=True)
+# acks_late comes from common/celeryconf.py (task_acks_late): one place says it, and tests flip it there.
+@app.task(name=TASK_NAME, bind=True, max_retries=None, ignore_result=True)
 def generate_task(self: Task, payload: TaskPayload) -> str:
     outcome = generate(context(), payload)
     if isinstance(outcome, Busy):
