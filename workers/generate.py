@@ -38,11 +38,12 @@ from common.contract import (
     TaskPayload,
 )
 from common.errors import FatalUpstreamError, RetryableUpstreamError, TokenMismatch, UpstreamError
+from common.redis_client import UNREACHABLE, deadline
 from workers.context import RunView, WorkerContext
 from workers.openrouter import Completion
 from workers.rebuild import RebuiltRow, answer_from_message, rebuild
 from workers.retry import backoff_s
-from workers.spool import fail_or_spool, settle_or_spool
+from workers.spool import USAGE_WAIT_S, fail_or_spool, settle_or_spool
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,13 @@ def _record_usage(ctx: WorkerContext, stats_key: str, completion: Completion) ->
     pipe.hincrby(stats_key, STAT_BILLED_COMPLETION, usage["completion_tokens"])
     pipe.hincrby(stats_key, STAT_BILLED_REASONING, usage["reasoning_tokens"])
     pipe.hincrby(stats_key, STAT_COST_MICRO_USD, round(usage["cost"] * 1e6))
-    pipe.execute()
+    # Report counters are not worth the paid answer: while Redis is away they give way to the
+    # settle, which has the lease's time to land or be spooled (workers/spool.py).
+    try:
+        with deadline(USAGE_WAIT_S):
+            pipe.execute()
+    except UNREACHABLE as exc:
+        log.warning("usage of %s not counted, Redis unreachable: %s", completion.generation_id, exc)
 
 
 def _row(payload: TaskPayload, rebuilt: RebuiltRow, completion: Completion, attempts: int) -> ResultRow:
