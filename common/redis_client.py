@@ -69,7 +69,9 @@ class OutageClock:
 
     def answered(self) -> None:
         if self.down_since is not None:
-            log.warning("Redis is reachable again after %.1f s", time.monotonic() - self.down_since)
+            away_s = time.monotonic() - self.down_since
+            if away_s >= 1.0:  # shorter: a reply that was already on its way when Redis went
+                log.warning("Redis is reachable again after %.1f s", away_s)
             self.down_since = None
             self.outages += 1
 

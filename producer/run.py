@@ -119,7 +119,8 @@ class Runner:
         self._last_sample_s = 0.0
         self._last_reap_s = 0.0
         self._outages_seen = 0
-        self._outage_shown_s = -OUTAGE_NOTICE_EVERY_S
+        self._outage_shown: tuple[int, float | None] = (-1, None)
+        self._outage_shown_s = 0.0
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -171,9 +172,10 @@ class Runner:
 
     def _outage_notice(self, elapsed_s: float) -> None:
         """Called by every failed Redis attempt of any thread while Redis is away: shown every few s."""
-        if elapsed_s - self._outage_shown_s < OUTAGE_NOTICE_EVERY_S and elapsed_s >= self._outage_shown_s:
+        outage = (CLOCK.outages, CLOCK.down_since)
+        if outage == self._outage_shown and elapsed_s - self._outage_shown_s < OUTAGE_NOTICE_EVERY_S:
             return
-        self._outage_shown_s = elapsed_s
+        self._outage_shown, self._outage_shown_s = outage, elapsed_s
         text = f"Redis unreachable, retrying ({elapsed_s:.0f} s)"
         if self.progress is not None and hasattr(self.progress, "notice"):
             self.progress.notice(text)
@@ -374,7 +376,11 @@ class Runner:
         n = 0
         for batch in _batches(read_prompts(run.cfg.path, errors, ReadStats(), limit=run.cfg.max_prompts),
                               ENQUEUE_BATCH):
-            n += self._enqueue(run, [p for p in batch if p.id not in failed])
+            todo = [p for p in batch if p.id not in failed]
+            if n < 10 and todo:  # which ones, so a lost message can be traced
+                done = self.client.smismember(run.budget.keys.done, [p.id for p in todo])
+                log.info("%s: sweeping %s", run.name, ", ".join(p.id for p, d in zip(todo, done, strict=True) if not d))
+            n += self._enqueue(run, todo)
         return n
 
     def _end_admission(self, run: DatasetRun, reason: str) -> None:
