@@ -169,3 +169,28 @@ def test_a_killed_workers_tasks_come_back_within_the_visibility_timeout_while_th
     assert min(back.values()) >= VISIBILITY_S - 6, back  # came back by the visibility timeout, not sooner
     producer.send_signal(signal.SIGTERM)
     producer.wait(timeout=30)
+
+
+def test_a_worker_killed_with_a_full_spool_is_replaced_by_one_that_replays_it_on_start(
+    chaos: tuple[Fleet, RestartableValkey],
+) -> None:
+    fleet, valkey = chaos
+    spool = fleet.tmp / "spool"
+    fleet.start_simulator("--latency-median-ms", "2500", "--latency-p99-ms", "2500")
+    config = fleet.one_dataset("K", 12)
+    first = fleet.start_worker("first", concurrency=12, SPECFLEET_SPOOL_DIR=str(spool))
+    producer = fleet.start_producer(config)
+    client = _client(valkey)
+    _wait(lambda: client.hlen("specfleet:ds:K:leases") == 12, 30, "12 requests in flight", fleet)
+    valkey.kill()
+    _wait(lambda: len(list(spool.glob("*.spool"))) == 12, 40, "12 spooled answers", fleet)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    valkey.start()
+    fleet.start_worker("second", concurrency=12, SPECFLEET_SPOOL_DIR=str(spool))
+    assert producer.wait(timeout=60) == 0, fleet.all_logs()
+    assert not list(spool.glob("*.spool"))
+    fleet.assert_exactly_once(client, "K", 12)
+    assert fleet.log("second").count("replayed from the spool: kept") == 12
+    # The killed worker's messages come back after the visibility timeout and find the prompts done.
+    assert fleet.sim_stats()["requests"] == 12

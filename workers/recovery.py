@@ -56,7 +56,9 @@ class RestoreUnacked(bootsteps.StartStopStep):
 
 
 class ReplaySpool(bootsteps.StartStopStep):
-    requires = {"celery.worker.consumer.tasks:Tasks"}
+    # Before the task consumer starts (and FollowActiveQueues with it): a spooled row must be kept
+    # before any delivery of its prompt can be taken for a prompt without an outcome.
+    requires = {"celery.worker.consumer.connection:Connection"}
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
