@@ -15,7 +15,7 @@ import redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from common.keys import HALT, DatasetKeys
-from common.redis_client import WAITAOF_TIMEOUT_MS
+from common.redis_client import WAITAOF_TIMEOUT_MS, fence_failed
 
 _SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
 
@@ -77,7 +77,7 @@ class Budget:
                 continue
             if isinstance(reply, Exception):
                 raise reply
-            if isinstance(fence, ResponseError) and "appendonly" not in str(fence):
+            if fence_failed(fence):
                 raise fence
             return [x.decode() if isinstance(x, bytes) else x for x in reply]
         raise ResponseError("budget.lua: the server keeps forgetting the script")

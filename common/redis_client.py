@@ -148,6 +148,15 @@ def connect(url: str, window_s: float, **kwargs: Any) -> redis.Redis:
     return redis.Redis.from_url(url, retry=WindowRetry(window_s), retry_on_error=list(UNREACHABLE), **kwargs)
 
 
+def fence_failed(answer: object) -> bool:
+    """Whether a WAITAOF reply is an error worth raising. A server without AOF, or one older than
+    Redis 7.2 (no WAITAOF), cannot fence: the caller goes on as without the fence."""
+    if not isinstance(answer, Exception):
+        return False
+    text = str(answer).lower()
+    return "appendonly" not in text and "unknown command" not in text
+
+
 def describe(url: str) -> str:
     """``host:port/db`` of a Redis URL, without a password."""
     tail = url.split("@", 1)[-1]

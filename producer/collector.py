@@ -21,7 +21,7 @@ import msgpack
 import redis
 
 from common.keys import COLLECTOR_FENCE, DatasetKeys
-from common.redis_client import WAITAOF_TIMEOUT_MS
+from common.redis_client import WAITAOF_TIMEOUT_MS, fence_failed
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +162,10 @@ class Collector:
         pipe.incr(COLLECTOR_FENCE)
         pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
         reply, _, synced = pipe.execute(raise_on_error=False)
-        for answer in (reply, synced):
-            if isinstance(answer, Exception) and "appendonly" not in str(answer):
-                raise answer
+        if isinstance(reply, Exception):
+            raise reply
+        if fence_failed(synced):
+            raise synced
         reply = reply or []
         by_stream = {s.keys.results: s for s in sinks}
         total = 0

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import msgpack
 
 from common.budget import Budget
+from common.keys import DatasetKeys
 from common.redis_client import UNREACHABLE, deadline
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,9 @@ def replay(client: Any, spool_dir: Path, *, within_s: float = 2.0) -> int:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         done += 1
+        if entry["op"] == "fail" and answer:  # counted where it lands, as generate counts the others
+            with contextlib.suppress(*UNREACHABLE):
+                client.hincrby(DatasetKeys(entry["dataset"]).stats, f"fail:{entry['reason']}", 1)
         word = {"settle": ("kept", "duplicate"), "fail": ("failed", "duplicate")}[entry["op"]][0 if answer else 1]
         log.info("%s/%s %s replayed from the spool: %s", entry["dataset"], entry["id"], entry["op"], word)
     return done
