@@ -194,3 +194,21 @@ def test_a_worker_killed_with_a_full_spool_is_replaced_by_one_that_replays_it_on
     assert fleet.log("second").count("replayed from the spool: kept") == 12
     # The killed worker's messages come back after the visibility timeout and find the prompts done.
     assert fleet.sim_stats()["requests"] == 12
+
+
+def test_the_producer_lock_is_kept_taken_back_or_given_up_after_an_outage(redis_client: redis.Redis) -> None:
+    from producer.lock import LOCK_TTL_S, LockLost, ProducerLock
+
+    lock = ProducerLock(redis_client)
+    lock.acquire()
+    redis_client.pexpire("specfleet:producer:lock", 2000)
+    lock.refresh()  # still ours: extended to the full TTL
+    assert redis_client.ttl("specfleet:producer:lock") > LOCK_TTL_S - 2
+    redis_client.delete("specfleet:producer:lock")  # Redis lost it (or it expired while Redis was away)
+    lock.refresh()
+    assert redis_client.get("specfleet:producer:lock") == lock.owner.encode()
+    redis_client.set("specfleet:producer:lock", "otherhost:1", ex=LOCK_TTL_S)  # another producer took it
+    with pytest.raises(LockLost):
+        lock.refresh()
+    lock.release()  # not ours: left alone
+    assert redis_client.get("specfleet:producer:lock") == b"otherhost:1"
