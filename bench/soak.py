@@ -64,6 +64,7 @@ class Chaos:
         self.redis_kills: list[float] = []
         self.stop = threading.Event()
         self._n = 0
+        self.started_s = 0.0
 
     def start_worker(self) -> None:
         self._n += 1
@@ -87,6 +88,11 @@ class Chaos:
         self.valkey.start()
 
     def run(self, producer: subprocess.Popen[bytes], redis_at: list[float]) -> None:
+        # The clock starts once rows land: workers loading their tokenizer are not "mid-run".
+        client = redis.Redis.from_url(self.valkey.url, socket_timeout=10)
+        while producer.poll() is None and int(client.hget(f"specfleet:ds:{DATASET}:budget", "rows") or 0) < 50:
+            time.sleep(0.2)
+        self.started_s = time.time()
         started = time.monotonic()
         pending_redis = sorted(redis_at)
         next_worker_kill = started + self.rng.uniform(5, 10)
@@ -210,7 +216,8 @@ def main() -> int:
     kept_tokens = sum(int(r["num_tokens"]) for r in rows)
 
     print(f"soak: {args.prompts:,} prompts, {len(chaos.worker_kills) + args.workers} worker processes "
-          f"({len(chaos.worker_kills)} SIGKILLed), Redis SIGKILLed {len(chaos.redis_kills)}×, faults "
+          f"({len(chaos.worker_kills)} SIGKILLed), Redis SIGKILLed {len(chaos.redis_kills)}× (at "
+          f"{', '.join(f'{t - chaos.started_s:.0f}' for t in chaos.redis_kills)} s after the first rows), faults "
           f"{', '.join(f'{f} 5%' for f in FAULTS)}; visibility timeout {args.visibility_timeout_s} s, "
           f"unacked restore every {args.restore_s:g} s; producer exit {exit_code}")
     print(f"prompts kept: {len(ids):,} · failed: {len(failed_ids):,} "
