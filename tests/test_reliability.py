@@ -91,7 +91,7 @@ def test_past_the_retry_window_the_producer_exits_with_one_line_and_the_same_com
     fleet, valkey = chaos
     fleet.start_simulator("--latency-median-ms", "300")
     config = fleet.one_dataset("W", 200)
-    fleet.start_worker("w1", concurrency=10)
+    fleet.start_worker("w1", concurrency=40)
     proc = subprocess.Popen(fleet.producer_cmd(config), env=fleet.env(SPECFLEET_REDIS_RETRY_WINDOW_S="4"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=fleet.tmp)
     client = _client(valkey)
