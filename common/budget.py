@@ -59,9 +59,10 @@ class Budget:
     def _call(self, *args: Any) -> list[Any]:
         """Run the script and wait until its writes are in the AOF (WAITAOF), on one connection.
 
-        An answer the caller acts on (a request admitted, a row counted) must survive Redis being
-        SIGKILLed a moment later: with ``appendfsync everysec`` the last second of writes is lost,
-        and a lease or a settle lost that way makes a prompt asked twice. Both commands travel in
+        An answer the caller acts on (a request admitted, a row counted) must survive the Redis
+        host crashing a moment later: with ``appendfsync everysec`` the last second of writes can
+        be lost (a killed process loses nothing it acknowledged; a lost machine does), and a lease
+        or a settle lost that way makes a prompt asked twice. Both commands travel in
         one pipeline, so when the connection breaks the retry runs both again on the restarted
         server (every operation is safe to repeat). Without AOF the fence answers an error and the
         reply stands as it is.

@@ -153,8 +153,8 @@ class Collector:
         if not sinks:
             return 0
         streams = {s.keys.results: s.cp.last_id for s in sinks}
-        # Rows go to disk only once they are in Redis' AOF: a row read before a Redis crash lost it
-        # would be settled again by its worker and land in the shard twice. WAITAOF waits for this
+        # Rows go to disk only once they are fsynced in Redis' AOF: a row read just before the Redis
+        # host crashed and lost it would be settled again by its worker and land in the shard twice. WAITAOF waits for this
         # client's own writes, so the INCR puts the rows just read behind the fence; one pipeline,
         # so a retry after a broken connection reads again from the restarted server.
         pipe = self._client.pipeline(transaction=False)
