@@ -126,8 +126,10 @@ def asked_twice(records: list[dict[str, Any]], delivered: set[str], kills: dict[
             again = cur["app"] != prev["app"] or (answered_at is not None and answered_at <= cur["start_s"])
             if not again:
                 continue
+            # Every request of a killed worker precedes its death (the simulator may log one that
+            # was still in its accept queue a few ms after the kill).
             killed_at = kills.get(prev["app"])
-            if killed_at is not None and killed_at >= prev["start_s"]:
+            if killed_at is not None:
                 causes["killed worker's in-flight request"] += 1
                 delays.append(cur["start_s"] - killed_at)
             else:
