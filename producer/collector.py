@@ -154,9 +154,10 @@ class Collector:
             return 0
         streams = {s.keys.results: s.cp.last_id for s in sinks}
         # Rows go to disk only once they are fsynced in Redis' AOF: a row read just before the Redis
-        # host crashed and lost it would be settled again by its worker and land in the shard twice. WAITAOF waits for this
-        # client's own writes, so the INCR puts the rows just read behind the fence; one pipeline,
-        # so a retry after a broken connection reads again from the restarted server.
+        # host crashed and lost it would be settled again by its worker and land in the shard
+        # twice. WAITAOF waits for this client's own writes, so the INCR puts the rows just read
+        # behind the fence; one pipeline, so a retry after a broken connection reads again from the
+        # restarted server.
         pipe = self._client.pipeline(transaction=False)
         pipe.xread(streams, count=BATCH_ROWS, block=block_ms)
         pipe.incr(COLLECTOR_FENCE)
