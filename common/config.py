@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from common.datasets import DEFAULT_MAX_LINE_BYTES
 from common.errors import ConfigError
 
 DEFAULT_BUDGET_TOKENS = 10_000_000
@@ -26,27 +27,48 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+#: Who answers: OpenRouter (text only), or a self-hosted OpenAI-compatible engine that returns the
+#: token ids it sampled (``return_token_ids``), at the workers' ``SPECFLEET_ENGINE_URL``.
+UpstreamKind = Literal["openrouter", "vllm", "sglang"]
+
+
+class Pricing(_Strict):
+    """The model's price in USD, OpenRouter's ``pricing`` shape: per token, and per request."""
+
+    prompt: float = Field(ge=0)
+    completion: float = Field(ge=0)
+    request: float = Field(default=0.0, ge=0)
+
+
 class ModelConfig(_Strict):
-    #: What OpenRouter is asked for.
+    #: What the upstream is asked for (OpenRouter's model id, or the engine's served model name).
     name: str = Field(min_length=1)
+    upstream: UpstreamKind = "openrouter"
     #: HF hub id or local folder, loaded with AutoTokenizer.
     tokenizer: str = Field(min_length=1)
     trust_remote_code: bool = False
     revision: str | None = None
+    #: Tokens the model takes in and gives out together; a prompt whose ids plus ``max_tokens``
+    #: exceed it is refused before it is sent. None: unknown, not checked (read from OpenRouter's
+    #: models endpoint at run start when the run file does not say).
+    context_length: int | None = Field(default=None, gt=0)
+    #: The price that dollar budgets use for worst-case holds. Stated here, it overrides what the
+    #: models endpoint says; absent, it is read from there at run start.
+    pricing: Pricing | None = None
 
 
 class LengthClass(_Strict):
     max_tokens: int = Field(gt=0)
     #: Read timeout of one HTTP attempt: the only real time limit under gevent.
     timeout_s: float = Field(gt=0)
-    #: Tokens a request is expected to keep, before kept rows give a measured mean. Default:
-    #: max_tokens, which can't overshoot the budget in the first wave; a lower guess admits more
-    #: requests at the start but overshoots if it is wrong.
+    #: ``budget_mode = "projected"`` only: tokens a request is expected to keep, before kept rows
+    #: give a measured mean. Default: max_tokens, which can't overshoot the budget in the first
+    #: wave; a lower guess admits more requests at the start but overshoots if it is wrong. The
+    #: hard rule always holds max_tokens (common/budget.py BudgetPolicy).
     estimate_tokens: int | None = Field(default=None, gt=0)
-
-    @property
-    def prior_estimate_tokens(self) -> int:
-        return self.estimate_tokens or self.max_tokens
+    #: A prompt longer than this (counted with the target tokenizer) is refused before it is sent,
+    #: failed as ``prompt_too_long``. None: only the model's context length limits it.
+    max_prompt_tokens: int | None = Field(default=None, gt=0)
 
 
 LengthName = Literal["short", "long"]
@@ -98,8 +120,12 @@ class DatasetConfig(_Strict):
     path: Path
     length: Literal["short", "long"] = "short"
     budget_tokens: int = Field(default=DEFAULT_BUDGET_TOKENS, gt=0)
+    #: Spend at most this many USD on the dataset (billed answers, kept or not). None: no limit.
+    budget_usd: float | None = Field(default=None, gt=0)
     #: Take at most this many prompts from the file (None: all).
     max_prompts: int | None = Field(default=None, gt=0)
+    #: A longer line is reported as ``line_too_long`` in malformed.jsonl and never sent.
+    max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, gt=0)
 
     @field_validator("name")
     @classmethod
@@ -109,8 +135,43 @@ class DatasetConfig(_Strict):
         return v
 
 
+class RunSection(_Strict):
+    """``[run]``: limits across all datasets of the run."""
+
+    #: Spend at most this many USD across every dataset of the run; the datasets after the one
+    #: that reaches it are skipped (end reason ``run_budget``). None: no limit.
+    budget_usd: float | None = Field(default=None, gt=0)
+    #: Start even when ``specfleet plan``'s worst case exceeds ``budget_usd`` (same as ``--yes``).
+    confirm_over_budget: bool = False
+    #: ``hard``: the kept tokens and the dollars spent never exceed their budgets (requests near
+    #: the end hold their worst case). ``projected``: tokens are admitted on an estimate, which
+    #: can end slightly over or under (dollars always hold worst cases).
+    budget_mode: Literal["hard", "projected"] = "hard"
+
+
+class WorkerView(_Strict):
+    """A worker's view of a run, as the producer stores it (``keys.config``) and workers load it
+    (``WorkerView.model_validate_json``). Typed, so a renamed field fails mypy and validation, not
+    a task deep in a run."""
+
+    model: ModelConfig
+    #: The OpenRouter body keys of ``[request]`` (``RequestConfig.body``), passed through.
+    request: dict[str, Any]
+    lengths: dict[LengthName, LengthClass]
+    retry: RetryConfig
+    #: Dataset name -> its length class.
+    datasets: dict[str, LengthName]
+
+    def length(self, dataset: str) -> LengthClass:
+        name = self.datasets.get(dataset)
+        if name is None:
+            raise ConfigError(f"this run has no dataset {dataset!r}")
+        return self.lengths[name]
+
+
 class RunConfig(_Strict):
     model: ModelConfig
+    run: RunSection = RunSection()
     request: RequestConfig = RequestConfig()
     lengths: dict[LengthName, LengthClass] = Field(default_factory=_default_lengths)
     retry: RetryConfig = RetryConfig()
@@ -125,21 +186,32 @@ class RunConfig(_Strict):
             raise ValueError(f"dataset names must be unique, repeated: {', '.join(dupes)}")
         return self
 
-    def worker_view(self) -> dict[str, Any]:
-        """What workers need, as JSON-able data: no dataset paths, no output dir, no secrets."""
-        return {
-            "model": self.model.model_dump(mode="json"),
-            "request": self.request.body(),
-            "lengths": {k: self.length_for(k).model_dump(mode="json") for k in _LENGTHS},
-            "retry": self.retry.model_dump(mode="json"),
-            "datasets": {d.name: d.length for d in self.datasets},
-        }
+    def worker_view(self) -> WorkerView:
+        """What workers need: no dataset paths, no output dir, no secrets."""
+        return WorkerView(
+            model=self.model,
+            request=self.request.body(),
+            lengths={k: self.length_for(k) for k in _LENGTHS},
+            retry=self.retry,
+            datasets={d.name: d.length for d in self.datasets},
+        )
+
+    def require_prices(self) -> None:
+        """A dollar budget needs the model's price (config or models endpoint) before any request."""
+        with_usd = [f"datasets[{i}] ({d.name}).budget_usd" for i, d in enumerate(self.datasets) if d.budget_usd]
+        if self.run.budget_usd:
+            with_usd.insert(0, "[run] budget_usd")
+        if with_usd and self.model.pricing is None:
+            raise ConfigError(
+                f"{', '.join(with_usd)} needs the price of model {self.model.name!r}, which is unknown: "
+                "state it as [model.pricing] prompt = …, completion = … (USD per token, request = USD "
+                "per request), or let specfleet read it from OpenRouter's models endpoint")
 
     def length_for(self, name: LengthName) -> LengthClass:
         return self.lengths.get(name) or _default_lengths()[name]
 
     def config_id(self) -> str:
-        canonical = json.dumps(self.worker_view(), sort_keys=True, separators=(",", ":"))
+        canonical = json.dumps(self.worker_view().model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
@@ -156,11 +228,15 @@ def _line_of(text: str, loc: tuple[int | str, ...]) -> int | None:
             end = later[0] if later else len(lines)
         path = path[2:]
     elif path and isinstance(path[0], str):
+        # A sub-table of its own ([model.pricing]) before its parent ([model]).
+        depth = 2 if len(path) >= 2 and isinstance(path[1], str) and f"[{path[0]}.{path[1]}]" in (
+            ln.strip() for ln in lines) else 1
+        header = ".".join(str(p) for p in path[:depth])
         for i, ln in enumerate(lines):
-            if ln.strip() in (f"[{path[0]}]", f"[[{path[0]}]]"):
+            if ln.strip() in (f"[{header}]", f"[[{header}]]"):
                 start = i
                 break
-        path = path[1:]
+        path = path[depth:]
     key = next((p for p in path if isinstance(p, str)), None)
     if key is None:
         return start + 1 if start else None

@@ -22,12 +22,12 @@ from typing import Any, Literal
 import msgpack
 
 from common.budget import Budget
-from common.keys import DatasetKeys
 from common.redis_client import UNREACHABLE, deadline
+from common.stats import DatasetStats
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["kept", "duplicate", "failed", "spooled"]
+Outcome = Literal["kept", "duplicate", "discarded", "failed", "spooled"]
 SUFFIX = ".spool"
 #: How long the usage counters of a paid answer may wait for Redis before the settle's turn.
 USAGE_WAIT_S = 2.0
@@ -59,15 +59,21 @@ def write_entry(spool_dir: Path, entry: dict[str, Any]) -> Path:
     return path
 
 
-def _apply(client: Any, entry: dict[str, Any]) -> bool:
+def _apply(client: Any, entry: dict[str, Any]) -> str:
+    """The budget script's word for the entry: kept | duplicate | discarded (settle), failed |
+    duplicate (fail). The billed cost travels with it, so a replay counts the dollars too."""
     budget = Budget(client, entry["dataset"])
+    cost_usd = float(entry.get("cost_usd", 0.0))
     if entry["op"] == "settle":
-        return budget.settle(entry["id"], entry["lease"], int(entry["tokens"]), entry["row"])
-    return budget.fail(entry["id"], entry["lease"], entry["reason"], int(entry["attempts"]), entry["detail"])
+        return budget.settle(entry["id"], entry["lease"], int(entry["tokens"]), entry["row"], cost_usd=cost_usd,
+                             attempts=int(entry.get("attempts", 0)))
+    failed = budget.fail(entry["id"], entry["lease"], entry["reason"], int(entry["attempts"]), entry["detail"],
+                         where=entry.get("where", ""), cost_usd=cost_usd)
+    return "failed" if failed else "duplicate"
 
 
-def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> bool | None:
-    """True/False: the script's answer; None: Redis stayed away for ``within_s``, spooled."""
+def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> str | None:
+    """The script's word; None: Redis stayed away for ``within_s``, spooled."""
     try:
         with deadline(within_s):
             return _apply(client, entry)
@@ -79,19 +85,19 @@ def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: flo
 
 
 def settle_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str, lease: str, tokens: int,
-                    row: bytes, *, within_s: float) -> Outcome:
+                    row: bytes, *, cost_usd: float, attempts: int, within_s: float) -> Outcome:
     entry = {"op": "settle", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease, "tokens": tokens,
-             "row": row, "t_s": time.time()}
-    kept = _or_spool(client, spool_dir, entry, within_s)
-    return "spooled" if kept is None else "kept" if kept else "duplicate"
+             "row": row, "cost_usd": cost_usd, "attempts": attempts, "t_s": time.time()}
+    word = _or_spool(client, spool_dir, entry, within_s)
+    return "spooled" if word is None else word  # type: ignore[return-value]
 
 
 def fail_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str, lease: str, reason: str,
-                  attempts: int, detail: str, *, within_s: float) -> Outcome:
+                  attempts: int, detail: str, *, where: str, cost_usd: float, within_s: float) -> Outcome:
     entry = {"op": "fail", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease, "reason": reason,
-             "attempts": attempts, "detail": detail, "t_s": time.time()}
-    failed = _or_spool(client, spool_dir, entry, within_s)
-    return "spooled" if failed is None else "failed" if failed else "duplicate"
+             "attempts": attempts, "detail": detail, "where": where, "cost_usd": cost_usd, "t_s": time.time()}
+    word = _or_spool(client, spool_dir, entry, within_s)
+    return "spooled" if word is None else word  # type: ignore[return-value]
 
 
 def pending(spool_dir: Path) -> list[Path]:
@@ -121,9 +127,9 @@ def replay(client: Any, spool_dir: Path, *, within_s: float = 2.0) -> int:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         done += 1
-        if entry["op"] == "fail" and answer:  # counted where it lands, as generate counts the others
+        if answer in ("failed", "discarded"):  # counted where it lands, as generate counts the others
+            reason = entry["reason"] if answer == "failed" else "over_budget"
             with contextlib.suppress(*UNREACHABLE):
-                client.hincrby(DatasetKeys(entry["dataset"]).stats, f"fail:{entry['reason']}", 1)
-        word = {"settle": ("kept", "duplicate"), "fail": ("failed", "duplicate")}[entry["op"]][0 if answer else 1]
-        log.info("%s/%s %s replayed from the spool: %s", entry["dataset"], entry["id"], entry["op"], word)
+                DatasetStats(client, entry["dataset"]).record_failure(reason)
+        log.info("%s/%s %s replayed from the spool: %s", entry["dataset"], entry["id"], entry["op"], answer)
     return done
