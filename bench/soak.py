@@ -39,6 +39,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from common.budget import Budget  # noqa: E402
 from simulator.seeding import prompt_hash  # noqa: E402
 from tests.chaos import RestartableValkey  # noqa: E402
 from tests.fleet import Fleet, read_rows, write_jsonl  # noqa: E402
@@ -90,7 +91,7 @@ class Chaos:
     def run(self, producer: subprocess.Popen[bytes], redis_at: list[float]) -> None:
         # The clock starts once rows land: workers loading their tokenizer are not "mid-run".
         client = redis.Redis.from_url(self.valkey.url, socket_timeout=10)
-        while producer.poll() is None and int(client.hget(f"specfleet:ds:{DATASET}:budget", "rows") or 0) < 50:
+        while producer.poll() is None and Budget(client, DATASET).snapshot().rows < 50:
             time.sleep(0.2)
         self.started_s = time.time()
         started = time.monotonic()
@@ -193,7 +194,7 @@ def main() -> int:
         records = requests.get(sim + "/_sim/requests", timeout=60).json()["requests"]
         ledger = requests.get(sim + "/_sim/stats?detail=1", timeout=60).json()
         rows = read_rows(fleet.out, DATASET)
-        budget = {k.decode(): v.decode() for k, v in client.hgetall(f"specfleet:ds:{DATASET}:budget").items()}
+        budget = Budget(client, DATASET).snapshot()
         failed_lines = (fleet.out / DATASET / "failed.jsonl")
         failures = [json.loads(x) for x in failed_lines.read_text().splitlines()] if failed_lines.exists() else []
         summary_path = fleet.out / DATASET / "summary.json"
@@ -228,7 +229,7 @@ def main() -> int:
     killed = causes["killed worker's in-flight request"]
     print(f"prompts asked twice: killed worker's in-flight requests {killed} · anything else {causes['anything else']}"
           + (f" (e.g. {', '.join(examples['anything else'][:5])})" if examples["anything else"] else ""))
-    counter_kept, counter_rows = int(budget.get("kept", 0)), int(budget.get("rows", 0))
+    counter_kept, counter_rows = budget.kept, budget.rows
     same = counter_kept == kept_tokens and counter_rows == len(rows)
     print(f"budget counter: kept {counter_kept:,} tokens in {counter_rows:,} rows · rows on disk: "
           f"{kept_tokens:,} tokens in {len(rows):,} rows · {'equal' if same else 'DIFFERENT'}")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from common.budget import Budget
 from tests.chaos import RestartableValkey
 from tests.fleet import Fleet, read_summary
 
@@ -53,7 +54,7 @@ def _wait(predicate, timeout_s: float, what: str, fleet: Fleet) -> None:  # type
 
 def _rows(client: redis.Redis, dataset: str) -> int:
     try:
-        return int(client.hget(f"specfleet:ds:{dataset}:budget", "rows") or 0)
+        return Budget(client, dataset).snapshot().rows
     except redis.ConnectionError:
         return 0
 
