@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import msgpack
 import redis
 
 from common.budget import PRIOR_WEIGHT_ROWS, TRUST_ROWS, Budget
+from common.keys import HALT
 
 TTL_MS = 60_000
 
@@ -148,3 +150,53 @@ def test_open_rederives_reserved_and_resumes_counts(redis_client: redis.Redis) -
     assert b.open(5_000) == (50, 1)
     snap = b.snapshot()
     assert (snap.limit, snap.reserved, snap.state) == (5_000, p2.value, "active")
+
+
+# --- promises held by the mutation check (tests/mutants.toml): each fails when its promise breaks ---
+
+
+def test_a_late_failure_of_a_kept_prompt_records_nothing(redis_client: redis.Redis) -> None:
+    """Two deliveries of one prompt: one keeps the row, the other's request then fails."""
+    b = Budget(redis_client, "ds")
+    b.open(1_000)
+    assert b.reserve("p1", "first", ttl_ms=TTL_MS, prior_estimate=10).status == "ok"
+    assert b.settle("p1", "first", 42, _row("p1")) is True
+    assert b.fail("p1", "second", "retries_exhausted", 6, "http_502: upstream") is False
+    assert b.failures() == {}
+    assert redis_client.hlen(b.keys.failed) == 0
+    snap = b.snapshot()
+    assert (snap.kept, snap.rows, snap.reserved, snap.in_flight) == (42, 1, 0, 0)
+
+
+def test_the_stop_waits_while_more_requests_are_in_flight_than_rows_landed(redis_client: redis.Redis) -> None:
+    """Enough rows to trust the mean (TRUST_ROWS), but fewer than are in flight: those landed first
+    are the short answers, so a full budget parks the request instead of ending the dataset."""
+    b = Budget(redis_client, "ds")
+    b.open(10**9)
+    in_flight = TRUST_ROWS + 10
+    for i in range(in_flight):
+        assert b.reserve(f"long{i}", "L", ttl_ms=TTL_MS, prior_estimate=100).status == "ok"
+    for i in range(TRUST_ROWS):
+        assert b.reserve(f"short{i}", "L", ttl_ms=TTL_MS, prior_estimate=100).status == "ok"
+        assert b.settle(f"short{i}", "L", 10, _row(f"short{i}"))
+    b.open(1_000)  # the same state under a limit the in-flight projection does not fit
+    snap = b.snapshot()
+    assert (snap.rows, snap.in_flight, snap.kept) == (TRUST_ROWS, in_flight, 10 * TRUST_ROWS)
+    # kept (200) + one estimate fits under 1,000, 30 in flight projected at ~85 each do not.
+    assert b.reserve("next", "L", ttl_ms=TTL_MS, prior_estimate=100).status == "wait"
+    assert b.snapshot().state == "active"
+
+
+def test_a_halted_account_admits_nothing_and_frees_the_lease(redis_client: redis.Redis) -> None:
+    b = Budget(redis_client, "ds")
+    b.open(1_000)
+    assert b.reserve("p1", "L1", ttl_ms=TTL_MS, prior_estimate=10).status == "ok"
+    b.halt("http_402", "Insufficient credits", "worker-1")
+    assert json.loads(redis_client.get(HALT) or b"{}")["reason"] == "http_402"
+    assert b.reserve("p2", "L2", ttl_ms=TTL_MS, prior_estimate=10).status == "halted"
+    # The holder's renewal before a retry is refused too, and its admission goes back.
+    assert b.reserve("p1", "L1", ttl_ms=TTL_MS, prior_estimate=10).status == "halted"
+    snap = b.snapshot()
+    assert (snap.reserved, snap.in_flight, snap.state) == (0, 0, "active")
+    redis_client.delete(HALT)  # what the next producer run does once the key or credits are fixed
+    assert b.reserve("p2", "L2", ttl_ms=TTL_MS, prior_estimate=10).status == "ok"

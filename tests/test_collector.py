@@ -70,3 +70,27 @@ def test_a_row_is_one_line_for_every_reader(tmp_path: Path, redis_client: redis.
     text = shard_path(tmp_path / "D", 0).read_text(encoding="utf-8")
     assert len(text.splitlines()) == 1  # splitlines() breaks at U+2028/2029/0085 when they are raw
     assert json.loads(text)["content"] == tricky
+
+
+def test_a_crash_during_a_shard_roll_writes_nothing_twice(tmp_path: Path, redis_client: redis.Redis) -> None:
+    """The collector filled shard 0, opened shard 1 and wrote rows to it, then died before the
+    checkpoint said so: on restart those rows are written again, and must appear once."""
+    b = Budget(redis_client, "D")
+    b.open(10_000)
+    _keep(b, 10)
+    c = Collector(redis_client, tmp_path, shard_rows=10)
+    c.add("D")
+    while c.drain_once(block_ms=10):
+        pass
+    checkpoint = json.loads((tmp_path / "D" / CHECKPOINT).read_text())
+    assert (checkpoint["shard"], checkpoint["rows_in_shard"]) == (0, 10)  # shard 0 is full
+    _keep(b, 5, start=10)
+    # The roll reached the disk, its checkpoint did not.
+    stale = b"".join(json.dumps({"id": f"p{i}", "num_tokens": 3}).encode() + b"\n" for i in range(10, 13))
+    shard_path(tmp_path / "D", 1).write_bytes(stale)
+    restarted = Collector(redis_client, tmp_path, shard_rows=10)
+    restarted.add("D")
+    while restarted.drain_once(block_ms=10):
+        pass
+    assert _ids(tmp_path) == [f"p{i}" for i in range(15)]
+    assert [p.name for p in sorted((tmp_path / "D").glob("shard-*"))] == ["shard-00000.jsonl", "shard-00001.jsonl"]
