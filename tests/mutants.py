@@ -14,6 +14,7 @@ list cannot pass silently. Exit status 0 only when every mutant was caught.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -134,10 +135,8 @@ def _run_pytest(root: Path, m: Mutant, timeout_s: float, log: Path) -> tuple[int
             proc.wait()
             code = None
     # Whatever the tests started (workers, simulator) goes with them.
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     return code, log.read_text(errors="replace")
 
 
