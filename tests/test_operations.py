@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import time
+from typing import Any
 
 import pytest
 import redis
@@ -83,18 +86,42 @@ def test_a_worker_refuses_a_tokenizer_that_fails_the_round_trip_before_any_reque
     producer.wait(timeout=30)
 
 
-def test_a_refused_account_halts_the_fleet_without_failing_prompts(fleet: Fleet, redis_client: redis.Redis) -> None:
-    fleet.start_simulator("--latency-median-ms", "20", "--expect-key", "sk-or-v1-the-right-key-000000")
+def _halts_then_resumes(fleet: Fleet, redis_client: redis.Redis, status: int, fix: dict[str, Any]) -> None:
+    """A refused account halts the fleet: the producer exits 3 naming the reason, the halt key says
+    why, no prompt is marked failed, and no request is sent after the halt (a worker keeps
+    receiving the dataset's messages until its next queue poll, at the default 2 s: each of them
+    must end "halted" in the budget script, not as another request). Fixed, the same command
+    finishes everything."""
     config = fleet.one_dataset("H", 80)
-    fleet.start_worker("w1", concurrency=10)
+    concurrency = 10
+    fleet.start_worker("w1", concurrency=concurrency, SPECFLEET_QUEUE_POLL_S="2")
     producer = fleet.start_producer(config, name="producer1")
     assert producer.wait(timeout=120) == 3, fleet.all_logs()
-    assert "OpenRouter refused the account (http_401" in fleet.log("producer1")
+    assert f"OpenRouter refused the account (http_{status}" in fleet.log("producer1")
+    time.sleep(2.5)  # past the worker's next poll: whatever it still received has ended
+    halt = json.loads(redis_client.get("specfleet:halt") or b"{}")
+    assert halt.get("reason") == f"http_{status}" and halt.get("worker"), halt
+    # One request per greenlet at most: the first wave, sent before any of them came back refused.
     asked = fleet.sim_stats()["requests"]
-    assert asked <= 15  # the in-flight handful, not 80 prompts each failing on its own
+    assert 1 <= asked <= concurrency, f"{asked} requests after a {status}"
     assert redis_client.hlen("specfleet:ds:H:failed") == 0
-    # The user fixes the key; the same command resumes and finishes everything.
-    fleet.sim_config(expect_key=None)
+    assert redis_client.scard("specfleet:ds:H:done") == 0
+    assert int(redis_client.hlen("specfleet:ds:H:leases")) == 0  # admissions given back
+    # The user fixes the key or the credits; the same command resumes and finishes everything.
+    fleet.sim_config(**fix)
     fleet.run_producer(config, name="producer2")
+    assert not redis_client.exists("specfleet:halt")
     fleet.assert_exactly_once(redis_client, "H", 80)
     assert read_summary(fleet.out, "H")["failed"] == 0
+
+
+def test_a_refused_account_halts_the_fleet_without_failing_prompts(fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator("--latency-median-ms", "20", "--expect-key", "sk-or-v1-the-right-key-000000")
+    _halts_then_resumes(fleet, redis_client, 401, {"expect_key": None})
+
+
+def test_out_of_credits_halts_the_fleet_without_failing_prompts(fleet: Fleet, redis_client: redis.Redis) -> None:
+    """402 without Retry-After is "no credits": the account's fault, like 401, not the prompt's."""
+    fleet.start_simulator("--latency-median-ms", "20")
+    fleet.sim_config(rates={"402": 1.0})
+    _halts_then_resumes(fleet, redis_client, 402, {"rates": {"402": 0}})
