@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint check bench clean
+.PHONY: install demo test lint check bench mutants clean
 
 install: $(STAMP)
 
@@ -31,6 +31,9 @@ bench: install  ## benchmark scripts that print figures
 	$(BIN)/python bench/rebuild_throughput.py
 	$(BIN)/python bench/fleet_run.py --prompts 10000 --in-flight 2000
 	$(BIN)/python bench/mismatch_run.py --prompts 10000
+
+mutants: install  ## one-line mutants of the promises (tests/mutants.toml), each on a temp copy; every one must be caught
+	$(BIN)/python -m tests.mutants $(MUTANTS_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache
