@@ -264,10 +264,13 @@ def test_a_resumed_run_asks_failed_prompts_again_and_keeps_them(fleet: Fleet, re
     # Resume with no worker yet: the failed prompts (and only they) wait in the queue again.
     producer = fleet.start_producer(config, name="producer2")
     deadline = time.monotonic() + 30
-    while redis_client.llen("specfleet.q.R") < 3:
+    while "prompts queued" not in fleet.log("producer2"):
         assert producer.poll() is None, "the resumed run ended without asking its failed prompts\n" + fleet.all_logs()
         assert time.monotonic() < deadline, fleet.all_logs()
         time.sleep(0.1)
+    time.sleep(0.5)  # a few producer ticks: nothing ends a dataset whose failed prompts wait
+    assert producer.poll() is None, fleet.all_logs()
+    assert redis_client.llen("specfleet.q.R") == 3  # the failed ones; kept ones are not queued again
     fleet.start_worker("w2", concurrency=10)
     assert producer.wait(timeout=120) == 0, fleet.all_logs()
     summary = read_summary(fleet.out, "R")
