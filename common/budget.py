@@ -70,8 +70,9 @@ class Budget:
         """Count a kept row and hand it to the collector. False: another delivery already did."""
         return self._call("settle", prompt_id, lease, tokens, row)[0] == "kept"
 
-    def fail(self, prompt_id: str, lease: str, reason: str, attempts: int, detail: str) -> bool:
-        failure = json.dumps({"reason": reason, "attempts": attempts, "detail": detail[:500]})
+    def fail(self, prompt_id: str, lease: str, reason: str, attempts: int, detail: str, *, where: str = "") -> bool:
+        """Record the prompt's failure (a ``failed.jsonl`` line); ``where`` is its ``file:line``."""
+        failure = json.dumps({"reason": reason, "attempts": attempts, "detail": detail[:500], "where": where})
         return self._call("fail", prompt_id, lease, failure)[0] == "failed"
 
     def release(self, prompt_id: str, lease: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from common.datasets import DEFAULT_MAX_LINE_BYTES
 from common.errors import ConfigError
 
 DEFAULT_BUDGET_TOKENS = 10_000_000
@@ -26,6 +27,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class Pricing(_Strict):
+    """The model's price in USD, OpenRouter's ``pricing`` shape: per token, and per request."""
+
+    prompt: float = Field(ge=0)
+    completion: float = Field(ge=0)
+    request: float = Field(default=0.0, ge=0)
+
+
 class ModelConfig(_Strict):
     #: What OpenRouter is asked for.
     name: str = Field(min_length=1)
@@ -33,6 +42,13 @@ class ModelConfig(_Strict):
     tokenizer: str = Field(min_length=1)
     trust_remote_code: bool = False
     revision: str | None = None
+    #: Tokens the model takes in and gives out together; a prompt whose ids plus ``max_tokens``
+    #: exceed it is refused before it is sent. None: unknown, not checked (read from OpenRouter's
+    #: models endpoint at run start when the run file does not say).
+    context_length: int | None = Field(default=None, gt=0)
+    #: The price that dollar budgets use for worst-case holds. Stated here, it overrides what the
+    #: models endpoint says; absent, it is read from there at run start.
+    pricing: Pricing | None = None
 
 
 class LengthClass(_Strict):
@@ -43,6 +59,9 @@ class LengthClass(_Strict):
     #: max_tokens, which can't overshoot the budget in the first wave; a lower guess admits more
     #: requests at the start but overshoots if it is wrong.
     estimate_tokens: int | None = Field(default=None, gt=0)
+    #: A prompt longer than this (counted with the target tokenizer) is refused before it is sent,
+    #: failed as ``prompt_too_long``. None: only the model's context length limits it.
+    max_prompt_tokens: int | None = Field(default=None, gt=0)
 
     @property
     def prior_estimate_tokens(self) -> int:
@@ -100,6 +119,8 @@ class DatasetConfig(_Strict):
     budget_tokens: int = Field(default=DEFAULT_BUDGET_TOKENS, gt=0)
     #: Take at most this many prompts from the file (None: all).
     max_prompts: int | None = Field(default=None, gt=0)
+    #: A longer line is reported as ``line_too_long`` in malformed.jsonl and never sent.
+    max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, gt=0)
 
     @field_validator("name")
     @classmethod
@@ -109,8 +130,39 @@ class DatasetConfig(_Strict):
         return v
 
 
+class RunSection(_Strict):
+    """``[run]``: limits across all datasets of the run."""
+
+    #: Spend at most this many USD across every dataset of the run; the datasets after the one
+    #: that reaches it are skipped (end reason ``run_budget``). None: no limit.
+    budget_usd: float | None = Field(default=None, gt=0)
+    #: Start even when ``specfleet plan``'s worst case exceeds ``budget_usd`` (same as ``--yes``).
+    confirm_over_budget: bool = False
+
+
+class WorkerView(_Strict):
+    """A worker's view of a run, as the producer stores it (``keys.config``) and workers load it
+    (``WorkerView.model_validate_json``). Typed, so a renamed field fails mypy and validation, not
+    a task deep in a run."""
+
+    model: ModelConfig
+    #: The OpenRouter body keys of ``[request]`` (``RequestConfig.body``), passed through.
+    request: dict[str, Any]
+    lengths: dict[LengthName, LengthClass]
+    retry: RetryConfig
+    #: Dataset name -> its length class.
+    datasets: dict[str, LengthName]
+
+    def length(self, dataset: str) -> LengthClass:
+        name = self.datasets.get(dataset)
+        if name is None:
+            raise ConfigError(f"this run has no dataset {dataset!r}")
+        return self.lengths[name]
+
+
 class RunConfig(_Strict):
     model: ModelConfig
+    run: RunSection = RunSection()
     request: RequestConfig = RequestConfig()
     lengths: dict[LengthName, LengthClass] = Field(default_factory=_default_lengths)
     retry: RetryConfig = RetryConfig()
@@ -125,21 +177,21 @@ class RunConfig(_Strict):
             raise ValueError(f"dataset names must be unique, repeated: {', '.join(dupes)}")
         return self
 
-    def worker_view(self) -> dict[str, Any]:
-        """What workers need, as JSON-able data: no dataset paths, no output dir, no secrets."""
-        return {
-            "model": self.model.model_dump(mode="json"),
-            "request": self.request.body(),
-            "lengths": {k: self.length_for(k).model_dump(mode="json") for k in _LENGTHS},
-            "retry": self.retry.model_dump(mode="json"),
-            "datasets": {d.name: d.length for d in self.datasets},
-        }
+    def worker_view(self) -> WorkerView:
+        """What workers need: no dataset paths, no output dir, no secrets."""
+        return WorkerView(
+            model=self.model,
+            request=self.request.body(),
+            lengths={k: self.length_for(k) for k in _LENGTHS},
+            retry=self.retry,
+            datasets={d.name: d.length for d in self.datasets},
+        )
 
     def length_for(self, name: LengthName) -> LengthClass:
         return self.lengths.get(name) or _default_lengths()[name]
 
     def config_id(self) -> str:
-        canonical = json.dumps(self.worker_view(), sort_keys=True, separators=(",", ":"))
+        canonical = json.dumps(self.worker_view().model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 

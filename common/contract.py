@@ -57,15 +57,23 @@ class ResultRow(TypedDict):
 # Failure reasons written to failed.jsonl (stable words for reports and metrics).
 FAIL_UPSTREAM_FATAL = "upstream_fatal"
 FAIL_RETRIES_EXHAUSTED = "retries_exhausted"
+#: Every attempt met a "wrong URL or model" answer, yet too few prompts did to halt the fleet.
+FAIL_MISCONFIGURED = "misconfigured"
 FAIL_TOKEN_MISMATCH = "token_mismatch"
+#: Refused before any request: the prompt is over the length class's or the model's limit.
+FAIL_PROMPT_TOO_LONG = "prompt_too_long"
 FAIL_INTERNAL = "internal_error"
 
-# Fields of the per-dataset stats hash (keys.DatasetKeys.stats). ``err:<reason>`` counts upstream
-# errors by class (``err:http_429`` …), ``fail:<reason>`` final failures.
-STAT_BILLED_PROMPT = "billed_prompt_tokens"
-STAT_BILLED_COMPLETION = "billed_completion_tokens"
-STAT_BILLED_REASONING = "billed_reasoning_tokens"
-STAT_COST_MICRO_USD = "cost_micro_usd"
-STAT_REQUESTS = "requests"
-STAT_DUPLICATES = "duplicates"
-STAT_SKIPPED = "skipped"
+# The per-dataset stats hash's fields are named in common/stats.py only.
+
+#: Halt reasons (``keys.HALT``'s ``reason``) other than the refused account's ``http_401``/``http_402``.
+HALT_MISCONFIGURED = "misconfigured"
+
+
+def halt_line(reason: str, message: str) -> str:
+    """What the producer tells the user about a halt a worker recorded: once, with what to fix."""
+    if reason == HALT_MISCONFIGURED:
+        return (f"the upstream is misconfigured: {message.rstrip('.')}; fix the workers' OPENROUTER_BASE_URL "
+                "or the run file's model.name, then run the same command again to resume")
+    return (f"OpenRouter refused the account ({reason}: {message}); fix the key or the credits, then run "
+            "the same command again to resume")

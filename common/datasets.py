@@ -7,6 +7,14 @@ The prompt is the conversation up to its last non-assistant message: trailing as
 (the dataset's own answers) are what the target model is asked to produce again. A row without an
 id gets a stable content hash, so a re-run recognises it. A bad row raises ``DatasetRowError``
 naming ``file:line`` and is counted by the caller; the rest of the file still runs.
+
+A UTF-8 BOM before a row is dropped. ``content`` is a string, null (a tool-calling
+assistant turn) or OpenAI text parts (``[{"type": "text", "text": …}, …]``), which are joined into
+one string with nothing between them: that is what Kimi's chat template renders for parts, and a
+string is rendered the same way by every template, so the text sent to the model and the text the
+worker's template renders for the row never differ. Any other content (numbers, objects, image
+parts: the targets are text models) is refused with ``file:line: messages[i].content…``. A line
+longer than ``max_line_bytes`` is refused as ``line_too_long`` without being read into memory.
 """
 
 from __future__ import annotations
@@ -16,11 +24,14 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from common.errors import DatasetRowError
 
 _ROLES = {"system", "user", "assistant", "tool"}
+#: The default byte limit of one dataset line (``max_line_bytes`` of a dataset in the run file).
+DEFAULT_MAX_LINE_BYTES = 1_000_000
+_SKIP_CHUNK_BYTES = 1 << 20
 _SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
@@ -57,9 +68,8 @@ def _messages(row: dict[str, Any]) -> list[dict[str, Any]]:
                 raise ValueError(f"field 'messages[{i}]': must be an object")
             if m.get("role") not in _ROLES:
                 raise ValueError(f"field 'messages[{i}].role': {m.get('role')!r} is not one of {sorted(_ROLES)}")
-            content = m.get("content")
-            if content is not None and not isinstance(content, str | list):
-                raise ValueError(f"field 'messages[{i}].content': must be a string, a list of parts or null")
+            if "content" in m and not (m["content"] is None or isinstance(m["content"], str)):
+                m = {**m, "content": _joined_text(m["content"], f"messages[{i}].content")}
             out.append(m)
         return out
     if "conversations" in row:
@@ -79,6 +89,26 @@ def _messages(row: dict[str, Any]) -> list[dict[str, Any]]:
             out.append({"role": role, "content": value})
         return out
     raise ValueError("no 'messages' (OpenAI form) or 'conversations' (ShareGPT form) field")
+
+
+def _joined_text(content: Any, field: str) -> str:
+    """OpenAI text parts as one string; anything else is the row's error, named by field."""
+    if not isinstance(content, list):
+        raise ValueError(f"{field}: must be a string, a list of text parts or null, not {type(content).__name__}")
+    if not content:
+        raise ValueError(f"{field}: an empty list of parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise ValueError(f"{field}[{j}]: a part must be an object like {{'type': 'text', 'text': ...}}, "
+                             f"not {type(part).__name__}")
+        kind = part.get("type")
+        if kind != "text":
+            raise ValueError(f"{field}[{j}].type: {kind!r} parts are not supported (text models: 'text' only)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{field}[{j}].text: must be a string")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -112,6 +142,8 @@ def _decode(raw: bytes, where: str) -> str:
 
 
 def parse_row(line: str, where: str) -> Prompt:
+    # Editors on Windows start a file with a BOM; files joined with cat carry one mid-file too.
+    line = line.removeprefix("\ufeff")
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -144,18 +176,46 @@ class ReadStats:
     duplicates: int = 0
 
 
+def _lines(fh: BinaryIO, max_line_bytes: int) -> Iterator[tuple[bytes | None, int]]:
+    """Each line as (bytes, size), or (None, size) when it is over the limit: an over-limit line is
+    skipped in chunks, so a 5 GB line costs one chunk of memory, not 5 GB."""
+    while True:
+        raw = fh.readline(max_line_bytes + 2)  # room for a "\r\n" ending
+        if not raw:
+            return
+        size = len(raw.rstrip(b"\r\n"))
+        if size <= max_line_bytes:
+            yield raw, size
+            continue
+        while not raw.endswith(b"\n"):
+            raw = fh.readline(_SKIP_CHUNK_BYTES)
+            if not raw:
+                break
+            size += len(raw.rstrip(b"\r\n"))
+        yield None, size
+
+
 def read_prompts(
-    path: Path, errors: list[DatasetRowError], stats: ReadStats, *, limit: int | None = None
+    path: Path,
+    errors: list[DatasetRowError],
+    stats: ReadStats,
+    *,
+    limit: int | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> Iterator[Prompt]:
     """Yield the file's good prompts in order; bad rows are appended to ``errors``."""
     seen: dict[str, int] = {}
     with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
+        for lineno, (raw, size) in enumerate(_lines(fh, max_line_bytes), start=1):
             if limit is not None and stats.prompts >= limit:
                 return
+            where = f"{path}:{lineno}"
+            if raw is None:
+                stats.malformed += 1
+                errors.append(DatasetRowError(where, f"line_too_long ({size:,} bytes > {max_line_bytes:,})"))
+                continue
             if not raw.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 prompt = parse_row(_decode(raw, where), where)
             except DatasetRowError as err:

@@ -32,19 +32,24 @@ class DatasetRowError(SpecfleetError):
 
 
 class UpstreamError(SpecfleetError):
-    """OpenRouter did not give a usable answer.
+    """The upstream (OpenRouter, or any ``workers.upstream.Upstream``) gave no usable answer.
 
-    ``status`` is the HTTP status (200 for an error object inside a 200 body, 0 when no response
-    arrived), ``reason`` a short stable word for reports (``http_429``, ``timeout``, ``bad_json`` …).
+    The class says what to do about it (``workers/retry.py`` decides on the class alone):
+    ``RetryableUpstreamError`` try again, ``FatalUpstreamError`` fail this prompt,
+    ``AccountRefusedError`` halt the fleet at once, ``MisconfiguredError`` halt the fleet once it
+    repeats across prompts. ``status`` is the HTTP status (200 for an error object inside a 200
+    body, 0 when no response arrived), ``reason`` a short stable word for reports (``http_429``,
+    ``timeout``, ``bad_json`` …) and ``detail`` what the server said, without the reason.
     """
 
     retryable = False
 
     def __init__(
-        self, reason: str, message: str, *, status: int = 0, retry_after_s: float | None = None
+        self, reason: str, detail: str, *, status: int = 0, retry_after_s: float | None = None
     ) -> None:
-        super().__init__(f"{reason}: {message}")
+        super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        self.detail = detail
         self.status = status
         self.retry_after_s = retry_after_s
 
@@ -57,7 +62,24 @@ class RetryableUpstreamError(UpstreamError):
 
 
 class FatalUpstreamError(UpstreamError):
-    """Another attempt cannot help: 400, 401, 403, 402 without ``Retry-After``."""
+    """Another attempt at this prompt cannot help (400, 403, a filtered answer): the prompt fails."""
+
+
+class AccountRefusedError(UpstreamError):
+    """The account, not the prompt, is at fault (401 bad key, 402 out of credits without
+    ``Retry-After``): every prompt would fail alike, so the fleet halts instead."""
+
+
+class MisconfiguredError(UpstreamError):
+    """The fleet points at the wrong place: a 404, or "model not found / No endpoints found".
+
+    ``target`` names the URL and the model asked for, so the halt line says what to fix. One such
+    answer may be a prompt's own (no provider serves its tools): the fleet halts only when it
+    repeats across prompts (``workers/retry.py``)."""
+
+    def __init__(self, reason: str, detail: str, *, target: str, status: int = 0) -> None:
+        super().__init__(reason, detail, status=status)
+        self.target = target
 
 
 # --- the target tokenizer -----------------------------------------------------------------------
@@ -89,3 +111,14 @@ class TokenMismatch(SpecfleetError):
 
 class StoreError(SpecfleetError):
     """Redis is unreachable or answered something the key layout does not allow."""
+
+
+# --- the output folder --------------------------------------------------------------------------
+
+
+class OutputError(SpecfleetError):
+    """The output folder refused a write (full, read-only, over a file size limit).
+
+    Nothing is lost: rows not yet written stay in Redis, and running the same command again
+    (once the folder is writable) writes them exactly once.
+    """

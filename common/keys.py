@@ -7,14 +7,19 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:ds:<ds>:budget        HASH    limit, kept, reserved, rows, state (see budget.lua)
     specfleet:ds:<ds>:done          SET     prompt ids whose row was kept (the exactly-once guard)
     specfleet:ds:<ds>:leases        HASH    prompt id -> "<lease>|<estimate>|<expires_ms>" of admitted requests
-    specfleet:ds:<ds>:failed        HASH    prompt id -> JSON {reason, attempts, detail} (cleared when kept later)
+    specfleet:ds:<ds>:failed        HASH    prompt id -> JSON {reason, attempts, detail, where} (cleared if kept later)
     specfleet:ds:<ds>:results       STREAM  kept rows (field ``row``: msgpack), drained by the collector
     specfleet:ds:<ds>:stats         HASH    counters for reports and metrics (billed tokens, errors by class…)
     specfleet:ds:<ds>:timeline      LIST    JSON samples of progress over time, for the run report's plot
     specfleet:producer:lock         STRING  one producer per Redis at a time
     specfleet:run:current           STRING  JSON {config_id, datasets, started_s, out_dir} of the run in progress
-    specfleet:halt                  STRING  JSON {reason, message, worker}: the account was refused (401, 402):
-                                            every admission stops until the next `specfleet run`
+    specfleet:halt                  STRING  JSON {reason, message, worker}: the account was refused (401, 402)
+                                            or the URL/model is wrong: every admission stops until the next
+                                            `specfleet run` (contract.halt_line says it to the user)
+    specfleet:misconfig             SET     prompt ids that met a "wrong URL or model" answer since the last
+                                            answer anywhere (common/stats.py; workers/retry.py halts on it)
+    specfleet:throttle              HASH    the fleet-wide adaptive in-flight limit, pause, rate bucket (throttle.lua)
+    specfleet:throttle:slots        ZSET    upstream requests in flight, fleet-wide: slot id -> expiry ms
 
 Celery's own keys (the queue lists ``specfleet.q.<ds>``, ``unacked``, ``_kombu.*``) are kombu's.
 """
@@ -27,6 +32,10 @@ ACTIVE_QUEUES = f"{PREFIX}:active"
 PRODUCER_LOCK = f"{PREFIX}:producer:lock"
 CURRENT_RUN = f"{PREFIX}:run:current"
 HALT = f"{PREFIX}:halt"
+MISCONFIG_STREAK = f"{PREFIX}:misconfig"
+#: One throttle per Redis: rate limits belong to the account and model, not to a dataset or a run.
+THROTTLE = f"{PREFIX}:throttle"
+THROTTLE_SLOTS = f"{PREFIX}:throttle:slots"
 
 #: Prefix of the per-dataset Celery queue name (a Redis list of the same name).
 QUEUE_PREFIX = f"{PREFIX}.q."

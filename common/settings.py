@@ -15,7 +15,7 @@ from common.errors import ConfigError
 OPENROUTER_DEFAULT_BASE_URL = "https://openrouter.ai"
 
 
-def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0, maximum: int | None = None) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -25,6 +25,8 @@ def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -
         raise ConfigError(f"environment variable {name}={raw!r}: not a whole number") from None
     if value < minimum:
         raise ConfigError(f"environment variable {name}={raw!r}: must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"environment variable {name}={raw!r}: must be <= {maximum}")
     return value
 
 
@@ -81,7 +83,7 @@ class Settings:
             worker_concurrency=_int(env, "SPECFLEET_CONCURRENCY", 1000, minimum=1),
             visibility_timeout_s=_int(env, "SPECFLEET_VISIBILITY_TIMEOUT_S", 7200, minimum=10),
             queue_poll_s=_float(env, "SPECFLEET_QUEUE_POLL_S", 2.0, minimum=0.1),
-            metrics_port=_int(env, "SPECFLEET_METRICS_PORT", 9808),
+            metrics_port=_int(env, "SPECFLEET_METRICS_PORT", 9808, minimum=1, maximum=65535),
             log_level=level,
             app_url=env.get("SPECFLEET_APP_URL") or cls.app_url,
             app_title=env.get("SPECFLEET_APP_TITLE") or cls.app_title,

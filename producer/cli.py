@@ -7,6 +7,7 @@
     specfleet status [--watch]  progress of the run in Redis
     specfleet exporter          Prometheus metrics of the run in Redis
     specfleet check CONFIG      validate a run file and its datasets, send nothing
+    specfleet plan CONFIG       prompts, prompt tokens and the run's cost before any request
 """
 
 from __future__ import annotations
@@ -15,25 +16,21 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import redis
 
 from common import logs
-from common.config import RunConfig, load_config
-from common.contract import IDLE_QUEUE
+from common.config import load_config
 from common.datasets import ReadStats, read_prompts
 from common.errors import DatasetRowError, SpecfleetError
 from common.settings import Settings
+from common.worker_cmd import worker_argv
+from producer.execute import execute
 
 log = logging.getLogger("specfleet")
-
-EXIT_INTERRUPTED = 130
-EXIT_HALTED = 3
 
 
 def _redis_for(settings: Settings, out_dir: Path) -> tuple[str, object | None]:
@@ -49,57 +46,15 @@ def _redis_for(settings: Settings, out_dir: Path) -> tuple[str, object | None]:
     return url, server
 
 
-def execute(
-    cfg: RunConfig,
-    settings: Settings,
-    redis_url: str,
-    *,
-    progress: bool = True,
-    metrics_port: int | None = None,
-    stall_s: float | None = None,
-) -> int:
-    """Run a config to its end against ``redis_url`` and print the per-dataset report."""
-    from producer.celery_app import make_app
-    from producer.progress import ProgressView
-    from producer.report import write_report
-    from producer.run import Halted, Interrupted, Runner, Tuning, report_line
-    from producer.state import read_timeline
-
-    client = redis.Redis.from_url(redis_url)
-    if metrics_port:
-        from producer.metrics import start_metrics_server
-
-        start_metrics_server(client, metrics_port)
-        log.info("metrics on :%d/metrics", metrics_port)
-    names = [d.name for d in cfg.datasets]
-    runner = Runner(
-        cfg,
-        client,
-        make_app(settings, redis_url),
-        progress=ProgressView(names) if progress else None,
-        tuning=Tuning(stall_s=stall_s) if stall_s else Tuning(),
-    )
-    try:
-        summaries = runner.run()
-    except Interrupted:
-        print("interrupted: state is kept in Redis; run the same command again to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Halted as exc:
-        print(f"specfleet: halted: {exc}", file=sys.stderr)
-        return EXIT_HALTED
-    report = write_report(cfg.output.dir, summaries, {n: read_timeline(client, n) for n in names})
-    print()
-    for s in summaries:
-        print(report_line(s))
-    print(f"rows: {cfg.output.dir}/<dataset>/shard-*.jsonl · report: {report}")
-    return 0
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     cfg = load_config(args.config)
     if args.out is not None:
         cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"dir": args.out.resolve()})})
+    if not args.no_plan:
+        from producer.plan import check_plan
+
+        cfg = check_plan(cfg, settings.openrouter_base_url, yes=args.yes)
     url, _server = _redis_for(settings, cfg.output.dir)
     return execute(cfg, settings, url, progress=not args.no_progress, metrics_port=args.metrics_port,
                    stall_s=args.stall_s)
@@ -108,15 +63,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     settings.require_redis_url()
-    celery = shutil.which("celery") or "celery"
-    argv = [
-        celery, "-A", "workers", "worker", "-P", "gevent",
-        "-c", str(settings.worker_concurrency),
-        "-Q", IDLE_QUEUE, "-E",
-        "-n", f"worker-{uuid.uuid4().hex[:6]}@%h",
-        "--without-mingle", "--without-gossip",
-        *args.celery_args,
-    ]
+    argv = worker_argv(settings.worker_concurrency, extra=args.celery_args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.execvp(argv[0], argv)
 
@@ -157,9 +104,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_exporter(args: argparse.Namespace) -> int:
     from producer.metrics import start_metrics_server
 
-    client = redis.Redis.from_url(Settings.from_env().require_redis_url())
-    start_metrics_server(client, args.port)
-    log.info("metrics on :%d/metrics", args.port)
+    settings = Settings.from_env()
+    client = redis.Redis.from_url(settings.require_redis_url())
+    port = settings.metrics_port if args.port is None else args.port
+    start_metrics_server(client, port)
+    log.info("metrics on :%d/metrics", port)
     while True:
         time.sleep(3600)
 
@@ -174,13 +123,20 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"{ds.path}: dataset {ds.name!r}: file not found")
             bad += 1
             continue
-        for _ in read_prompts(ds.path, errors, stats, limit=ds.max_prompts):
+        for _ in read_prompts(ds.path, errors, stats, limit=ds.max_prompts, max_line_bytes=ds.max_line_bytes):
             pass
         for err in errors:
             print(err)
         print(f"{ds.name}: {stats.prompts:,} prompts, {stats.malformed:,} malformed, "
               f"{stats.duplicates:,} duplicate ids")
     return 1 if bad else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from producer.plan import check_plan
+
+    check_plan(load_config(args.config), Settings.from_env().openrouter_base_url, yes=args.yes)
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -199,6 +155,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
     run.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
     run.add_argument("--stall-s", type=float, default=None, help=argparse.SUPPRESS)
+    run.add_argument("--yes", action="store_true", help="start even if the worst case exceeds [run] budget_usd")
+    run.add_argument("--no-plan", action="store_true",
+                     help="skip the plan (models endpoint, prompt tokens) before the run, e.g. offline")
     run.set_defaults(func=cmd_run)
     worker = sub.add_parser("worker", help="start a gevent worker (extra args go to celery)")
     worker.add_argument("celery_args", nargs=argparse.REMAINDER)
@@ -211,11 +170,17 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
     exporter = sub.add_parser("exporter", help="serve Prometheus metrics of the run in Redis")
-    exporter.add_argument("--port", type=int, default=Settings.from_env().metrics_port)
+    # The default is read when the command runs, inside main's error handling: a bad
+    # SPECFLEET_METRICS_PORT is then one `specfleet:` line, not a traceback from building the parser.
+    exporter.add_argument("--port", type=int, default=None, help="default: SPECFLEET_METRICS_PORT (9808)")
     exporter.set_defaults(func=cmd_exporter)
     check = sub.add_parser("check", help="validate a run file and its datasets")
     check.add_argument("config", type=Path)
     check.set_defaults(func=cmd_check)
+    plan = sub.add_parser("plan", help="price a run and check its prompts fit, send nothing")
+    plan.add_argument("config", type=Path)
+    plan.add_argument("--yes", action="store_true", help="accept a worst case over [run] budget_usd")
+    plan.set_defaults(func=cmd_plan)
     demo = sub.add_parser("demo", help="the whole fleet on embedded defaults")
     demo.add_argument("--out", default="demo-out")
     demo.add_argument("--workers", type=int, default=2)
@@ -242,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except SpecfleetError as exc:
         print(f"specfleet: {exc}", file=sys.stderr)
+        return 2
+    except redis.ConnectionError as exc:  # status/exporter/worker checks meet a Redis that is not there
+        print(f"specfleet: cannot reach Redis: {exc}", file=sys.stderr)
         return 2
 
 

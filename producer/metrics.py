@@ -22,6 +22,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from common.errors import ConfigError
 from producer.progress import TokenRate
 from producer.state import DatasetState, current_run, read_state
 
@@ -152,5 +153,8 @@ def make_registry(client: redis.Redis) -> CollectorRegistry:
 
 def start_metrics_server(client: redis.Redis, port: int) -> None:
     """Serves ``/metrics`` on 0.0.0.0:``port`` from a daemon thread; returns at once."""
-    start_http_server(port, registry=make_registry(client))
+    try:
+        start_http_server(port, registry=make_registry(client))
+    except OSError as exc:  # port taken or not ours to bind: the user's setting, said in one line
+        raise ConfigError(f"cannot serve metrics on port {port}: {exc.strerror or exc}") from None
     log.info("metrics: serving http://0.0.0.0:%d/metrics", port)

@@ -1,8 +1,9 @@
 """The end-of-run report: ``OUT/report.md`` (one table row per dataset) and ``OUT/report.png``.
 
 Inputs are plain data so the report can be rebuilt offline: the per-dataset ``summary.json`` dicts
-and the progress timelines (``DatasetState.to_json()`` samples). Missing keys render as "-" rather
-than failing: a report of a crashed or partial run is still worth writing.
+(or the run's ``Summary`` records) and the progress timelines (``DatasetState.to_json()`` samples).
+Missing keys render as "-" rather than failing: a report of a crashed or partial run is still worth
+writing.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
 from producer.progress import fmt_duration, fmt_tokens
+from producer.summary import Summary
 
 REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
@@ -47,15 +49,18 @@ _COLUMNS = [
 ]
 
 
-def write_report(out_dir: Path, summaries: list[dict[str, Any]], timelines: dict[str, list[dict[str, Any]]]) -> Path:
+def write_report(
+    out_dir: Path, summaries: Sequence[Summary | dict[str, Any]], timelines: dict[str, list[dict[str, Any]]]
+) -> Path:
     """Writes report.md and report.png into ``out_dir``; returns the path of report.md."""
+    plain = [s.to_json() if isinstance(s, Summary) else s for s in summaries]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     png = out_dir / REPORT_PNG
-    _write_png(png, summaries, timelines)
+    _write_png(png, plain, timelines)
     md = out_dir / REPORT_MD
     tmp = md.with_suffix(".md.tmp")
-    tmp.write_text(render_markdown(summaries, timelines, png_name=png.name), encoding="utf-8")
+    tmp.write_text(render_markdown(plain, timelines, png_name=png.name), encoding="utf-8")
     tmp.replace(md)  # a reader never sees half a report
     return md
 

@@ -24,13 +24,15 @@ from celery import Celery
 from common import keys
 from common.budget import Budget
 from common.config import DatasetConfig, RunConfig
-from common.contract import CONTRACT_VERSION, TaskPayload
+from common.contract import CONTRACT_VERSION, TaskPayload, halt_line
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
 from producer.collector import Collector
 from producer.enqueue import push
 from producer.lock import ProducerLock
+from producer.rows import RowWriter, atomic_write, output_error
 from producer.state import DatasetState, read_state
+from producer.summary import Summary, report_line
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class DatasetRun:
     idle_since_s: float | None = None
     switch_s: float | None = None
     enqueue_s: float | None = None
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: Summary | None = None
 
     @property
     def name(self) -> str:
@@ -88,8 +90,8 @@ class Interrupted(SpecfleetError):
 
 
 class Halted(SpecfleetError):
-    """A worker found the OpenRouter account refused (bad key, no credits): the fleet stopped
-    admitting; nothing was marked failed, and running again after the fix resumes."""
+    """A worker found the OpenRouter account refused (bad key, no credits) or the URL/model wrong:
+    the fleet stopped admitting; nothing was marked failed, and running again after the fix resumes."""
 
 
 class Runner:
@@ -118,17 +120,21 @@ class Runner:
 
     # --- the run ----------------------------------------------------------------------------
 
-    def run(self) -> list[dict[str, Any]]:
+    def run(self) -> list[Summary]:
         missing = [f"datasets[{i}] ({d.name}).path: {d.path}: no such file"
                    for i, d in enumerate(self.cfg.datasets) if not d.path.is_file()]
         if missing:  # before anything is enqueued: a typo in the third dataset must not wait hours
             raise ConfigError("dataset files missing\n  " + "\n  ".join(missing))
         self.lock.acquire()
         self._install_signal_handlers()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.client.set(keys.config(self.config_id), json.dumps(self.cfg.worker_view()))
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise output_error(self.out_dir, exc) from None
+        self.client.set(keys.config(self.config_id), self.cfg.worker_view().model_dump_json())
         if self.client.delete(keys.HALT):
             log.warning("cleared the halt of an earlier run: resuming")
+        self.client.delete(keys.MISCONFIG_STREAK)  # a fresh start: only this run's misses count
         self.client.set(
             keys.CURRENT_RUN,
             json.dumps(
@@ -158,7 +164,7 @@ class Runner:
             if self.progress is not None:
                 self.progress.close()
             self.lock.release()
-        return [r.summary for r in self._runs]
+        return [r.summary for r in self._runs if r.summary is not None]
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -189,7 +195,7 @@ class Runner:
         self._runs.append(run)
         sink = self.collector.add(ds.name)
         k = budget.keys
-        self._restore_from_disk(budget, sink.cp.rows)
+        self._restore_from_disk(budget, sink.writer)
         # Failures of an earlier run get another chance; the queue is rebuilt from the file below.
         self.client.delete(k.failed, k.queue)
         kept, rows = budget.open(ds.budget_tokens)
@@ -202,7 +208,7 @@ class Runner:
         previous = self._runs[-2] if len(self._runs) > 1 else None
         errors: list[DatasetRowError] = []
         stats = ReadStats()
-        prompts = read_prompts(ds.path, errors, stats, limit=ds.max_prompts)
+        prompts = read_prompts(ds.path, errors, stats, limit=ds.max_prompts, max_line_bytes=ds.max_line_bytes)
         first_batch = True
         enqueue_started = time.monotonic()
         for batch in _batches(prompts, ENQUEUE_BATCH):
@@ -225,22 +231,20 @@ class Runner:
             self._tick()
             time.sleep(TICK_S)
 
-    def _restore_from_disk(self, budget: Budget, rows_on_disk: int) -> None:
+    def _restore_from_disk(self, budget: Budget, writer: RowWriter) -> None:
         """Redis lost kept rows the shards hold (a server without persistence restarted): rebuild
         the exactly-once guard and the counter from the shards before anything is asked again."""
+        rows_on_disk = writer.rows
         rows_in_redis = int(self.client.hget(budget.keys.budget, "rows") or 0)
         if rows_in_redis >= rows_on_disk:
             return
         log.warning("%s: Redis knows %d kept rows, the shards hold %d: restoring from the shards",
                     budget.keys.dataset, rows_in_redis, rows_on_disk)
         ids, tokens, squares = [], 0, 0
-        for shard in sorted((self.out_dir / budget.keys.dataset).glob("shard-*.jsonl")):
-            with shard.open("rb") as fh:
-                for line in fh:
-                    row = json.loads(line)
-                    ids.append(row["id"])
-                    tokens += int(row["num_tokens"])
-                    squares += int(row["num_tokens"]) ** 2
+        for row in writer.iter_kept():
+            ids.append(row["id"])
+            tokens += int(row["num_tokens"])
+            squares += int(row["num_tokens"]) ** 2
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(budget.keys.done)
         for start in range(0, len(ids), 10_000):
@@ -280,8 +284,7 @@ class Runner:
         halt = self.client.get(keys.HALT)
         if halt is not None:
             info = json.loads(halt)
-            raise Halted(f"OpenRouter refused the account ({info['reason']}: {info['message']}); "
-                         "fix the key or the credits, then run the same command again to resume")
+            raise Halted(halt_line(info["reason"], info["message"]))
         if self.collector.error is not None:
             raise SpecfleetError(f"collector failed: {self.collector.error}")
         now = time.time()
@@ -343,7 +346,8 @@ class Runner:
         failed = set(k.decode() for k in self.client.hkeys(run.budget.keys.failed))
         errors: list[DatasetRowError] = []
         n = 0
-        for batch in _batches(read_prompts(run.cfg.path, errors, ReadStats(), limit=run.cfg.max_prompts),
+        for batch in _batches(read_prompts(run.cfg.path, errors, ReadStats(), limit=run.cfg.max_prompts,
+                                             max_line_bytes=run.cfg.max_line_bytes),
                               ENQUEUE_BATCH):
             n += self._enqueue(run, [p for p in batch if p.id not in failed])
         return n
@@ -421,58 +425,44 @@ class Runner:
         if len(errors) > 20:
             log.warning("%s: … and %d more malformed rows (see malformed.jsonl)", run.name, len(errors) - 20)
         lines = [json.dumps({"where": e.where, "reason": e.reason}, ensure_ascii=False) for e in errors]
-        _atomic_write(self._dataset_dir(run) / "malformed.jsonl", "".join(x + "\n" for x in lines))
+        atomic_write(self._dataset_dir(run) / "malformed.jsonl", "".join(x + "\n" for x in lines))
 
     def _finalize(self, run: DatasetRun, st: DatasetState) -> None:
         failures = run.budget.failures()
         lines = [json.dumps({"id": pid, **f}, ensure_ascii=False) for pid, f in sorted(failures.items())]
-        _atomic_write(self._dataset_dir(run) / "failed.jsonl", "".join(x + "\n" for x in lines))
+        atomic_write(self._dataset_dir(run) / "failed.jsonl", "".join(x + "\n" for x in lines))
         wall_s = (run.finished_s or time.time()) - run.started_s
         results = st.rows
-        summary = {
-            "dataset": run.name,
-            "end_reason": run.end_reason,
-            "prompts": run.prompts,
-            "results": results,
-            "results_this_run": results - run.resumed_rows,
-            "failed": len(failures),
-            "skipped": max(0, run.prompts - results - len(failures)),
-            "malformed": run.malformed,
-            "tokens": st.kept_tokens,
-            "budget_tokens": st.limit,
-            "billed_prompt_tokens": st.billed_prompt_tokens,
-            "billed_completion_tokens": st.billed_completion_tokens,
-            "billed_reasoning_tokens": st.billed_reasoning_tokens,
-            "cost_usd": round(st.cost_usd, 6),
-            "requests": st.requests,
-            "duplicates": st.duplicates,
-            "errors": st.errors,
-            "failures": st.failures,
-            "wall_s": round(wall_s, 3),
-            "admission_s": round((run.first_stop_s or time.time()) - run.started_s, 3),
-            "switch_s": None if run.switch_s is None else round(run.switch_s, 3),
-            "top_ups": run.top_ups,
-            "rows_at_first_stop": run.rows_at_first_stop,
-            "enqueue_s": None if run.enqueue_s is None else round(run.enqueue_s, 3),
-            "shards": sorted(p.name for p in self._dataset_dir(run).glob("shard-*.jsonl")),
-        }
+        summary = Summary(
+            dataset=run.name,
+            end_reason=run.end_reason,
+            prompts=run.prompts,
+            results=results,
+            results_this_run=results - run.resumed_rows,
+            failed=len(failures),
+            skipped=max(0, run.prompts - results - len(failures)),
+            malformed=run.malformed,
+            tokens=st.kept_tokens,
+            budget_tokens=st.limit,
+            billed_prompt_tokens=st.billed_prompt_tokens,
+            billed_completion_tokens=st.billed_completion_tokens,
+            billed_reasoning_tokens=st.billed_reasoning_tokens,
+            cost_usd=round(st.cost_usd, 6),
+            requests=st.requests,
+            duplicates=st.duplicates,
+            errors=st.errors,
+            failures=st.failures,
+            wall_s=round(wall_s, 3),
+            admission_s=round((run.first_stop_s or time.time()) - run.started_s, 3),
+            switch_s=None if run.switch_s is None else round(run.switch_s, 3),
+            top_ups=run.top_ups,
+            rows_at_first_stop=run.rows_at_first_stop,
+            enqueue_s=None if run.enqueue_s is None else round(run.enqueue_s, 3),
+            shards=self.collector.add(run.name).writer.files(),
+        )
         run.summary = summary
-        _atomic_write(self._dataset_dir(run) / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write(self._dataset_dir(run) / "summary.json", summary.dumps())
         log.info("%s", report_line(summary))
-
-
-def report_line(s: dict[str, Any]) -> str:
-    if s["end_reason"] == "budget":
-        head = f"budget reached {s['tokens']:,} of {s['budget_tokens']:,} tokens"
-    elif s["end_reason"] == "complete":
-        head = f"all prompts done, {s['tokens']:,} of {s['budget_tokens']:,} tokens"
-    else:
-        head = f"{s['end_reason']}, {s['tokens']:,} of {s['budget_tokens']:,} tokens"
-    return (
-        f"{s['dataset']}: {head} · results {s['results']:,} · skipped {s['skipped']:,} · "
-        f"failed {s['failed']:,} · malformed {s['malformed']:,} · billed {s['billed_completion_tokens']:,} "
-        f"completion tokens · ${s['cost_usd']:.4f} · {s['wall_s']:.1f} s"
-    )
 
 
 def _batches(items: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:
@@ -484,9 +474,3 @@ def _batches(items: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:
             batch = []
     if batch:
         yield batch
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)

@@ -12,16 +12,8 @@ from typing import Any
 
 import redis
 
-from common.contract import (
-    STAT_BILLED_COMPLETION,
-    STAT_BILLED_PROMPT,
-    STAT_BILLED_REASONING,
-    STAT_COST_MICRO_USD,
-    STAT_DUPLICATES,
-    STAT_REQUESTS,
-    STAT_SKIPPED,
-)
 from common.keys import CURRENT_RUN, DatasetKeys
+from common.stats import DatasetStats
 
 
 @dataclass
@@ -64,7 +56,7 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
     pipe.llen(k.queue)
     pipe.hgetall(k.stats)
     (limit, kept, reserved, rows, state), failed, leases, queued, stats_raw = pipe.execute()
-    stats = {key.decode(): int(v) for key, v in stats_raw.items()}
+    stats = DatasetStats.parse(stats_raw)
     return DatasetState(
         dataset=dataset,
         t_s=time.time(),
@@ -76,15 +68,15 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
         in_flight=int(leases),
         queued=int(queued),
         state=(state or b"").decode(),
-        requests=stats.get(STAT_REQUESTS, 0),
-        billed_prompt_tokens=stats.get(STAT_BILLED_PROMPT, 0),
-        billed_completion_tokens=stats.get(STAT_BILLED_COMPLETION, 0),
-        billed_reasoning_tokens=stats.get(STAT_BILLED_REASONING, 0),
-        cost_usd=stats.get(STAT_COST_MICRO_USD, 0) / 1e6,
-        duplicates=stats.get(STAT_DUPLICATES, 0),
-        skipped_by_workers=stats.get(STAT_SKIPPED, 0),
-        errors={key[4:]: v for key, v in stats.items() if key.startswith("err:")},
-        failures={key[5:]: v for key, v in stats.items() if key.startswith("fail:")},
+        requests=stats.requests,
+        billed_prompt_tokens=stats.billed_prompt_tokens,
+        billed_completion_tokens=stats.billed_completion_tokens,
+        billed_reasoning_tokens=stats.billed_reasoning_tokens,
+        cost_usd=stats.cost_usd,
+        duplicates=stats.duplicates,
+        skipped_by_workers=stats.skipped,
+        errors=stats.errors,
+        failures=stats.failures,
     )
 
 

@@ -10,6 +10,18 @@ Routes
     exactly ``--expect-key``). Answers carry ``X-Generation-Id``. ``stream: true`` gives SSE.
 ``GET /api/v1/generation?id=gen-…``  404 for ``generation_delay_s`` after the request, then stats.
 ``GET /api/v1/key``  ``{data: {limit, limit_remaining, usage, …}}``.
+``GET /api/v1/models``  ``{data: [{id, name, context_length, pricing: {prompt, completion, request,
+    internal_reasoning, input_cache_read, …}, top_provider: {context_length, max_completion_tokens},
+    supported_parameters, …}]}`` for each served model (``model`` plus ``models``); prices are USD
+    per token as decimal strings, the very prices the chat route bills with
+    (``price_in_per_mtok``, ``price_out_per_mtok``, ``price_request_usd``). No key needed.
+``GET /api/v1/models/{author}/{slug}/endpoints``  ``{data: {id, name, endpoints: [{provider_name,
+    pricing, context_length, max_completion_tokens, …}]}}``, one endpoint per provider; 404 for a
+    model not served.
+A chat request naming a model not served answers 404 ``No endpoints found for {model}.`` on every
+attempt (not billed); prompt tokens + ``max_tokens`` above ``context_length`` answer 400 with
+OpenRouter's "maximum context length" message. Any other path is a 404 (e.g. a doubled
+``/api/v1/api/v1/…`` from a base URL given with ``/api/v1`` and a client that adds it again).
 ``POST /_sim/config``  partial settings update (JSON object, same names as the CLI flags;
     ``rates`` and ``length_classes`` merge by key); answers the full settings, 400 naming a bad
     field. ``GET /_sim/config`` shows them. Example: ``{"rates": {"429": 0.1, "hang": 0.02,
@@ -55,23 +67,60 @@ generated as usual:
   it is answered normally.
 - ``latency_ms``: time to first token; ``retry_after_s``: Retry-After for this prompt's 429/503
   (null: none); ``provider``: provider name.
+- ``noncanonical``: bool: with ``return_token_ids``, inject (or not) a non-canonical
+  tokenization, whatever ``noncanonical_rate`` says.
 - ``usage``: overrides of ``prompt_tokens``, ``completion_tokens``, ``reasoning_tokens``,
   ``cached_tokens``, ``cost`` (cost is recomputed from the tokens unless given).
 
 Example: ``#sim {"reasoning": "r", "content": "c", "fail_attempts": [429]} case-7``.
 
+Capacity mode
+-------------
+``capacity_in_flight`` (N) and ``capacity_per_s`` (M), flags or ``/_sim/config``, null = off: a
+valid chat request arriving while N admitted requests are in flight, or after M were admitted in
+the last second, answers 429 ``Rate limit exceeded: {model}`` (``metadata.raw`` names the limit)
+with ``Retry-After: capacity_retry_after_s`` (null: none), is not billed and is not an attempt of
+its prompt. ``capacity_count_rejected``: refused requests count against M too. See
+``capacity.py``; the in-flight series is ``series.py``.
+
+Engine-ids mode (vLLM's ``return_token_ids``)
+--------------------------------------------
+A chat request with ``"return_token_ids": true`` (needs ``--tokenizer DIR`` with ``tokenizer.json``
+and a chat template in ``tokenizer_config.json``; else 400) is answered as vLLM's OpenAI server
+does: top-level ``"prompt_token_ids": [int]`` (the chat template rendered with the generation
+prompt, tokenized without added BOS/EOS) and ``choices[0]["token_ids"]: [int]`` (the simulator's
+own Kimi rendering of the turn, ``reasoning</think>content<tool section>``, ending with the
+``<|im_end|>`` id when ``finish_reason`` is ``stop``/``tool_calls``, not on ``length``). Usage then
+counts those ids. Streams carry ``prompt_token_ids`` on the first data chunk and every completion
+id in ``token_ids`` of the chunk with the finish reason. ``noncanonical_rate`` (0..1, seeded per
+prompt) or the ``#sim`` key ``noncanonical: true|false`` replaces one ordinary token by two
+vocabulary tokens whose strings join to it: same text, non-canonical ids. Counted as
+``noncanonical_answers``; ``?detail=1`` lists ``noncanonical_generations`` (generation ids) and each
+generation's ``noncanonical: {position, canonical_id, ids, canonical_token, tokens}``. See
+``engine_ids.py``. The first such request loads the chat template (transformers; ~1-2 s).
+
 Stats JSON (``GET /_sim/stats``)
 --------------------------------
-``{"requests", "in_flight", "max_in_flight", "scripted", "by_status": {"200": n, "429": n,
-"dropped": n}, "faults": {name: n}, "finish_reasons": {…}, "billed_requests",
-"billed_prompt_tokens", "billed_completion_tokens", "billed_reasoning_tokens",
+``{"requests", "in_flight", "max_in_flight", "admitted_in_flight" (holding a capacity slot now),
+"max_admitted_in_flight", "per_s_window" (admitted in the last second), "capacity_429s",
+"capacity_429s_by_limit": {"in_flight": n, "per_second": n}, "scripted",
+"by_status": {"200": n, "429": n, "dropped": n}, "faults": {name: n}, "finish_reasons": {…},
+"billed_requests", "billed_prompt_tokens", "billed_completion_tokens", "billed_reasoning_tokens",
 "billed_cached_tokens", "billed_cost_usd", "abandoned_requests", "abandoned_completion_tokens",
-"uptime_s"}``; with ``?detail=1`` also
-``"generations": [{"id", "prompt_hash", "fault", "finish_reason", "streamed", "abandoned",
-"prompt_tokens", "completion_tokens", "reasoning_tokens", "cost"}]``. Billed: every generated
-answer (a non-streamed one in full even when its client timed out or left: counted again under
-``abandoned``; ``hang`` and ``bad_json`` too); not billed: HTTP errors, ``hang_drop``,
-``error200``.
+"engine_id_answers", "noncanonical_answers", "uptime_s"}``.
+
+With ``?series=1[&since_s=T]`` also ``"series": {"interval_s", "columns": ["t_s", "in_flight",
+"admitted_in_flight", "requests", "status_429", "capacity_429"], "rows": [[…]]}``: one row per
+``series_interval_s`` bucket (the largest in-flight counts seen, arrivals and 429s in it; ``t_s``
+on the ``uptime_s`` clock).
+
+With ``?detail=1`` also ``"generations": [{"id", "prompt_hash", "fault", "finish_reason",
+"streamed", "abandoned", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cost",
+"engine_ids", "noncanonical"}]`` and ``"noncanonical_generations": [id, …]``.
+
+Billed: every generated answer (a non-streamed one in full even when its client timed out or
+left: counted again under ``abandoned``; ``hang`` and ``bad_json`` too); not billed: HTTP errors,
+``hang_drop``, ``error200``.
 """
 
 from simulator.engine import predict

@@ -14,6 +14,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from simulator.capacity import IN_FLIGHT, PER_SECOND, CapacityGate
+from simulator.series import InFlightSeries
+from simulator.settings import Settings
+
 MAX_RECORDS = 500_000  # generation records kept for /api/v1/generation; oldest dropped first
 
 
@@ -37,13 +41,17 @@ class Usage:
 
 
 def priced(prompt: int, completion: int, reasoning: int, cached: int, *,
-           price_in_per_mtok: float, price_out_per_mtok: float) -> Usage:
-    cost = (prompt * price_in_per_mtok + completion * price_out_per_mtok) / 1e6
+           price_in_per_mtok: float, price_out_per_mtok: float,
+           price_request_usd: float = 0.0) -> Usage:
+    # Reasoning is part of completion and billed at the completion price (pricing.internal_reasoning
+    # is published as 0); cached prompt tokens are not discounted (input_cache_read = prompt).
+    cost = (prompt * price_in_per_mtok + completion * price_out_per_mtok) / 1e6 + price_request_usd
     return Usage(prompt, completion, reasoning, cached, round(cost, 12))
 
 
 def with_overrides(usage: Usage, overrides: Mapping[str, float], *,
-                   price_in_per_mtok: float, price_out_per_mtok: float) -> Usage:
+                   price_in_per_mtok: float, price_out_per_mtok: float,
+                   price_request_usd: float = 0.0) -> Usage:
     """A ``#sim`` ``usage`` override; cost is recomputed unless it is overridden too."""
     if not overrides:
         return usage
@@ -51,7 +59,7 @@ def with_overrides(usage: Usage, overrides: Mapping[str, float], *,
               ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens")}
     new = priced(fields["prompt_tokens"], fields["completion_tokens"], fields["reasoning_tokens"],
                  fields["cached_tokens"], price_in_per_mtok=price_in_per_mtok,
-                 price_out_per_mtok=price_out_per_mtok)
+                 price_out_per_mtok=price_out_per_mtok, price_request_usd=price_request_usd)
     if "cost" in overrides:
         new = Usage(**{**asdict(new), "cost": float(overrides["cost"])})
     return new
@@ -72,6 +80,8 @@ class GenerationRecord:
     latency_ms: float
     created: float  # unix time of the request
     ended_mono: float  # time.monotonic() at the end, for the generation endpoint's 404 window
+    engine_ids: bool = False  # answered with token ids (return_token_ids)
+    noncanonical: Mapping[str, Any] | None = None  # the injected split (engine_ids.Injection)
 
     def stats_json(self) -> dict[str, Any]:
         """The ``data`` of ``GET /api/v1/generation``."""
@@ -108,6 +118,8 @@ class GenerationRecord:
             "completion_tokens": self.usage.completion_tokens,
             "reasoning_tokens": self.usage.reasoning_tokens,
             "cost": self.usage.cost,
+            "engine_ids": self.engine_ids,
+            "noncanonical": dict(self.noncanonical) if self.noncanonical else None,
         }
 
 
@@ -115,11 +127,14 @@ class Ledger:
     """Every counter ``GET /_sim/stats`` reports. Only touched from the server's gevent hub, so it
     needs no lock (greenlets switch only at I/O, never inside these methods)."""
 
-    def __init__(self) -> None:
+    def __init__(self, series_interval_s: float = 0.5) -> None:
         self.started_mono = time.monotonic()
         self.requests = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.gate = CapacityGate()
+        self.capacity_429s: Counter[str] = Counter()
+        self.series = InFlightSeries(self.started_mono, series_interval_s)
         self.scripted = 0
         self.by_status: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
@@ -127,16 +142,35 @@ class Ledger:
         self.billed: Counter[str] = Counter()
         self.billed_cost = 0.0
         self.abandoned: Counter[str] = Counter()
+        self.engine_id_answers = 0
+        self.noncanonical_answers = 0
         self.records: OrderedDict[str, GenerationRecord] = OrderedDict()
 
-    def enter(self) -> None:
+    def enter(self, interval_s: float) -> None:
         self.requests += 1
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.series.record(time.monotonic(), interval_s, in_flight=self.in_flight,
+                           admitted=self.gate.admitted, arrived=True)
 
-    def leave(self, status: str) -> None:
+    def admit(self, settings: Settings) -> str | None:
+        """The capacity gate (``capacity.py``): None when admitted, else the limit hit."""
+        now = time.monotonic()
+        refused = self.gate.admit(settings, now)
+        if refused is not None:
+            self.capacity_429s[refused] += 1
+        self.series.record(now, settings.series_interval_s, in_flight=self.in_flight,
+                           admitted=self.gate.admitted)
+        return refused
+
+    def leave(self, status: str, interval_s: float, *, admitted: bool,
+              capacity_429: bool = False) -> None:
         self.in_flight -= 1
+        if admitted:
+            self.gate.release()
         self.by_status[status] += 1
+        self.series.record(time.monotonic(), interval_s, in_flight=self.in_flight,
+                           admitted=self.gate.admitted, status=status, capacity_429=capacity_429)
 
     def bill(self, record: GenerationRecord) -> None:
         u = record.usage
@@ -147,11 +181,14 @@ class Ledger:
         self.finish_reasons[record.finish_reason] += 1
         if record.abandoned:
             self.abandoned.update(requests=1, completion_tokens=u.completion_tokens)
+        self.engine_id_answers += record.engine_ids
+        self.noncanonical_answers += record.noncanonical is not None
         self.records[record.id] = record
         if len(self.records) > MAX_RECORDS:
             self.records.popitem(last=False)
 
-    def snapshot(self, *, detail: bool = False) -> dict[str, Any]:
+    def snapshot(self, *, detail: bool = False, series_since_s: float | None = None,
+                 ) -> dict[str, Any]:
         # Flat billed_* names, as in the run's summary.json, so the two compare key by key.
         billed_keys = ("requests", "prompt_tokens", "completion_tokens", "reasoning_tokens",
                        "cached_tokens")
@@ -159,6 +196,11 @@ class Ledger:
             "requests": self.requests,
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
+            "admitted_in_flight": self.gate.admitted,
+            "max_admitted_in_flight": self.gate.max_admitted,
+            "per_s_window": self.gate.per_s(time.monotonic()),
+            "capacity_429s": sum(self.capacity_429s.values()),
+            "capacity_429s_by_limit": {k: self.capacity_429s[k] for k in (IN_FLIGHT, PER_SECOND)},
             "scripted": self.scripted,
             "by_status": dict(self.by_status),
             "faults": dict(self.faults),
@@ -166,8 +208,14 @@ class Ledger:
             **{f"billed_{k}": self.billed[k] for k in billed_keys},
             "billed_cost_usd": round(self.billed_cost, 9),
             **{f"abandoned_{k}": self.abandoned[k] for k in ("requests", "completion_tokens")},
+            "engine_id_answers": self.engine_id_answers,
+            "noncanonical_answers": self.noncanonical_answers,
             "uptime_s": round(time.monotonic() - self.started_mono, 3),
         }
+        if series_since_s is not None:
+            out["series"] = self.series.to_json(series_since_s)
         if detail:
             out["generations"] = [r.detail_json() for r in self.records.values()]
+            out["noncanonical_generations"] = [
+                r.id for r in self.records.values() if r.noncanonical is not None]
         return out

@@ -15,9 +15,11 @@ from typing import Any
 
 from simulator.answers import Answer, build_answer
 from simulator.billing import Usage, priced, with_overrides
+from simulator.engine_ids import EngineIds, EngineIdsError, EngineTokenizer, engine_ids
 from simulator.kimi import render_prompt
 from simulator.request import ChatRequest, parse_chat_request
 from simulator.script import Script, find_script
+from simulator.seeding import rng_for
 from simulator.settings import Settings
 from simulator.tokens import SimpleCounter, TokenCounter
 from simulator.wire import message_json
@@ -29,22 +31,56 @@ _Z99 = 2.3263478740408408  # standard normal quantile at 0.99: sigma = ln(p99/me
 class Generation:
     answer: Answer
     usage: Usage
+    ids: EngineIds | None = None  # with return_token_ids (engine_ids.py)
+
+
+_ENGINE_TOKENIZERS: dict[str, EngineTokenizer] = {}
+
+
+def engine_tokenizer(counter: TokenCounter) -> EngineTokenizer:
+    """The counter's tokenizer as the engine's (one per tokenizer path and process: its chat
+    template loads once)."""
+    backend, path = getattr(counter, "backend", None), getattr(counter, "path", None)
+    if backend is None or path is None:
+        raise EngineIdsError("return_token_ids: this simulator has no tokenizer to give ids "
+                             "with; start it with --tokenizer DIR")
+    tok = _ENGINE_TOKENIZERS.get(path)
+    if tok is None:
+        tok = _ENGINE_TOKENIZERS[path] = EngineTokenizer(backend, path)
+    return tok
+
+
+def _engine_ids(req: ChatRequest, settings: Settings, script: Script | None,
+                counter: TokenCounter, answer: Answer) -> EngineIds:
+    if script is not None and "noncanonical" in script.given:
+        inject = script.noncanonical
+    else:
+        inject = rng_for(settings.seed, req.prompt_hash, "noncanonical").random() \
+            < settings.noncanonical_rate
+    return engine_ids(engine_tokenizer(counter), req.messages, req.tools, answer, inject=inject,
+                      rng=rng_for(settings.seed, req.prompt_hash, "split"))
 
 
 def generate(req: ChatRequest, settings: Settings, script: Script | None,
              counter: TokenCounter, *, attempt: int = 1) -> Generation:
+    """The answer and its usage; with ``return_token_ids`` also the engine's ids, and then usage
+    counts them, as vLLM does (prompt ids, completion ids with the end-of-turn token)."""
     answer = build_answer(req, settings, script, counter)
-    prompt = counter.count(render_prompt(req.messages, req.tools))
-    completion = sum(counter.count(p) for p in answer.completion_parts())
-    reasoning = counter.count(answer.reasoning) if answer.reasoning else 0
+    ids = _engine_ids(req, settings, script, counter, answer) if req.return_token_ids else None
+    if ids is not None:
+        prompt, completion = len(ids.prompt_ids), len(ids.token_ids)
+        reasoning = ids.reasoning_tokens
+    else:
+        prompt = counter.count(render_prompt(req.messages, req.tools))
+        completion = sum(counter.count(p) for p in answer.completion_parts())
+        reasoning = counter.count(answer.reasoning) if answer.reasoning else 0
     # A repeat of the same prompt may hit the provider's prefix cache.
     cached = int(prompt * settings.cached_fraction) if attempt > 1 else 0
-    prices = {"price_in_per_mtok": settings.price_in_per_mtok,
-              "price_out_per_mtok": settings.price_out_per_mtok}
+    prices = settings.prices()
     usage = priced(prompt, completion, reasoning, cached, **prices)
     if script is not None:
         usage = with_overrides(usage, script.usage, **prices)
-    return Generation(answer, usage)
+    return Generation(answer, usage, ids)
 
 
 def base_latency_ms(rng: random.Random, settings: Settings) -> float:
@@ -59,14 +95,19 @@ def base_latency_ms(rng: random.Random, settings: Settings) -> float:
 def predict(body: Mapping[str, Any], settings: Settings | None = None,
             counter: TokenCounter | None = None, *, attempt: int = 1) -> dict[str, Any]:
     """What the server answers to ``body`` when no fault hits:
-    ``{"message", "finish_reason", "native_finish_reason", "usage"}``."""
+    ``{"message", "finish_reason", "native_finish_reason", "usage"}``, plus ``prompt_token_ids``,
+    ``token_ids`` and ``noncanonical`` (the injection or None) with ``return_token_ids``."""
     settings = settings or Settings()
     counter = counter or SimpleCounter()
     req = parse_chat_request(json.dumps(body).encode(), default_model=settings.model)
     gen = generate(req, settings, find_script(req.messages), counter, attempt=attempt)
-    return {
+    out: dict[str, Any] = {
         "message": message_json(gen.answer),
         "finish_reason": gen.answer.finish_reason,
         "native_finish_reason": gen.answer.native_finish_reason,
         "usage": gen.usage.to_json(),
     }
+    if gen.ids is not None:
+        out.update(prompt_token_ids=gen.ids.prompt_ids, token_ids=gen.ids.token_ids,
+                   noncanonical=gen.ids.injection.to_json() if gen.ids.injection else None)
+    return out

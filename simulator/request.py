@@ -35,6 +35,8 @@ class ChatRequest:
     stream: bool
     reasoning: ReasoningMode
     prompt_hash: str
+    #: vLLM's switch (engine_ids.py): answer with prompt_token_ids and each choice's token_ids
+    return_token_ids: bool = False
 
 
 def parse_chat_request(raw: bytes, *, default_model: str) -> ChatRequest:
@@ -62,6 +64,7 @@ def parse_chat_request(raw: bytes, *, default_model: str) -> ChatRequest:
         stream=_flag(body, "stream"),
         reasoning=_reasoning(body),
         prompt_hash=prompt_hash(messages),
+        return_token_ids=_flag(body, "return_token_ids"),
     )
 
 

@@ -44,6 +44,7 @@ class Script:
     retry_after_s: float | None = None
     provider: str | None = None
     usage: Mapping[str, float] = field(default_factory=dict)
+    noncanonical: bool = False  # engine-ids mode: inject a non-canonical tokenization
 
 
 def find_script(messages: Sequence[Mapping[str, Any]]) -> Script | None:
@@ -67,7 +68,7 @@ def find_script(messages: Sequence[Mapping[str, Any]]) -> Script | None:
 _KEYS = frozenset({
     "reasoning", "content", "tool_calls", "raw_tool_text", "finish_reason",
     "native_finish_reason", "reasoning_field", "leak_im_end", "fail_attempts", "latency_ms",
-    "retry_after_s", "provider", "usage",
+    "retry_after_s", "provider", "usage", "noncanonical",
 })
 
 
@@ -90,6 +91,7 @@ def _parse(spec: Mapping[str, Any]) -> Script:
         retry_after_s=_opt_number(spec, "retry_after_s"),
         provider=_opt_str(spec, "provider"),
         usage=_usage(spec.get("usage") or {}),
+        noncanonical=_bool(spec, "noncanonical"),
     )
 
 

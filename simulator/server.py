@@ -22,8 +22,17 @@ from urllib.parse import parse_qs
 import gevent
 
 from simulator.billing import GenerationRecord, Ledger, Usage, priced
+from simulator.capacity import IN_FLIGHT
 from simulator.engine import Generation, base_latency_ms, generate
+from simulator.engine_ids import EngineIdsError
 from simulator.faults import HTTP_FAULTS, AttemptBook, error_body, http_error, pick_fault
+from simulator.kimi import render_prompt
+from simulator.models import (
+    context_error_message,
+    endpoints_json,
+    models_json,
+    no_endpoints_message,
+)
 from simulator.request import BadRequest, ChatRequest, parse_chat_request
 from simulator.script import Script, find_script
 from simulator.seeding import rng_for
@@ -55,12 +64,12 @@ class SimState:
         self.launch_settings = settings
         self.settings = settings
         self.counter: TokenCounter = load_counter(settings.tokenizer)
-        self.ledger = Ledger()
+        self.ledger = Ledger(settings.series_interval_s)
         self.attempts = AttemptBook()
 
     def reset(self) -> None:
         self.settings = self.launch_settings
-        self.ledger = Ledger()
+        self.ledger = Ledger(self.settings.series_interval_s)
         self.attempts.clear()
 
 
@@ -76,13 +85,15 @@ class _Call:
     status: str = "500"
     fault: str | None = None
     usage: Usage = field(default_factory=Usage)
+    admitted: bool = False  # holds a capacity slot (capacity.py) until done
     _done: bool = False
 
     def done(self) -> None:
         if self._done:
             return
         self._done = True
-        self.ledger.leave(self.status)
+        self.ledger.leave(self.status, self.settings.series_interval_s, admitted=self.admitted,
+                          capacity_429=self.fault is not None and self.fault.startswith("capacity"))
         log.info(
             "chat %s status=%s fault=%s prompt=%d completion=%d reasoning=%d latency_ms=%.0f",
             self.gen_id, self.status, self.fault or "-", self.usage.prompt_tokens,
@@ -146,6 +157,18 @@ def _new_id() -> str:
     return f"gen-{int(time.time())}-{secrets.token_urlsafe(15)}"
 
 
+_ENDPOINTS_PREFIX, _ENDPOINTS_SUFFIX = "/api/v1/models/", "/endpoints"
+
+
+def _endpoints_model(path: str) -> str | None:
+    """``author/slug`` of ``/api/v1/models/{author}/{slug}/endpoints``, else None."""
+    if not (path.startswith(_ENDPOINTS_PREFIX) and path.endswith(_ENDPOINTS_SUFFIX)):
+        return None
+    model_id = path[len(_ENDPOINTS_PREFIX):-len(_ENDPOINTS_SUFFIX)]
+    author, sep, slug = model_id.partition("/")
+    return model_id if sep and author and slug and "/" not in slug else None
+
+
 def _fmt_retry_after(seconds: float) -> str:
     return str(int(seconds)) if float(seconds).is_integer() else f"{seconds:g}"
 
@@ -159,6 +182,7 @@ class SimApp:
             ("POST", "/api/v1/chat/completions"): self.chat,
             ("GET", "/api/v1/generation"): self.generation,
             ("GET", "/api/v1/key"): self.key,
+            ("GET", "/api/v1/models"): self.models,
             ("GET", "/_sim/stats"): self.stats,
             ("GET", "/_sim/config"): self.get_config,
             ("POST", "/_sim/config"): self.set_config,
@@ -172,6 +196,8 @@ class SimApp:
         auth = str(environ.pop("HTTP_AUTHORIZATION", ""))
         method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
         handler = self.routes.get((method, path))
+        if handler is None and method == "GET" and _endpoints_model(path):
+            handler = self.endpoints
         if handler is None:
             known = any(p == path for _, p in self.routes)
             status = 405 if known else 404
@@ -187,7 +213,7 @@ class SimApp:
     def chat(self, environ: dict[str, Any], start_response: StartResponse,
              auth: str) -> Iterable[bytes]:
         call = _Call(self.state.settings, self.state.ledger)
-        call.ledger.enter()
+        call.ledger.enter(call.settings.series_interval_s)
         streaming = False
         try:
             result = self._chat(call, environ, start_response, auth)
@@ -210,6 +236,20 @@ class SimApp:
         except BadRequest as exc:
             call.status = "400"
             return _json(start_response, 400, error_body(400, str(exc)))
+        if req.model not in s.served_models:
+            # A configuration error, not the prompt's: every request for it answers the same.
+            call.status = "404"
+            return _json(start_response, 404, error_body(404, no_endpoints_message(req.model)))
+        prompt_tokens = self.state.counter.count(render_prompt(req.messages, req.tools))
+        wanted = req.max_tokens or 0
+        if prompt_tokens + wanted > s.context_length:
+            call.status = "400"
+            return _json(start_response, 400, error_body(
+                400, context_error_message(s, prompt_tokens, wanted)))
+        limit = call.ledger.admit(s)
+        if limit is not None:
+            return self._over_capacity(call, start_response, req, limit)
+        call.admitted = True
         attempt = self.state.attempts.next(req.prompt_hash)
         # Per-attempt draws (fault, provider, latency): the n-th try of a prompt is the same in
         # every run, whatever order concurrent requests arrive in.
@@ -239,7 +279,11 @@ class SimApp:
             call.status = "dropped"
             return []
 
-        gen = generate(req, s, script, self.state.counter, attempt=attempt)
+        try:
+            gen = generate(req, s, script, self.state.counter, attempt=attempt)
+        except EngineIdsError as exc:
+            call.status = "400"
+            return _json(start_response, 400, error_body(400, str(exc)))
         call.gen_id = _new_id()
         ttft_ms = base_latency_ms(rng, s)
         if script is not None and script.latency_ms is not None:
@@ -261,6 +305,23 @@ class SimApp:
             call.status = "200"
             return _StreamBody(self._stream(call, req, gen, provider, ttft_ms), call)
         return self._plain(call, environ, start_response, req, gen, provider, ttft_ms)
+
+    def _over_capacity(self, call: _Call, start_response: StartResponse, req: ChatRequest,
+                       limit: str) -> list[bytes]:
+        s = call.settings
+        call.fault = f"capacity_{limit}"  # for the log line; not one of the injected faults
+        rng = rng_for(s.seed, req.prompt_hash, "capacity", call.ledger.requests)
+        reply = http_error("429", model=req.model, provider=rng.choice(s.providers),
+                           retry_after_s=s.capacity_retry_after_s)
+        reply.body["error"]["metadata"]["raw"] = (
+            f"capacity: {s.capacity_in_flight} in flight" if limit == IN_FLIGHT
+            else f"capacity: {s.capacity_per_s} requests per second")
+        gevent.sleep(s.error_latency_ms / 1000)
+        headers = []
+        if reply.retry_after_s is not None:
+            headers.append(("Retry-After", _fmt_retry_after(reply.retry_after_s)))
+        call.status = "429"
+        return _json(start_response, 429, reply.body, headers)
 
     @staticmethod
     def _fault(call: _Call, req: ChatRequest, script: Script | None, attempt: int,
@@ -288,7 +349,7 @@ class SimApp:
         self._bill(call, req, gen, provider, gen.usage, streamed=False,
                    abandoned=environ[CONNECTION_KEY].peer_gone())
         body = completion_body(gen_id=call.gen_id, created=int(call.created), model=req.model,
-                               provider=provider, answer=gen.answer, usage=gen.usage)
+                               provider=provider, answer=gen.answer, usage=gen.usage, ids=gen.ids)
         raw = dumps(body)
         if call.fault == "bad_json":
             raw = raw[: len(raw) // 2]
@@ -307,6 +368,7 @@ class SimApp:
         cut = len(deltas) // 2 if call.fault in ("stream_error", "bad_json") else -1
         sent_tokens = 0
         settled = False
+        first = True  # vLLM sends prompt_token_ids once, on the first chunk
         try:
             yield KEEPALIVE
             remaining_s = ttft_ms / 1000
@@ -329,15 +391,24 @@ class SimApp:
                 sent_tokens += n_tokens
                 if delta is None:
                     continue
-                data = sse(chunk(*ids, delta=delta))
+                event = chunk(*ids, delta=delta)
+                if first and gen.ids is not None:
+                    event["prompt_token_ids"] = gen.ids.prompt_ids
+                first = False
+                data = sse(event)
                 if i == cut:  # bad_json: one chunk's JSON cut short
                     data = data[: len(data) // 2] + b"\n\n"
                 yield data
             answer = gen.answer
             settled = True
             self._bill(call, req, gen, provider, gen.usage, streamed=True, abandoned=False)
-            yield sse(chunk(*ids, finish=answer.finish_reason,
-                            native_finish=answer.native_finish_reason))
+            final = chunk(*ids, finish=answer.finish_reason,
+                          native_finish=answer.native_finish_reason)
+            if gen.ids is not None:
+                if first:
+                    final["prompt_token_ids"] = gen.ids.prompt_ids
+                final["choices"][0]["token_ids"] = gen.ids.token_ids
+            yield sse(final)
             last = chunk(*ids)
             last["choices"] = []
             last["usage"] = gen.usage.to_json()
@@ -352,8 +423,7 @@ class SimApp:
     def _partial(gen: Generation, sent_tokens: int, s: Settings) -> Usage:
         u = gen.usage
         return priced(u.prompt_tokens, sent_tokens, min(u.reasoning_tokens, sent_tokens),
-                      u.cached_tokens, price_in_per_mtok=s.price_in_per_mtok,
-                      price_out_per_mtok=s.price_out_per_mtok)
+                      u.cached_tokens, **s.prices())
 
     def _bill(self, call: _Call, req: ChatRequest, gen: Generation, provider: str, usage: Usage,
               *, streamed: bool, abandoned: bool, finish: str | None = None) -> None:
@@ -374,6 +444,8 @@ class SimApp:
             latency_ms=(time.monotonic() - call.t0) * 1000,
             created=call.created,
             ended_mono=time.monotonic(),
+            engine_ids=gen.ids is not None,
+            noncanonical=gen.ids.injection.to_json() if gen.ids and gen.ids.injection else None,
         ))
 
     def generation(self, environ: dict[str, Any], start_response: StartResponse,
@@ -406,12 +478,32 @@ class SimApp:
             "rate_limit": {"requests": -1, "interval": "10s"},
         }})
 
+    def models(self, environ: dict[str, Any], start_response: StartResponse,
+               auth: str) -> Iterable[bytes]:
+        return _json(start_response, 200, models_json(self.state.settings))
+
+    def endpoints(self, environ: dict[str, Any], start_response: StartResponse,
+                  auth: str) -> Iterable[bytes]:
+        model_id = _endpoints_model(environ.get("PATH_INFO", "")) or ""
+        found = endpoints_json(model_id, self.state.settings)
+        if found is None:
+            return _json(start_response, 404, error_body(404, no_endpoints_message(model_id)))
+        return _json(start_response, 200, found)
+
     # --- control routes ---------------------------------------------------------------------
 
     def stats(self, environ: dict[str, Any], start_response: StartResponse,
               auth: str) -> Iterable[bytes]:
-        detail = parse_qs(environ.get("QUERY_STRING", "")).get("detail", ["0"])[0] not in ("", "0")
-        return _json(start_response, 200, self.state.ledger.snapshot(detail=detail))
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        detail = query.get("detail", ["0"])[0] not in ("", "0")
+        series = query.get("series", ["0"])[0] not in ("", "0")
+        try:
+            since_s = float(query.get("since_s", ["0"])[0])
+        except ValueError:
+            return _json(start_response, 400, error_body(400, "since_s: expected a number"))
+        snapshot = self.state.ledger.snapshot(detail=detail,
+                                              series_since_s=since_s if series else None)
+        return _json(start_response, 200, snapshot)
 
     def get_config(self, environ: dict[str, Any], start_response: StartResponse,
                    auth: str) -> Iterable[bytes]:

@@ -72,12 +72,21 @@ class Settings:
         "accept only this bearer key (default: any non-empty key)"))
     model: str = field(default="moonshotai/kimi-k2.5", metadata=_meta(
         "model named in answers when the request names none"))
+    models: tuple[str, ...] = field(default=("moonshotai/kimi-k2.5",), metadata=_meta(
+        "model ids served (with ``model``); any other id answers 404 \"No endpoints found for …\""
+        " (comma-separated on the CLI)"))
+    context_length: int = field(default=262144, metadata=_meta(
+        "context length published and enforced: prompt + max_tokens above it is a 400", lo=1))
+    max_completion_tokens: int | None = field(default=65536, metadata=_meta(
+        "top_provider.max_completion_tokens published by the models endpoint (null: none)", lo=1))
     providers: tuple[str, ...] = field(
         default=("Moonshot AI", "Together", "Fireworks", "Parasail"),
         metadata=_meta("provider names to pick from (comma-separated on the CLI)"))
     price_in_per_mtok: float = field(default=0.60, metadata=_meta("USD per 1M prompt tokens", lo=0))
     price_out_per_mtok: float = field(default=2.50, metadata=_meta(
         "USD per 1M completion tokens (reasoning included)", lo=0))
+    price_request_usd: float = field(default=0.0, metadata=_meta(
+        "USD per billed request (pricing.request)", lo=0))
     credit_limit_usd: float | None = field(default=None, metadata=_meta(
         "answer 402 once this much has been billed (GET /api/v1/key reports it)", lo=0))
     # --- latency: lognormal with this median and p99, plus time per completion token ---
@@ -104,6 +113,10 @@ class Settings:
         "share of prompt tokens reported cached on a prompt's repeat attempts", lo=0, hi=1))
     length_classes: Mapping[str, LengthClass] = field(default_factory=_default_classes,
                                                       metadata=_meta("length classes"))
+    # --- engine-ids mode (engine_ids.py): requests with return_token_ids ---
+    noncanonical_rate: float = field(default=0.0, metadata=_meta(
+        "share of token-id answers whose ids hold one non-canonical tokenization of their text",
+        lo=0, hi=1))
     # --- faults ---
     rates: Mapping[str, float] = field(default_factory=lambda: types.MappingProxyType({}),
                                        metadata=_meta("fault rates by name, plus leak_im_end"))
@@ -112,6 +125,18 @@ class Settings:
     hang_s: float = field(default=30.0, metadata=_meta("how long hang/hang_drop hold", lo=0))
     generation_delay_s: float = field(default=2.0, metadata=_meta(
         "GET /api/v1/generation answers 404 this long after a request ends", lo=0))
+    # --- capacity mode (capacity.py): 429 above N in flight or M per second ---
+    capacity_in_flight: int | None = field(default=None, metadata=_meta(
+        "answer 429 while this many admitted requests are in flight (null: no limit)", lo=0))
+    capacity_per_s: int | None = field(default=None, metadata=_meta(
+        "answer 429 once this many requests were admitted in the last second (null: no limit)",
+        lo=0))
+    capacity_retry_after_s: float | None = field(default=1.0, metadata=_meta(
+        "Retry-After on capacity 429s (null: none)", lo=0))
+    capacity_count_rejected: bool = field(default=False, metadata=_meta(
+        "rejected requests count against capacity_per_s too (429s held against you)"))
+    series_interval_s: float = field(default=0.5, metadata=_meta(
+        "bucket width of the in-flight series in /_sim/stats?series=1", lo=0.01))
     # --- streaming ---
     keepalive_s: float = field(default=1.0, metadata=_meta(
         "interval of ': OPENROUTER PROCESSING' comments before the first token", lo=0.001))
@@ -142,6 +167,17 @@ class Settings:
         if new.latency_p99_ms is not None and new.latency_p99_ms < new.latency_median_ms:
             raise SettingsError("latency_p99_ms: must not be below latency_median_ms")
         return new
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """``model`` (the default of a request naming none) is always served."""
+        return tuple(dict.fromkeys((self.model, *self.models)))
+
+    def prices(self) -> dict[str, float]:
+        """The keyword arguments of ``billing.priced``: what is billed is what is published."""
+        return {"price_in_per_mtok": self.price_in_per_mtok,
+                "price_out_per_mtok": self.price_out_per_mtok,
+                "price_request_usd": self.price_request_usd}
 
     @property
     def p99_ms(self) -> float:

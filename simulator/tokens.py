@@ -83,6 +83,8 @@ class HFCounter:
         if not file.is_file():
             raise FileNotFoundError(f"tokenizer: no tokenizer.json at {path}")
         self._tok = Tokenizer.from_file(str(file))
+        self.backend = self._tok  # the engine-ids mode encodes with it (engine_ids.py)
+        self.path = str(path)
         self.name = f"hf:{file}"
         self._count = functools.lru_cache(maxsize=4096)(self._encode_len)
         sample = sample_text()

@@ -7,6 +7,7 @@ from typing import Any
 
 from simulator.answers import Answer
 from simulator.billing import Usage
+from simulator.engine_ids import EngineIds
 from simulator.faults import error_body
 from simulator.kimi import ToolCall, render_tool_calls
 from simulator.tokens import TokenCounter, split_every
@@ -62,7 +63,7 @@ def _envelope(gen_id: str, created: int, model: str, provider: str, obj: str) ->
 
 
 def completion_body(*, gen_id: str, created: int, model: str, provider: str, answer: Answer,
-                    usage: Usage) -> dict[str, Any]:
+                    usage: Usage, ids: EngineIds | None = None) -> dict[str, Any]:
     body = _envelope(gen_id, created, model, provider, "chat.completion")
     body["choices"] = [{
         "logprobs": None,
@@ -71,6 +72,9 @@ def completion_body(*, gen_id: str, created: int, model: str, provider: str, ans
         "index": 0,
         "message": message_json(answer),
     }]
+    if ids is not None:  # vLLM's places: top-level prompt ids, the choice's sampled ids
+        body["prompt_token_ids"] = ids.prompt_ids
+        body["choices"][0]["token_ids"] = ids.token_ids
     body["usage"] = usage.to_json()
     return body
 

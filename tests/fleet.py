@@ -19,6 +19,8 @@ from typing import Any
 
 import requests
 
+from common.worker_cmd import worker_argv
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TOKENIZER = REPO / "demo" / "tokenizer"
 TEST_KEY = "sk-or-v1-" + "5ec7e7" * 10  # shaped like a real key, so redaction is tested for real
@@ -103,16 +105,18 @@ class Fleet:
     def sim_stats(self) -> dict[str, Any]:
         return requests.get(self.sim_url + "/_sim/stats", timeout=5).json()  # type: ignore[no-any-return]
 
-    def start_worker(self, name: str, *, concurrency: int = 50, **env: str) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-P", "gevent", "-c", str(concurrency),
-               "-Q", "specfleet.idle", "-E", "-n", f"{name}@%h", "--without-mingle", "--without-gossip"]
+    def start_worker(self, name: str, *, concurrency: int = 50, celery_args: tuple[str, ...] | None = None,
+                     **env: str) -> subprocess.Popen[bytes]:
+        """A worker as ``specfleet worker`` starts it, named ``<name>@%h`` unless ``celery_args`` names it."""
+        extra = ("-n", f"{name}@%h") if celery_args is None else celery_args
+        cmd = worker_argv(concurrency, extra=extra)
         return self._spawn(name, cmd, self.env(SPECFLEET_CONCURRENCY=str(concurrency), **env))
 
-    def producer_cmd(self, config: Path) -> list[str]:
-        return [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "5"]
+    def producer_cmd(self, config: Path, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "5", *extra]
 
-    def start_producer(self, config: Path, name: str = "producer") -> subprocess.Popen[bytes]:
-        return self._spawn(name, self.producer_cmd(config), self.env())
+    def start_producer(self, config: Path, name: str = "producer", *extra: str) -> subprocess.Popen[bytes]:
+        return self._spawn(name, self.producer_cmd(config, *extra), self.env())
 
     def run_producer(self, config: Path, *, timeout_s: float = 180, name: str = "producer") -> str:
         proc = self.start_producer(config, name)

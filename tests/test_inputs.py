@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,94 @@ def test_run_refuses_missing_dataset_files_before_enqueueing_anything(tmp_path: 
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 2
     assert f"datasets[0] (B1_glaive).path: {tmp_path / 'data' / 'b1.jsonl'}: no such file" in out.stderr
+
+
+def test_a_bom_before_the_first_row_keeps_that_row(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": "first", "messages": [{"role": "user", "content": "hi"}]}\n'
+                     b'{"id": "second", "messages": [{"role": "user", "content": "yo"}]}\n')
+    errors: list[DatasetRowError] = []
+    stats = ReadStats()
+    assert [p.id for p in read_prompts(path, errors, stats)] == ["first", "second"]
+    assert errors == [] and stats.malformed == 0
+
+
+def test_text_parts_become_the_string_the_template_renders() -> None:
+    """Parts are joined with nothing between them: Kimi's template renders parts exactly so, and
+    the demo tokenizer's template renders the joined string and the parts to the same text."""
+    from transformers import AutoTokenizer
+
+    from tests.fleet import DEMO_TOKENIZER
+
+    parts = [{"type": "text", "text": "Explain "}, {"type": "text", "text": "gevent ✓"}]
+    row = {"id": "p", "messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                                   {"role": "user", "content": parts}]}
+    prompt = parse_row(json.dumps(row), "f:1")
+    assert prompt.messages == [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "Explain gevent ✓"}]
+    tok = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    as_parts = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+    as_text = tok.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+    assert as_text == as_parts and "Explain gevent ✓" in as_text
+
+
+def test_tool_turns_and_null_content_with_tool_calls_still_parse() -> None:
+    call = {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    row = {"messages": [{"role": "user", "content": [{"type": "text", "text": "go"}]},
+                        {"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"}]}
+    prompt = parse_row(json.dumps(row), "f:1")
+    assert prompt.messages[1] == {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert prompt.messages[2]["content"] == "42" and prompt.messages[0]["content"] == "go"
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        ([1, 2], "messages[1].content[0]: a part must be an object"),
+        ({"text": "x"}, "messages[1].content: must be a string, a list of text parts or null, not dict"),
+        (7, "messages[1].content: must be a string, a list of text parts or null, not int"),
+        ([], "messages[1].content: an empty list of parts"),
+        ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+         "messages[1].content[1].type: 'image_url' parts are not supported"),
+        ([{"type": "text", "text": 3}], "messages[1].content[0].text: must be a string"),
+    ],
+)
+def test_other_content_is_an_error_naming_file_line_and_field(content: object, reason: str) -> None:
+    row = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": content}]}
+    with pytest.raises(DatasetRowError) as err:
+        parse_row(json.dumps(row), "data.jsonl:5")
+    assert str(err.value).startswith(f"data.jsonl:5: {reason}"), str(err.value)
+
+
+def test_a_5mb_line_is_refused_by_size_and_the_rest_still_reads(tmp_path: Path) -> None:
+    import tracemalloc
+
+    path = tmp_path / "big.jsonl"
+    huge = json.dumps({"id": "huge", "messages": [{"role": "user", "content": "x" * 5_000_000}]}).encode()
+    with path.open("wb") as fh:
+        fh.write(b'{"id": "a", "messages": [{"role": "user", "content": "1"}]}\r\n')
+        fh.write(huge + b"\n")
+        fh.write(b'{"id": "b", "messages": [{"role": "user", "content": "2"}]}\n')
+        fh.write(b'{"id": "c", "messages": [{"role": "user", "content": "' + b"y" * 999_900 + b'"}]}\n')
+    errors: list[DatasetRowError] = []
+    stats = ReadStats()
+    tracemalloc.start()
+    ids = [p.id for p in read_prompts(path, errors, stats)]
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert ids == ["a", "b", "c"]  # a line just under 1 MB still reads
+    assert [str(e) for e in errors] == [f"{path}:2: line_too_long ({len(huge):,} bytes > 1,000,000)"]
+    assert stats.malformed == 1
+    assert peak < 4_000_000, f"reading held {peak:,} bytes at once: the 5 MB line was read whole"
+    errors.clear()
+    small = [p.id for p in read_prompts(path, errors, ReadStats(), max_line_bytes=100)]
+    assert small == ["a", "b"] and [e.where for e in errors] == [f"{path}:2", f"{path}:4"]
+
+
+def test_max_line_bytes_is_a_dataset_setting(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, GOOD + "max_line_bytes = 2_000_000\n"))
+    assert cfg.datasets[0].max_line_bytes == 2_000_000
+    assert load_config(_write(tmp_path, GOOD)).datasets[0].max_line_bytes == 1_000_000
+    with pytest.raises(ConfigError, match=r"datasets\[0\]\.max_line_bytes"):
+        load_config(_write(tmp_path, GOOD + "max_line_bytes = 0\n"))

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from common import contract
+from common import contract, stats
 from common.budget import Budget
 from common.keys import CURRENT_RUN, DatasetKeys
 from producer.metrics import SpecfleetCollector, make_registry, run_datasets, start_metrics_server
@@ -72,11 +72,11 @@ def midrun(redis_client: redis.Redis) -> redis.Redis:
     redis_client.hset(
         k.stats,
         mapping={
-            contract.STAT_REQUESTS: 9,
-            contract.STAT_BILLED_PROMPT: 900,
-            contract.STAT_BILLED_COMPLETION: 260,
-            contract.STAT_BILLED_REASONING: 40,
-            contract.STAT_COST_MICRO_USD: 1_250_000,
+            stats.REQUESTS: 9,
+            stats.BILLED_PROMPT: 900,
+            stats.BILLED_COMPLETION: 260,
+            stats.BILLED_REASONING: 40,
+            stats.COST_MICRO_USD: 1_250_000,
             "err:http_429": 6,
             "err:timeout": 1,
             f"fail:{contract.FAIL_RETRIES_EXHAUSTED}": 1,

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from common.errors import FatalUpstreamError, RetryableUpstreamError
-from workers.openrouter import OpenRouterClient, parse_retry_after_s
+from common.errors import AccountRefusedError, FatalUpstreamError, MisconfiguredError, RetryableUpstreamError
+from workers.openrouter import OpenRouterClient, chat_url, parse_retry_after_s
 from workers.retry import backoff_s
+from workers.upstream import Request
 
 KEY = "sk-or-v1-test-key-123456"
 OK = {"id": "gen-1", "provider": "P", "model": "m",
@@ -53,6 +54,11 @@ def _client(url: str) -> OpenRouterClient:
     return OpenRouterClient(url, KEY, pool_size=4, app_url="https://x", app_title="t")
 
 
+def _request(model: str = "m", **params: Any) -> Request:
+    return Request(model=model, messages=[{"role": "user", "content": "q"}], tools=None, max_tokens=7,
+                   params=params, timeout_s=5)
+
+
 def _answer(status: int, body: Any, headers: dict[str, str] | None = None) -> None:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     _Handler.reply = (status, headers or {}, raw)
@@ -61,10 +67,22 @@ def _answer(status: int, body: Any, headers: dict[str, str] | None = None) -> No
 def test_a_good_answer_and_what_was_sent(server: str) -> None:
     _answer(200, OK)
     _Handler.seen.clear()
-    c = _client(server).complete({"model": "m", "messages": []}, timeout_s=5)
-    assert (c.finish_reason, c.provider, c.generation_id, c.message["content"]) == ("stop", "P", "gen-1", "hi")
+    a = _client(server).complete(_request(temperature=0.5, reasoning={"effort": "high"}))
+    assert (a.finish_reason, a.provider, a.generation_id, a.content, a.reasoning) == ("stop", "P", "gen-1", "hi", "r")
+    assert a.usage == {"prompt_tokens": 3, "completion_tokens": 2, "reasoning_tokens": 0, "cost": 0.001}
     sent = _Handler.seen[0]["headers"]
     assert sent["Authorization"] == f"Bearer {KEY}" and sent["X-Title"] == "t"
+    assert _Handler.seen[0]["body"] == {"model": "m", "max_tokens": 7, "temperature": 0.5,
+                                        "reasoning": {"effort": "high"}, "messages": [{"role": "user", "content": "q"}]}
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/api/v1", "/api/v1/", "/api/v1/chat/completions"])
+def test_every_spelling_of_the_base_url_reaches_the_chat_endpoint(server: str, suffix: str) -> None:
+    assert chat_url(server + suffix) == server + "/api/v1/chat/completions"
+    _answer(200, OK)
+    _Handler.seen.clear()
+    assert _client(server + suffix).complete(_request()).content == "hi"
+    assert len(_Handler.seen) == 1
 
 
 @pytest.mark.parametrize(
@@ -75,9 +93,12 @@ def test_a_good_answer_and_what_was_sent(server: str) -> None:
         (503, {"error": {"code": 503, "message": "no provider"}}, {}, RetryableUpstreamError, "http_503"),
         (408, {"error": {"code": 408, "message": "timeout"}}, {}, RetryableUpstreamError, "http_408"),
         (402, {"error": {"code": 402, "message": "budget"}}, {"Retry-After": "1"}, RetryableUpstreamError, "http_402"),
-        (402, {"error": {"code": 402, "message": "no credits"}}, {}, FatalUpstreamError, "http_402"),
+        (402, {"error": {"code": 402, "message": "no credits"}}, {}, AccountRefusedError, "http_402"),
         (400, {"error": {"code": 400, "message": "bad"}}, {}, FatalUpstreamError, "http_400"),
-        (401, {"error": {"code": 401, "message": "key"}}, {}, FatalUpstreamError, "http_401"),
+        (401, {"error": {"code": 401, "message": "key"}}, {}, AccountRefusedError, "http_401"),
+        (404, {"error": {"code": 404, "message": "No endpoints found for m."}}, {}, MisconfiguredError, "http_404"),
+        (404, b"<html>Not Found</html>", {}, MisconfiguredError, "http_404"),
+        (400, {"error": {"code": 400, "message": "m is not a valid model ID"}}, {}, MisconfiguredError, "http_400"),
         (403, {"error": {"code": 403, "message": "moderated"}}, {}, FatalUpstreamError, "http_403"),
         (200, b'{"id": "gen-1", "choices": [{"mess', {}, RetryableUpstreamError, "bad_json"),
         (200, {**OK, "choices": [{"finish_reason": "stop", "message": {"content": None}}],
@@ -94,16 +115,19 @@ def test_failures_are_classified(server: str, status: int, body: Any, headers: d
                                  kind: type, reason: str) -> None:
     _answer(status, body, headers)
     with pytest.raises(kind) as err:
-        _client(server).complete({}, timeout_s=5)
+        _client(server).complete(_request())
     assert type(err.value) is kind and err.value.reason == reason
     assert KEY not in str(err.value)
+    assert str(err.value).count(reason) == 1 and reason not in err.value.detail  # the reason said once
+    if kind is MisconfiguredError:  # the halt line names what to fix: the URL and the model
+        assert err.value.target == f"{server}/api/v1/chat/completions with model 'm'"
     if "Retry-After" in headers:
         assert err.value.retry_after_s == float(headers["Retry-After"])
 
 
 def test_connection_refused_is_retryable() -> None:
     with pytest.raises(RetryableUpstreamError) as err:
-        _client("http://127.0.0.1:9").complete({}, timeout_s=1)
+        _client("http://127.0.0.1:9").complete(_request())
     assert err.value.reason == "connection"
 
 

@@ -456,6 +456,334 @@ def test_key_endpoint_and_credit_limit(sim: SimHandle) -> None:
     assert key["limit_remaining"] == 0
 
 
+# --- models, prices, routes ---------------------------------------------------------------------
+
+PRICE = re.compile(r"^\d+(\.\d+)?$")  # a plain decimal string, never "6e-07"
+
+
+def published(sim: SimHandle, model: str = "moonshotai/kimi-k2.5") -> dict[str, Any]:
+    resp = requests.get(sim.api_base + "/models", timeout=5)  # no key needed, as on OpenRouter
+    assert resp.status_code == 200, resp.text
+    entry: dict[str, Any] = next(m for m in resp.json()["data"] if m["id"] == model)
+    return entry
+
+
+def priced_cost(pricing: dict[str, str], usage: dict[str, Any]) -> float:
+    return (usage["prompt_tokens"] * float(pricing["prompt"])
+            + usage["completion_tokens"] * float(pricing["completion"]) + float(pricing["request"]))
+
+
+def test_models_endpoint_publishes_what_is_billed(sim: SimHandle) -> None:
+    model = published(sim)
+    assert model["pricing"]["prompt"] == "0.0000006" and model["pricing"]["completion"] == "0.0000025"
+    assert model["pricing"]["request"] == "0" and model["pricing"]["internal_reasoning"] == "0"
+    assert all(PRICE.match(v) for v in model["pricing"].values()), model["pricing"]
+    assert model["context_length"] == 262144 == model["top_provider"]["context_length"]
+    assert model["top_provider"]["max_completion_tokens"] == 65536
+    assert {"max_tokens", "reasoning", "tools"} <= set(model["supported_parameters"])
+    first = chat(sim, body(max_tokens=8192)).json()["usage"]
+    assert first["cost"] == pytest.approx(priced_cost(model["pricing"], first), rel=1e-9)
+    # Changing the price changes both what is published and what is billed.
+    sim.configure(price_in_per_mtok=1.25, price_out_per_mtok=10, price_request_usd=0.001,
+                  context_length=100000, max_completion_tokens=None)
+    model = published(sim)
+    assert model["pricing"]["prompt"] == "0.00000125" and model["pricing"]["completion"] == "0.00001"
+    assert model["pricing"]["request"] == "0.001" and model["context_length"] == 100000
+    assert model["top_provider"]["max_completion_tokens"] is None
+    usage = chat(sim, body("priced again", max_tokens=8192)).json()["usage"]
+    assert usage["cost"] == pytest.approx(priced_cost(model["pricing"], usage), rel=1e-9)
+    assert usage["cost"] > 0.001  # the per-request price is in it
+    assert sim.stats()["billed_cost_usd"] == pytest.approx(first["cost"] + usage["cost"], rel=1e-9)
+
+
+def test_endpoints_per_provider_and_unknown_model(sim: SimHandle) -> None:
+    resp = requests.get(sim.api_base + "/models/moonshotai/kimi-k2.5/endpoints", timeout=5)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()["data"]
+    assert data["id"] == "moonshotai/kimi-k2.5"
+    assert [e["provider_name"] for e in data["endpoints"]] == list(BASELINE.providers)
+    model = published(sim)
+    for e in data["endpoints"]:
+        assert e["pricing"] == model["pricing"] and e["context_length"] == model["context_length"]
+        assert e["max_completion_tokens"] == model["top_provider"]["max_completion_tokens"]
+    gone = requests.get(sim.api_base + "/models/moonshotai/kimi-k9/endpoints", timeout=5)
+    assert gone.status_code == 404
+    assert gone.json()["error"]["message"] == "No endpoints found for moonshotai/kimi-k9."
+
+
+def test_unknown_model_answers_404_on_every_request(sim: SimHandle) -> None:
+    payload = {**body(), "model": "moonshotai/kimi-k9"}
+    for _ in range(3):  # not a transient fault: every attempt gets the same answer
+        resp = chat(sim, payload)
+        assert resp.status_code == 404
+        assert resp.json()["error"] == {"code": 404,
+                                        "message": "No endpoints found for moonshotai/kimi-k9."}
+    stats = sim.stats()
+    assert stats["by_status"] == {"404": 3} and stats["billed_requests"] == 0
+    assert [m["id"] for m in requests.get(sim.api_base + "/models", timeout=5).json()["data"]] \
+        == ["moonshotai/kimi-k2.5"]
+    sim.configure(models=["moonshotai/kimi-k2.5", "moonshotai/kimi-k9"])
+    assert chat(sim, payload).status_code == 200
+    assert published(sim, "moonshotai/kimi-k9")["pricing"] == published(sim)["pricing"]
+
+
+def test_base_url_forms_and_wrong_paths(sim: SimHandle) -> None:
+    # The OpenAI-SDK base (".../api/v1") plus "/chat/completions" is the same route.
+    assert sim.api_base + "/chat/completions" == sim.url + "/api/v1/chat/completions"
+    assert chat(sim, body()).status_code == 200
+    for wrong in ("/api/v1/api/v1/chat/completions", "/chat/completions", "/v1/chat/completions",
+                  "/api/v1/models/moonshotai/endpoints"):
+        resp = requests.post(sim.url + wrong, json=body(), headers=AUTH, timeout=5)
+        assert resp.status_code == 404, wrong
+        assert resp.json()["error"]["code"] == 404
+    get_models = requests.get(sim.url + "/api/v1/api/v1/models", timeout=5)
+    assert get_models.status_code == 404
+    assert sim.stats()["requests"] == 1  # wrong paths never reached the chat route
+
+
+def test_prompt_plus_max_tokens_must_fit_the_context(sim: SimHandle) -> None:
+    prompt_tokens = COUNT(render_prompt(body()["messages"], []))
+    sim.configure(context_length=prompt_tokens + 100)
+    assert chat(sim, body(max_tokens=100)).status_code == 200
+    resp = chat(sim, body(max_tokens=101))
+    assert resp.status_code == 400
+    message_text = resp.json()["error"]["message"]
+    assert f"maximum context length is {prompt_tokens + 100} tokens" in message_text
+    assert f"({prompt_tokens} of text input, 101 in the output)" in message_text
+    assert sim.stats()["billed_requests"] == 1
+
+
+# --- capacity mode -----------------------------------------------------------------------------
+
+
+def in_parallel(sim: SimHandle, payloads: list[dict[str, Any]]) -> list[requests.Response]:
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        return list(pool.map(lambda p: chat(sim, p), payloads))
+
+
+def test_capacity_in_flight_answers_429_with_retry_after(sim: SimHandle) -> None:
+    # Everyone arrives well within the 2 s the admitted requests hold their slots.
+    sim.configure(latency_median_ms=2000, latency_p99_ms=2000, capacity_in_flight=5,
+                  capacity_retry_after_s=2)
+    resps = in_parallel(sim, [body(f"cap {i}") for i in range(20)])
+    ok = [r for r in resps if r.status_code == 200]
+    limited = [r for r in resps if r.status_code == 429]
+    assert len(ok) == 5 and len(limited) == 15
+    for r in limited:
+        assert r.headers["Retry-After"] == "2" and r.json()["error"]["code"] == 429
+    stats = sim.stats()
+    assert stats["capacity_429s"] == 15 == stats["capacity_429s_by_limit"]["in_flight"]
+    assert stats["max_admitted_in_flight"] == 5 and stats["admitted_in_flight"] == 0
+    assert stats["faults"].get("429", 0) == 0  # not an injected fault
+    assert stats["billed_requests"] == len(ok)
+    sim.configure(latency_median_ms=0, latency_p99_ms=None)
+    assert chat(sim, body("cap after")).status_code == 200  # the slots were given back
+
+
+def test_capacity_refusal_is_not_an_attempt_of_the_prompt(sim: SimHandle) -> None:
+    first_try_503 = script({"fail_attempts": [503]}, tail=" capacity")
+    sim.configure(capacity_in_flight=0)
+    assert chat(sim, first_try_503).status_code == 429
+    sim.configure(capacity_in_flight=None)
+    # Still the prompt's first attempt: the seeded faults and answers follow real attempts only.
+    assert [chat(sim, first_try_503).status_code for _ in range(2)] == [503, 200]
+
+
+def test_capacity_per_second(sim: SimHandle) -> None:
+    sim.configure(capacity_per_s=3, capacity_retry_after_s=None)
+    codes = sorted(r.status_code for r in in_parallel(sim, [body(f"rps {i}") for i in range(6)]))
+    assert codes == [200, 200, 200, 429, 429, 429]
+    stats = sim.stats()
+    assert stats["capacity_429s_by_limit"] == {"in_flight": 0, "per_second": 3}
+    assert stats["per_s_window"] == 3
+    time.sleep(1.05)  # the window slides past the admitted ones
+    refused = chat(sim, body("rps later"))
+    assert refused.status_code == 200 and "Retry-After" not in refused.headers
+
+
+@pytest.mark.parametrize("count_rejected", [False, True])
+def test_capacity_per_second_counting_rejected(sim: SimHandle, count_rejected: bool) -> None:
+    sim.configure(capacity_per_s=1, capacity_count_rejected=count_rejected)
+    t0 = time.monotonic()
+    assert chat(sim, body("a")).status_code == 200
+    time.sleep(max(0.0, t0 + 0.6 - time.monotonic()))
+    assert chat(sim, body("b")).status_code == 429
+    time.sleep(max(0.0, t0 + 1.2 - time.monotonic()))
+    # "a" has left the window; "b" is in it only when rejected requests count.
+    assert chat(sim, body("c")).status_code == (429 if count_rejected else 200)
+
+
+def test_in_flight_is_readable_live_and_as_a_series(sim: SimHandle) -> None:
+    sim.configure(latency_median_ms=1500, latency_p99_ms=1500, capacity_in_flight=3,
+                  series_interval_s=0.1)
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(chat, sim, body(f"series {i}")) for i in range(8)]
+        deadline = time.monotonic() + 5
+        while sim.stats()["requests"] < 8:
+            assert time.monotonic() < deadline, "the requests never arrived"
+            time.sleep(0.02)
+        live = sim.stats()
+        codes = sorted(f.result().status_code for f in futures)
+    assert live["admitted_in_flight"] == 3  # three answers still on their way
+    assert codes == [200] * 3 + [429] * 5
+    series = sim.stats()  # the plain stats carry no series
+    assert "series" not in series
+    data = requests.get(sim.url + "/_sim/stats", params={"series": 1}, timeout=5).json()["series"]
+    assert data["interval_s"] == 0.1 and data["columns"][:3] == ["t_s", "in_flight",
+                                                                 "admitted_in_flight"]
+    rows = data["rows"]
+    cols = {name: i for i, name in enumerate(data["columns"])}
+    assert [r[0] for r in rows] == pytest.approx([rows[0][0] + 0.1 * i for i in range(len(rows))])
+    assert max(r[cols["admitted_in_flight"]] for r in rows) == 3
+    assert sum(r[cols["requests"]] for r in rows) == 8
+    assert sum(r[cols["capacity_429"]] for r in rows) == 5 == sum(r[cols["status_429"]] for r in rows)
+    # The answers took 1.5 s: the series shows three in flight for most of it.
+    assert sum(r[cols["admitted_in_flight"]] == 3 for r in rows) >= 12
+    later = requests.get(sim.url + "/_sim/stats", params={"series": 1, "since_s": rows[-2][0]},
+                         timeout=5).json()["series"]["rows"]
+    assert later == rows[-2:]
+
+
+# --- engine-ids mode (vLLM's return_token_ids) --------------------------------------------------
+
+DEMO_TOKENIZER = Path(__file__).parent.parent / "demo" / "tokenizer"
+
+
+@pytest.fixture(scope="module")
+def engine_server() -> Iterator[SimHandle]:
+    with start_in_thread(BASELINE.updated({"tokenizer": str(DEMO_TOKENIZER)},
+                                          allow_fixed=True)) as handle:
+        yield handle
+
+
+@pytest.fixture
+def engine(engine_server: SimHandle) -> SimHandle:
+    engine_server.reset()
+    return engine_server
+
+
+@pytest.fixture(scope="module")
+def demo_tok() -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(DEMO_TOKENIZER / "tokenizer.json"))
+
+
+def decode(tok: Any, ids: list[int]) -> str:
+    return str(tok.decode(ids, skip_special_tokens=False))
+
+
+def encode(tok: Any, text: str) -> list[int]:
+    return list(tok.encode(text, add_special_tokens=False).ids)
+
+
+def with_ids(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "return_token_ids": True}
+
+
+def test_engine_ids_have_vllms_shape_and_end_with_the_stop_token(engine: SimHandle,
+                                                                  demo_tok: Any) -> None:
+    plain = chat(engine, script({"reasoning": "Think it over.", "content": "Hello there, world!"}))
+    assert "prompt_token_ids" not in plain.json() and "token_ids" not in plain.json()["choices"][0]
+    resp = chat(engine, with_ids(script({"reasoning": "Think it over.",
+                                         "content": "Hello there, world!",
+                                         "noncanonical": False})))
+    data = resp.json()
+    prompt_ids, ids = data["prompt_token_ids"], data["choices"][0]["token_ids"]
+    prompt = decode(demo_tok, prompt_ids)
+    # The template rendered with the generation prompt (K2.5 opens <think> in it), tokenized.
+    assert prompt.endswith('"noncanonical": false}<|im_end|><|im_assistant|>assistant<|im_middle|><think>')
+    assert prompt.count("<|im_user|>user<|im_middle|>#sim ") == 1
+    assert prompt_ids == encode(demo_tok, prompt)
+    # The sampled turn: reasoning, </think>, content and the end-of-turn token vLLM keeps.
+    assert decode(demo_tok, ids) == "Think it over.</think>Hello there, world!<|im_end|>"
+    assert ids == encode(demo_tok, decode(demo_tok, ids)) and ids[-1] == demo_tok.token_to_id("<|im_end|>")
+    usage = data["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt_ids), len(ids))
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == len(encode(demo_tok, "Think it over."))
+    stats = engine.stats()
+    assert stats["engine_id_answers"] == 1 and stats["noncanonical_answers"] == 0
+    assert stats["billed_completion_tokens"] == usage["completion_tokens"] + plain.json()["usage"]["completion_tokens"]
+
+
+def test_engine_ids_on_length_and_tool_calls(engine: SimHandle, demo_tok: Any) -> None:
+    cut = chat(engine, with_ids(script({"reasoning": "r", "content": "never ends",
+                                        "finish_reason": "length"}))).json()
+    assert decode(demo_tok, cut["choices"][0]["token_ids"]) == "r</think>never ends"  # no stop token
+    calls = chat(engine, with_ids(script({"reasoning": "r", "content": "",
+                                          "tool_calls": [{"name": "get_weather",
+                                                          "arguments": {"city": "Paris"}}]}))).json()
+    assert calls["choices"][0]["finish_reason"] == "tool_calls"
+    assert decode(demo_tok, calls["choices"][0]["token_ids"]) == (
+        "r</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+        "<|im_end|>")
+    leaked = chat(engine, with_ids(script({"reasoning": "r", "content": "c", "leak_im_end": True}))).json()
+    assert leaked["choices"][0]["message"]["content"] == "c<|im_end|>"
+    assert decode(demo_tok, leaked["choices"][0]["token_ids"]) == "r</think>c<|im_end|>"  # one stop
+
+
+def test_noncanonical_tokenization_decodes_to_the_same_text(engine: SimHandle,
+                                                            demo_tok: Any) -> None:
+    payload = with_ids(script({"reasoning": "Weather thinking.", "content": "Sunshine everywhere.",
+                               "noncanonical": True}))
+    resp = chat(engine, payload)
+    ids = resp.json()["choices"][0]["token_ids"]
+    text = decode(demo_tok, ids)
+    canonical = encode(demo_tok, text)
+    assert text == "Weather thinking.</think>Sunshine everywhere.<|im_end|>"
+    assert ids != canonical and len(ids) == len(canonical) + 1
+    stats = engine.stats(detail=True)
+    assert stats["noncanonical_answers"] == 1
+    assert stats["noncanonical_generations"] == [resp.headers["X-Generation-Id"]]
+    injected = stats["generations"][0]["noncanonical"]
+    p = injected["position"]
+    # Exactly one canonical token became two whose strings join to it.
+    assert ids[:p] == canonical[:p] and ids[p + 2:] == canonical[p + 1:]
+    assert ids[p:p + 2] == injected["ids"] and canonical[p] == injected["canonical_id"]
+    assert "".join(injected["tokens"]) == injected["canonical_token"]
+    assert resp.json()["usage"]["completion_tokens"] == len(ids)
+    # A retry of the prompt samples the same ids.
+    assert chat(engine, payload).json()["choices"][0]["token_ids"] == ids
+
+
+def test_noncanonical_rate_is_counted_per_generation(engine: SimHandle, demo_tok: Any) -> None:
+    engine.configure(noncanonical_rate=0.3)
+    seen: set[str] = set()
+    n = 200
+    for i in range(n):
+        resp = chat(engine, with_ids(body(f"rate {i}", max_tokens=60)))
+        ids = resp.json()["choices"][0]["token_ids"]
+        if ids != encode(demo_tok, decode(demo_tok, ids)):
+            seen.add(resp.headers["X-Generation-Id"])
+    stats = engine.stats(detail=True)
+    assert set(stats["noncanonical_generations"]) == seen
+    assert stats["noncanonical_answers"] == len(seen) and stats["engine_id_answers"] == n
+    assert 30 <= len(seen) <= 90  # 60 expected; binomial sd 6.5
+    engine.configure(noncanonical_rate=0.0)
+    for i in range(20):
+        ids = chat(engine, with_ids(body(f"rate {i}", max_tokens=60))).json()["choices"][0]["token_ids"]
+        assert ids == encode(demo_tok, decode(demo_tok, ids))
+
+
+def test_engine_ids_in_a_stream(engine: SimHandle) -> None:
+    payload = with_ids(body("stream my ids", max_tokens=200))
+    expected = chat(engine, payload).json()
+    _, events = sse_events(chat(engine, {**payload, "stream": True}, stream=True))
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks[0]["prompt_token_ids"] == expected["prompt_token_ids"]
+    assert all("prompt_token_ids" not in e for e in events[1:-1])
+    streamed = [i for e in chunks for i in e["choices"][0].get("token_ids", [])]
+    assert streamed == expected["choices"][0]["token_ids"]
+
+
+def test_engine_ids_need_a_tokenizer(sim: SimHandle) -> None:
+    resp = chat(sim, with_ids(body()))
+    assert resp.status_code == 400 and "--tokenizer" in resp.json()["error"]["message"]
+    bad = chat(sim, script({"noncanonical": "yes"}))
+    assert bad.status_code == 400 and "noncanonical" in bad.json()["error"]["message"]
+
+
 # --- streaming ----------------------------------------------------------------------------------
 
 
@@ -556,6 +884,16 @@ def test_cli_flags_build_settings(tmp_path: Path) -> None:
     assert settings.latency_median_ms == 5 and dict(settings.rates) == {"429": 0.1, "leak_im_end": 1.0}
     assert settings.retry_after_s is None and settings.reasoning_details is True
     assert settings.providers == ("A", "B") and level == "debug"
+    settings, _ = settings_from_args([
+        "--models", "a/b,c/d", "--context-length", "1000", "--max-completion-tokens", "none",
+        "--price-in-per-mtok", "0.3", "--price-out-per-mtok", "1.2", "--price-request-usd", "0.01"])
+    assert settings.served_models == ("moonshotai/kimi-k2.5", "a/b", "c/d")
+    assert (settings.context_length, settings.max_completion_tokens) == (1000, None)
+    assert settings_from_args(["--capacity-in-flight", "300", "--capacity-per-s", "50",
+                               "--capacity-retry-after-s", "none", "--capacity-count-rejected"]
+                              )[0].capacity_in_flight == 300
+    assert settings.prices() == {"price_in_per_mtok": 0.3, "price_out_per_mtok": 1.2,
+                                 "price_request_usd": 0.01}
     with pytest.raises(SettingsError, match=r"rates\.nope"):
         settings_from_args(["--fault", "nope=0.1"])
 

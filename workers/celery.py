@@ -14,6 +14,7 @@ from celery.signals import setup_logging
 from common import logs
 from common.celeryconf import celery_config
 from common.settings import Settings
+from workers.events import BatchedTaskEvents
 from workers.queues import FollowActiveQueues
 
 _settings = Settings.from_env()
@@ -21,6 +22,7 @@ _settings = Settings.from_env()
 app = Celery("specfleet", set_as_current=True, include=["workers.task"])
 app.conf.update(celery_config(_settings, _settings.require_redis_url()))
 app.steps["consumer"].add(FollowActiveQueues)
+app.steps["consumer"].add(BatchedTaskEvents)
 
 
 @setup_logging.connect

@@ -1,58 +1,34 @@
-"""Per-process state of a worker: settings, Redis, the HTTP client, run configs, tokenizers.
+"""Per-process state of a worker: settings, Redis, the upstream, run views, tokenizers.
 
 Built lazily on first use, after Celery's gevent patching, and shared by all greenlets.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 import redis
 
 from common import keys
+from common.config import WorkerView
 from common.errors import ConfigError, TokenizerError
 from common.settings import Settings
 from workers.openrouter import OpenRouterClient
 from workers.target import TargetTokenizer
+from workers.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RunView:
-    """A worker's view of a run config (``RunConfig.worker_view`` as stored by the producer)."""
-
-    config_id: str
-    raw: dict[str, Any]
-
-    @property
-    def model(self) -> dict[str, Any]:
-        return self.raw["model"]
-
-    @property
-    def request_body(self) -> dict[str, Any]:
-        return self.raw["request"]
-
-    @property
-    def retry(self) -> dict[str, Any]:
-        return self.raw["retry"]
-
-    def length(self, dataset: str) -> dict[str, Any]:
-        name = self.raw["datasets"].get(dataset)
-        if name is None:
-            raise ConfigError(f"run config {self.config_id} has no dataset {dataset!r}")
-        return self.raw["lengths"][name]
-
-
 class WorkerContext:
-    def __init__(self, settings: Settings) -> None:
+    """``upstream`` is OpenRouter unless given (tests pass an in-process fake)."""
+
+    def __init__(self, settings: Settings, *, upstream: Upstream | None = None) -> None:
         self.settings = settings
-        self._runs: dict[str, RunView] = {}
+        self._upstream = upstream
+        self._runs: dict[str, WorkerView] = {}
         self._tokenizers: dict[tuple[str, str | None], TargetTokenizer] = {}
         self._lock = threading.Lock()
 
@@ -69,8 +45,14 @@ class WorkerContext:
         )
         return redis.Redis(connection_pool=pool)
 
-    @cached_property
-    def client(self) -> OpenRouterClient:
+    @property
+    def client(self) -> Upstream:
+        """The upstream every greenlet of this process calls; OpenRouter, built on first use."""
+        if self._upstream is None:
+            self._upstream = self._openrouter()
+        return self._upstream
+
+    def _openrouter(self) -> OpenRouterClient:
         key = self.settings.openrouter_api_key
         if not key:
             raise ConfigError("environment variable OPENROUTER_API_KEY is not set on this worker")
@@ -82,29 +64,27 @@ class WorkerContext:
             app_title=self.settings.app_title,
         )
 
-    def run(self, config_id: str) -> RunView:
+    def run(self, config_id: str) -> WorkerView:
         view = self._runs.get(config_id)
         if view is None:
             raw = self.redis.get(keys.config(config_id))
             if raw is None:
                 raise ConfigError(f"run config {config_id} is not in Redis ({keys.config(config_id)})")
-            view = self._runs[config_id] = RunView(config_id, json.loads(raw))
+            view = self._runs[config_id] = WorkerView.model_validate_json(raw)
         return view
 
-    def tokenizer(self, view: RunView) -> TargetTokenizer:
+    def tokenizer(self, view: WorkerView) -> TargetTokenizer:
         """Load (once per process) and start-up-check the run's target tokenizer."""
         model = view.model
-        key = (model["tokenizer"], model.get("revision"))
+        key = (model.tokenizer, model.revision)
         tok = self._tokenizers.get(key)
         if tok is None:
             with self._lock:
                 tok = self._tokenizers.get(key)
                 if tok is None:
-                    log.info("loading target tokenizer %s", model["tokenizer"])
+                    log.info("loading target tokenizer %s", model.tokenizer)
                     tok = TargetTokenizer.load(
-                        model["tokenizer"],
-                        trust_remote_code=bool(model.get("trust_remote_code")),
-                        revision=model.get("revision"),
+                        model.tokenizer, trust_remote_code=model.trust_remote_code, revision=model.revision
                     )
                     self._tokenizers[key] = tok
         return tok
@@ -127,4 +107,4 @@ def context() -> WorkerContext:
     return _context
 
 
-__all__ = ["RunView", "TokenizerError", "WorkerContext", "context"]
+__all__ = ["TokenizerError", "WorkerContext", "context"]

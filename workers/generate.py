@@ -1,7 +1,17 @@
-"""One prompt, start to end: reserve budget → call OpenRouter → rebuild tokens → settle.
+"""One prompt, start to end, in five steps: prepare → reserve → call (with retries) → rebuild → settle.
 
-Every way out of here leaves the prompt kept, failed-with-reason, skipped (budget or stop), or
-handed back for a later delivery; one log line per step.
+- **prepare**: render the prompt with the target's template and count its ids; a prompt over the
+  length class's ``max_prompt_tokens`` or the model's context length is failed
+  (``prompt_too_long``) before any money is spent. The ids are reused by the rebuild.
+- **reserve**: ask the budget (``common/budget.py``) for admission; parked while it is full.
+- **call**: one ``Upstream.complete`` per attempt; after a failed one ``workers/retry.py`` decides
+  (retry after a backoff, fail the prompt, halt the fleet); the lease is renewed before a retry,
+  so a stopped dataset makes no further calls.
+- **rebuild**: the answer as token-exact ids, self-checked (``workers/rebuild.py``).
+- **settle**: count the row and hand it to the collector, exactly once.
+
+Every way out leaves the prompt kept, failed-with-reason, skipped (budget or stop), halted (no
+outcome: the next run asks again) or handed back for a later delivery; one log line per step.
 """
 
 from __future__ import annotations
@@ -14,47 +24,31 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import gevent
 import msgpack
 import redis
 
-from common.budget import Budget
+from common.budget import Budget, Reservation
+from common.config import LengthClass, WorkerView
 from common.contract import (
     CONTRACT_VERSION,
     FAIL_INTERNAL,
-    FAIL_RETRIES_EXHAUSTED,
+    FAIL_PROMPT_TOO_LONG,
     FAIL_TOKEN_MISMATCH,
-    FAIL_UPSTREAM_FATAL,
-    STAT_BILLED_COMPLETION,
-    STAT_BILLED_PROMPT,
-    STAT_BILLED_REASONING,
-    STAT_COST_MICRO_USD,
-    STAT_DUPLICATES,
-    STAT_REQUESTS,
-    STAT_SKIPPED,
     ResultRow,
     TaskPayload,
 )
-from common.errors import FatalUpstreamError, RetryableUpstreamError, TokenMismatch, UpstreamError
-from workers.context import RunView, WorkerContext
-from workers.openrouter import Completion
-from workers.rebuild import RebuiltRow, answer_from_message, rebuild
-from workers.retry import backoff_s
+from common.errors import MisconfiguredError, TokenMismatch, UpstreamError
+from common.stats import DatasetStats
+from workers.context import WorkerContext
+from workers.rebuild import Prompt, RebuiltRow, rebuild, render_prompt
+from workers.retry import RetryPolicy
+from workers.target import TargetTokenizer
+from workers.upstream import Answer, Request
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Busy:
-    """Another delivery of the same prompt holds a live lease: try again after ``wait_s``."""
-
-    wait_s: float
-
-
-#: 401 bad key, 402 out of credits (without Retry-After): the account, not the prompt, is at fault.
-ACCOUNT_REFUSED_STATUSES = frozenset({401, 402})
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 #: How often a request parked by a full budget asks again.
@@ -64,183 +58,253 @@ ADMISSION_POLL_S = 1.0
 LEASE_SLACK_S = 10.0
 
 
-def lease_ttl_ms(length: dict[str, Any], retry: dict[str, Any]) -> int:
-    """How long one attempt can hold a prompt. The holder renews before each retry, so a worker
-    killed mid-request frees its prompts one attempt later, not after every retry's worth."""
-    one_attempt_s = float(length["timeout_s"]) * 1.2 + float(retry["backoff_max_s"]) + LEASE_SLACK_S
-    return int(one_attempt_s * 1000)
+@dataclass(frozen=True)
+class Busy:
+    """Another delivery of the same prompt holds a live lease: try again after ``wait_s``."""
+
+    wait_s: float
 
 
-def request_body(view: RunView, payload: TaskPayload, max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {**view.request_body, "model": view.model["name"], "max_tokens": max_tokens}
-    body["messages"] = payload["messages"]
-    if payload.get("tools"):
-        body["tools"] = payload["tools"]
-    return body
+@dataclass(frozen=True)
+class Prepared:
+    """What the prepare step hands on: the target and the prompt as the model will see it."""
+
+    target: TargetTokenizer
+    prompt: Prompt
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt ids counted with the target tokenizer (what a dollar reserve can price)."""
+        return len(self.prompt.ids)
 
 
-def _record_usage(ctx: WorkerContext, stats_key: str, completion: Completion) -> None:
-    usage = completion.usage
-    pipe = ctx.redis.pipeline(transaction=False)
-    pipe.hincrby(stats_key, STAT_REQUESTS, 1)
-    pipe.hincrby(stats_key, STAT_BILLED_PROMPT, usage["prompt_tokens"])
-    pipe.hincrby(stats_key, STAT_BILLED_COMPLETION, usage["completion_tokens"])
-    pipe.hincrby(stats_key, STAT_BILLED_REASONING, usage["reasoning_tokens"])
-    pipe.hincrby(stats_key, STAT_COST_MICRO_USD, round(usage["cost"] * 1e6))
-    pipe.execute()
+class _Job:
+    """The per-prompt state the steps share."""
+
+    def __init__(self, ctx: WorkerContext, payload: TaskPayload) -> None:
+        self.ctx, self.payload = ctx, payload
+        self.pid, self.dataset, self.where = payload["id"], payload["dataset"], payload["where"]
+        self.view: WorkerView = ctx.run(payload["run"])
+        self.length: LengthClass = self.view.length(self.dataset)
+        self.policy = RetryPolicy.from_config(self.view.retry)
+        self.budget = Budget(ctx.redis, self.dataset)
+        self.stats = DatasetStats(ctx.redis, self.dataset)
+        self.lease = uuid.uuid4().hex
+        self.attempts = 0
+        self.started = time.monotonic()
+
+    @property
+    def ttl_ms(self) -> int:
+        """How long one attempt can hold the prompt. The holder renews before each retry, so a
+        worker killed mid-request frees its prompts one attempt later, not after every retry's."""
+        return int((self.policy.attempt_window_s(self.length.timeout_s) + LEASE_SLACK_S) * 1000)
+
+    def fail(self, reason: str, detail: str) -> str:
+        self.budget.fail(self.pid, self.lease, reason, self.attempts, detail, where=self.where)
+        self.stats.record_failure(reason)
+        log.warning("%s/%s failed: %s after %d attempts: %s", self.dataset, self.pid, reason, self.attempts, detail)
+        return "failed"
 
 
-def _row(payload: TaskPayload, rebuilt: RebuiltRow, completion: Completion, attempts: int) -> ResultRow:
+class _Failed(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
+
+
+def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
+    """Run one prompt; returns the outcome word (kept, failed, duplicate, skipped:…, done, halted) or Busy."""
+    if payload.get("v") != CONTRACT_VERSION:
+        raise ValueError(f"task contract version {payload.get('v')!r}, this worker speaks {CONTRACT_VERSION}")
+    job = _Job(ctx, payload)
+    try:
+        prepared = prepare(job)
+    except _Failed as refused:
+        return job.fail(refused.reason, refused.detail)
+
+    outcome = reserve(job, prepared)
+    if outcome is not None:
+        return outcome
+
+    try:
+        answer = call(job, prepared)
+        if isinstance(answer, str):
+            return answer
+        rebuilt = rebuild_row(job, prepared, answer)
+    except TokenMismatch as exc:
+        return job.fail(FAIL_TOKEN_MISMATCH, str(exc))
+    except _Failed as failed:
+        return job.fail(failed.reason, failed.detail)
+    except (redis.RedisError, gevent.GreenletExit, KeyboardInterrupt, SystemExit):
+        # Not the prompt's fault (Redis gone, worker shutting down): give the admission back so the
+        # next delivery can take it at once instead of waiting for the lease to expire.
+        with contextlib.suppress(Exception):
+            job.budget.release(job.pid, job.lease)
+        raise
+    except Exception as exc:
+        # A bug or an answer nobody foresaw: the prompt gets an outcome with the evidence, instead
+        # of vanishing from the dataset's accounting.
+        log.exception("%s/%s internal error", job.dataset, job.pid)
+        return job.fail(FAIL_INTERNAL, f"{type(exc).__name__}: {exc}")
+    return settle(job, answer, rebuilt)
+
+
+# --- 1. prepare ---------------------------------------------------------------------------------
+
+
+def prepare(job: _Job) -> Prepared:
+    """Render and count the prompt; raise ``_Failed(prompt_too_long)`` when it cannot fit."""
+    target = job.ctx.tokenizer(job.view)
+    try:
+        prompt = gevent.get_hub().threadpool.apply(
+            render_prompt, (target, job.payload["messages"], job.payload.get("tools"))
+        )
+    except Exception as exc:  # a template that cannot render this conversation: the row's problem
+        detail = f"{job.where}: the chat template cannot render it: {type(exc).__name__}: {exc}"
+        raise _Failed(FAIL_INTERNAL, detail) from None
+    prepared = Prepared(target, prompt)
+    n, max_tokens = prepared.prompt_tokens, job.length.max_tokens
+    limit, context = job.length.max_prompt_tokens, job.view.model.context_length
+    length_name = job.view.datasets[job.dataset]
+    if limit is not None and n > limit:
+        raise _Failed(FAIL_PROMPT_TOO_LONG,
+                      f"{job.where}: prompt is {n:,} tokens, over lengths.{length_name}.max_prompt_tokens = {limit:,}")
+    if context is not None and n + max_tokens > context:
+        raise _Failed(FAIL_PROMPT_TOO_LONG,
+                      f"{job.where}: prompt {n:,} + max_tokens {max_tokens:,} = {n + max_tokens:,} tokens, over "
+                      f"model.context_length = {context:,}")
+    log.info("%s/%s prepare: %d prompt tokens", job.dataset, job.pid, n)
+    return prepared
+
+
+# --- 2. reserve ---------------------------------------------------------------------------------
+
+
+def reserve(job: _Job, prepared: Prepared) -> str | Busy | None:
+    """Admission; None when admitted, else the outcome. ``prepared.prompt_tokens`` is what a
+    dollar budget would add to the reservation."""
+    prior = job.length.prior_estimate_tokens
+    admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, prior_estimate=prior)
+    while admission.status == "wait":
+        # The budget is committed to requests in flight whose size is still a guess: a greenlet
+        # costs nothing to park, and re-asking is one Lua call.
+        gevent.sleep(ADMISSION_POLL_S * random.uniform(0.5, 1.5))
+        admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, prior_estimate=prior)
+    log.info("%s/%s reserve: %s %d", job.dataset, job.pid, admission.status, admission.value)
+    return _admission_outcome(job, admission)
+
+
+def _admission_outcome(job: _Job, admission: Reservation) -> str | Busy | None:
+    if admission.status == "ok":
+        return None
+    if admission.status == "busy":
+        return Busy(wait_s=min(60.0, admission.value / 1000 + 1))
+    if admission.status in ("stopped", "over"):
+        job.stats.record_skipped()
+        return f"skipped:{admission.status}"
+    return admission.status  # done, halted
+
+
+# --- 3. call ------------------------------------------------------------------------------------
+
+
+def call(job: _Job, prepared: Prepared) -> Answer | str:
+    """The upstream call with retries; the outcome word instead of an answer when the prompt
+    ends without one (halted, stopped, kept elsewhere). Raises ``_Failed`` when it fails."""
+    request = Request(
+        model=job.view.model.name,
+        messages=job.payload["messages"],
+        tools=job.payload.get("tools"),
+        max_tokens=job.length.max_tokens,
+        params=job.view.request,
+        timeout_s=job.length.timeout_s,
+        prompt_ids=prepared.prompt.ids,
+    )
+    upstream = job.ctx.client
+    while True:
+        job.attempts += 1
+        t0 = time.monotonic()
+        try:
+            answer = upstream.complete(request)
+        except UpstreamError as exc:
+            job.stats.record_error(exc.reason)
+            log.info("%s/%s call %d: %s (%.1fs)", job.dataset, job.pid, job.attempts, exc.reason,
+                     time.monotonic() - t0)
+            streak = job.stats.record_misconfigured(job.pid) if isinstance(exc, MisconfiguredError) else 0
+            decision = job.policy.decide(exc, job.attempts, misconfigured_prompts=streak)
+            if decision.action == "halt":
+                return _halt(job, decision.reason, exc)
+            if decision.action == "fail":
+                raise _Failed(decision.reason, str(exc)) from None
+            gevent.sleep(decision.delay_s)
+            # A stopped dataset makes no further upstream calls; an exhausted one still finishes
+            # what it admitted (the admission was within budget).
+            renewal = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, prior_estimate=0)
+            if renewal.status == "stopped":
+                job.budget.release(job.pid, job.lease)
+                return "skipped:stopped"
+            if renewal.status != "ok":  # halted, done elsewhere, or our lease expired and was taken over
+                return renewal.status
+            continue
+        job.stats.record_answer(answer.usage)
+        log.info("%s/%s call %d: %s completion_tokens=%s (%.1fs)", job.dataset, job.pid, job.attempts,
+                 answer.finish_reason, answer.usage["completion_tokens"], time.monotonic() - t0)
+        return answer
+
+
+def _halt(job: _Job, reason: str, exc: UpstreamError) -> str:
+    """Every prompt would fail alike: marking them all failed would burn the dataset. Halt the
+    fleet instead; this prompt keeps no outcome and the next run asks it again."""
+    message = f"{exc.target} answered {exc.reason}: {exc.detail}" if isinstance(exc, MisconfiguredError) else exc.detail
+    job.budget.halt(reason, message, WORKER_ID)
+    job.budget.release(job.pid, job.lease)
+    log.critical("%s/%s: halting the fleet: %s: %s", job.dataset, job.pid, reason, message)
+    return "halted"
+
+
+# --- 4. rebuild ---------------------------------------------------------------------------------
+
+
+def rebuild_row(job: _Job, prepared: Prepared, answer: Answer) -> RebuiltRow:
+    """The answer as token-exact ids after the prepared prompt; raises ``TokenMismatch``."""
+    # Tokenizing a 32k-token answer is CPU work: a real thread keeps the hub serving others.
+    args = (prepared.target, job.payload["messages"], job.payload.get("tools"), answer)
+    rebuilt: RebuiltRow = gevent.get_hub().threadpool.apply(rebuild, args, {"prompt": prepared.prompt})
+    return rebuilt
+
+
+# --- 5. settle ----------------------------------------------------------------------------------
+
+
+def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> str:
+    row = _row(job.payload, rebuilt, answer, job.attempts)
+    kept = job.budget.settle(job.pid, job.lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True))
+    if not kept:
+        job.stats.record_duplicate()
+    log.info(
+        "%s/%s settle: %s tokens=%d attempts=%d finish=%s %.1fs",
+        job.dataset, job.pid, "kept" if kept else "duplicate", rebuilt.completion_tokens, job.attempts,
+        answer.finish_reason, time.monotonic() - job.started,
+    )
+    return "kept" if kept else "duplicate"
+
+
+def _row(payload: TaskPayload, rebuilt: RebuiltRow, answer: Answer, attempts: int) -> ResultRow:
     row: ResultRow = {
         "id": payload["id"],
         "conversations": [*payload["messages"], rebuilt.assistant_message],
         "input_ids": rebuilt.input_ids,
         "loss_mask": rebuilt.loss_mask,
         "num_tokens": rebuilt.completion_tokens,
-        "finish_reason": completion.finish_reason,
+        "finish_reason": answer.finish_reason,
         "reasoning_end": rebuilt.reasoning_end,
-        "usage": completion.usage,
-        "provider": completion.provider,
-        "model": completion.model,
-        "generation_id": completion.generation_id,
+        "usage": answer.usage,
+        "provider": answer.provider,
+        "model": answer.model,
+        "generation_id": answer.generation_id,
         "attempts": attempts,
         "where": payload["where"],
     }
     if tools := payload.get("tools"):
         row["tools"] = tools
     return row
-
-
-def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
-    """Run one prompt; returns the outcome word (kept, failed, duplicate, skipped:…, done) or Busy."""
-    if payload.get("v") != CONTRACT_VERSION:
-        raise ValueError(f"task contract version {payload.get('v')!r}, this worker speaks {CONTRACT_VERSION}")
-    started = time.monotonic()
-    pid, dataset = payload["id"], payload["dataset"]
-    view = ctx.run(payload["run"])
-    length, retry = view.length(dataset), view.retry
-    budget = Budget(ctx.redis, dataset)
-    lease = uuid.uuid4().hex
-
-    ttl_ms = lease_ttl_ms(length, retry)
-    prior = int(length.get("estimate_tokens") or length["max_tokens"])
-    admission = budget.reserve(pid, lease, ttl_ms=ttl_ms, prior_estimate=prior)
-    while admission.status == "wait":
-        # The budget is committed to requests in flight whose size is still a guess: a greenlet
-        # costs nothing to park, and re-asking is one Lua call.
-        gevent.sleep(ADMISSION_POLL_S * random.uniform(0.5, 1.5))
-        admission = budget.reserve(pid, lease, ttl_ms=ttl_ms, prior_estimate=prior)
-    log.info("%s/%s reserve: %s %d", dataset, pid, admission.status, admission.value)
-    if admission.status == "busy":
-        return Busy(wait_s=min(60.0, admission.value / 1000 + 1))
-    if admission.status in ("stopped", "over"):
-        ctx.redis.hincrby(budget.keys.stats, STAT_SKIPPED, 1)
-        return f"skipped:{admission.status}"
-    if admission.status in ("done", "halted"):
-        return admission.status
-
-    attempts = 0
-    try:
-        target = ctx.tokenizer(view)
-        body = request_body(view, payload, int(length["max_tokens"]))
-        completion, attempts = _call_with_retries(ctx, budget, lease, body, payload, length, retry)
-        if isinstance(completion, str):
-            return completion
-        answer = answer_from_message(completion.message, completion.finish_reason)
-        # Tokenizing a 32k-token answer is CPU work: a real thread keeps the hub serving others.
-        rebuilt = gevent.get_hub().threadpool.apply(
-            rebuild, (target, payload["messages"], payload.get("tools"), answer)
-        )
-    except TokenMismatch as exc:
-        budget.fail(pid, lease, FAIL_TOKEN_MISMATCH, attempts, str(exc))
-        ctx.redis.hincrby(budget.keys.stats, f"fail:{FAIL_TOKEN_MISMATCH}", 1)
-        log.warning("%s/%s rebuild: token mismatch: %s", dataset, pid, exc)
-        return "failed"
-    except _Failed as failed:
-        budget.fail(pid, lease, failed.reason, failed.attempts, failed.detail)
-        ctx.redis.hincrby(budget.keys.stats, f"fail:{failed.reason}", 1)
-        log.warning("%s/%s failed: %s after %d attempts: %s", dataset, pid, failed.reason, failed.attempts,
-                    failed.detail)
-        return "failed"
-    except (redis.RedisError, gevent.GreenletExit, KeyboardInterrupt, SystemExit):
-        # Not the prompt's fault (Redis gone, worker shutting down): give the admission back so the
-        # next delivery can take it at once instead of waiting for the lease to expire.
-        with contextlib.suppress(Exception):
-            budget.release(pid, lease)
-        raise
-    except Exception as exc:
-        # A bug or an answer nobody foresaw: the prompt gets an outcome with the evidence, instead
-        # of vanishing from the dataset's accounting.
-        log.exception("%s/%s internal error", dataset, pid)
-        budget.fail(pid, lease, FAIL_INTERNAL, attempts, f"{type(exc).__name__}: {exc}")
-        ctx.redis.hincrby(budget.keys.stats, f"fail:{FAIL_INTERNAL}", 1)
-        return "failed"
-
-    row = _row(payload, rebuilt, completion, attempts)
-    kept = budget.settle(pid, lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True))
-    if not kept:
-        ctx.redis.hincrby(budget.keys.stats, STAT_DUPLICATES, 1)
-    log.info(
-        "%s/%s settle: %s tokens=%d attempts=%d finish=%s %.1fs",
-        dataset, pid, "kept" if kept else "duplicate", rebuilt.completion_tokens, attempts,
-        completion.finish_reason, time.monotonic() - started,
-    )
-    return "kept" if kept else "duplicate"
-
-
-class _Failed(Exception):
-    def __init__(self, reason: str, attempts: int, detail: str) -> None:
-        super().__init__(reason)
-        self.reason, self.attempts, self.detail = reason, attempts, detail
-
-
-def _call_with_retries(
-    ctx: WorkerContext,
-    budget: Budget,
-    lease: str,
-    body: dict[str, Any],
-    payload: TaskPayload,
-    length: dict[str, Any],
-    retry: dict[str, Any],
-) -> tuple[Completion | str, int]:
-    """The upstream call with retries. Before each retry the lease is renewed; when that says the
-    dataset was stopped (or another delivery kept the prompt) the outcome word comes back instead."""
-    max_attempts = int(retry["max_attempts"])
-    dataset, pid = payload["dataset"], payload["id"]
-    for attempt in range(1, max_attempts + 1):
-        t0 = time.monotonic()
-        try:
-            completion = ctx.client.complete(body, timeout_s=float(length["timeout_s"]))
-        except UpstreamError as exc:
-            ctx.redis.hincrby(budget.keys.stats, f"err:{exc.reason}", 1)
-            log.info("%s/%s call %d: %s (%.1fs)", dataset, pid, attempt, exc.reason, time.monotonic() - t0)
-            if exc.status in ACCOUNT_REFUSED_STATUSES and not exc.retryable:
-                # A bad key or an empty account fails every prompt alike: marking them all failed
-                # would burn the dataset. Halt the fleet instead; the prompt keeps no outcome.
-                budget.halt(exc.reason, str(exc), WORKER_ID)
-                budget.release(pid, lease)
-                log.critical("%s/%s: OpenRouter refused the account (%s): halting the fleet", dataset, pid, exc)
-                return "halted", attempt
-            if isinstance(exc, FatalUpstreamError) or not isinstance(exc, RetryableUpstreamError):
-                raise _Failed(FAIL_UPSTREAM_FATAL, attempt, str(exc)) from None
-            if attempt == max_attempts:
-                raise _Failed(FAIL_RETRIES_EXHAUSTED, attempt, str(exc)) from None
-            gevent.sleep(
-                backoff_s(attempt, exc, base_s=float(retry["backoff_base_s"]), max_s=float(retry["backoff_max_s"]))
-            )
-            # A stopped dataset makes no further upstream calls; an exhausted one still finishes
-            # what it admitted (the admission was within budget).
-            renewal = budget.reserve(pid, lease, ttl_ms=lease_ttl_ms(length, retry), prior_estimate=0)
-            if renewal.status == "stopped":
-                budget.release(pid, lease)
-                return "skipped:stopped", attempt
-            if renewal.status != "ok":  # done elsewhere, or our lease expired and was taken over
-                return renewal.status, attempt
-            continue
-        _record_usage(ctx, budget.keys.stats, completion)
-        log.info(
-            "%s/%s call %d: %s completion_tokens=%s (%.1fs)", dataset, pid, attempt,
-            completion.finish_reason, completion.usage["completion_tokens"], time.monotonic() - t0,
-        )
-        return completion, attempt
-    raise AssertionError("unreachable")

@@ -1,38 +1,56 @@
-"""The OpenRouter chat-completions client: one attempt per call, every failure classified.
+"""OpenRouter as an ``Upstream``: one chat-completions attempt per call, every failure classified.
 
-Retrying is the caller's job (``workers/retry.py``): between attempts it checks the dataset's stop
-flag, so a stopped dataset makes no further upstream calls.
+``complete`` turns a ``Request`` into the JSON body, posts it and parses the reply into an
+``Answer`` (the reasoning/content/tool-call parts of ``choices[0].message``, billed usage,
+provider, generation id) or raises the error class that says what to do:
+``RetryableUpstreamError`` (408, 429, 5xx, 402 with ``Retry-After``, timeouts, bad JSON,
+200-with-error), ``AccountRefusedError`` (401, 402 without ``Retry-After``),
+``MisconfiguredError`` (404, or a 400 saying the model does not exist or has no endpoints) and
+``FatalUpstreamError`` (anything else a retry cannot fix). Retrying is the caller's job
+(``workers/retry.py`` decides on the class; ``workers/generate.py`` renews the lease between
+attempts, so a stopped dataset makes no further upstream calls).
 """
 
 from __future__ import annotations
 
 import email.utils
 import json
+import re
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import requests
 from requests.adapters import HTTPAdapter
 
 from common.contract import Usage
-from common.errors import FatalUpstreamError, RetryableUpstreamError, UpstreamError
+from common.errors import (
+    AccountRefusedError,
+    FatalUpstreamError,
+    MisconfiguredError,
+    RetryableUpstreamError,
+    UpstreamError,
+)
+from workers.upstream import Answer, Request
 
-CHAT_PATH = "/api/v1/chat/completions"
+API_PATH = "/api/v1"
+CHAT_PATH = API_PATH + "/chat/completions"
 # Statuses a later attempt can fix (openrouter.md "Errors"); 402 only with Retry-After.
 _RETRYABLE_STATUSES = {408, 429, 500, 502, 503, 504, 520, 522, 524, 529}
+#: How OpenRouter (and OpenAI-style servers) say the model id is wrong: the run file's fault.
+_NO_SUCH_MODEL = re.compile(r"no endpoints found|not a valid model|model .*not (be )?found|model_not_found|"
+                            r"does not exist|unknown model", re.IGNORECASE)
 
 
-@dataclass(frozen=True)
-class Completion:
-    message: dict[str, Any]
-    finish_reason: str
-    native_finish_reason: str | None
-    #: What was billed, normalised once: absent fields (some providers omit details) are 0.
-    usage: Usage
-    provider: str
-    model: str
-    generation_id: str
+def chat_url(base_url: str) -> str:
+    """The chat endpoint from any spelling of the base URL people copy: ``https://openrouter.ai``,
+    ``https://openrouter.ai/api/v1`` (OpenRouter's docs, the OpenAI SDK), with or without a
+    trailing slash, or the full ``…/chat/completions``."""
+    base = base_url.rstrip("/")
+    if base.endswith(CHAT_PATH) or base.endswith("/chat/completions"):
+        return base
+    if base.endswith(API_PATH):
+        return base + "/chat/completions"
+    return base + CHAT_PATH
 
 
 def parse_retry_after_s(value: str | None) -> float | None:
@@ -72,13 +90,65 @@ def _has_reasoning(message: dict[str, Any]) -> bool:
     return bool(message.get("reasoning") or message.get("reasoning_content") or message.get("reasoning_details"))
 
 
+def _first_text(*values: Any) -> str | None:
+    """First non-empty string; ``""`` if the only strings are empty; ``None`` if none is a string."""
+    strings = [v for v in values if isinstance(v, str)]
+    return next((s for s in strings if s), "" if strings else None)
+
+
+def _details_text(details: Any) -> str | None:
+    if not isinstance(details, list):
+        return None
+    items = [d for d in details if isinstance(d, dict)]
+    texts = [d["text"] for d in items if d.get("type") == "reasoning.text" and isinstance(d.get("text"), str)]
+    if not texts:
+        texts = [
+            d["summary"] for d in items if d.get("type") == "reasoning.summary" and isinstance(d.get("summary"), str)
+        ]
+    return "".join(texts) if texts else None
+
+
+def _content_text(content: Any) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return str(content)
+
+
+def answer_from_message(message: dict[str, Any], finish_reason: str, **meta: Any) -> Answer:
+    """Read an OpenRouter ``choices[0].message``: reasoning from ``reasoning``, else
+    ``reasoning_content``, else the text of ``reasoning_details`` (summaries if it has no text).
+    ``meta``: the other ``Answer`` fields (usage, provider, model, generation_id …)."""
+    reasoning = _first_text(
+        message.get("reasoning"), message.get("reasoning_content"), _details_text(message.get("reasoning_details"))
+    )
+    calls = message.get("tool_calls")
+    return Answer(
+        reasoning=reasoning,
+        content=_content_text(message.get("content")),
+        tool_calls=[dict(c) for c in calls] if isinstance(calls, list) and calls else None,
+        finish_reason=finish_reason,
+        **meta,
+    )
+
+
+def request_body(request: Request) -> dict[str, Any]:
+    body: dict[str, Any] = {**request.params, "model": request.model, "max_tokens": request.max_tokens}
+    body["messages"] = request.messages
+    if request.tools:
+        body["tools"] = request.tools
+    return body
+
+
 class OpenRouterClient:
     """One per worker process: a pooled ``requests.Session`` sized to the greenlet count."""
 
     def __init__(
         self, base_url: str, api_key: str, *, pool_size: int, app_url: str, app_title: str
     ) -> None:
-        self.url = base_url.rstrip("/") + CHAT_PATH
+        self.url = chat_url(base_url)
+        self.where = self.url
         self._session = requests.Session()
         # Without this, requests keeps 10 sockets per host and throws the rest away after each
         # call: at 1,000 greenlets that is a TLS handshake per request.
@@ -95,19 +165,19 @@ class OpenRouterClient:
             }
         )
 
-    def complete(self, body: dict[str, Any], *, timeout_s: float) -> Completion:
+    def complete(self, request: Request) -> Answer:
+        timeout_s = request.timeout_s
         try:
-            resp = self._session.post(self.url, data=json.dumps(body), timeout=(10.0, timeout_s))
+            resp = self._session.post(self.url, data=json.dumps(request_body(request)), timeout=(10.0, timeout_s))
         except requests.Timeout:
             raise RetryableUpstreamError("timeout", f"no answer within {timeout_s:g} s") from None
         except requests.ConnectionError as exc:
             raise RetryableUpstreamError("connection", type(exc).__name__) from None
         except requests.RequestException as exc:
             raise RetryableUpstreamError("transport", type(exc).__name__) from None
-        return self._parse(resp)
+        return self._parse(resp, request.model)
 
-    @staticmethod
-    def _parse(resp: requests.Response) -> Completion:
+    def _parse(self, resp: requests.Response, model: str) -> Answer:
         status = resp.status_code
         retry_after_s = parse_retry_after_s(resp.headers.get("Retry-After"))
         try:
@@ -120,6 +190,10 @@ class OpenRouterClient:
             reason = f"http_{status}"
             if status in _RETRYABLE_STATUSES or (status == 402 and retry_after_s is not None):
                 raise RetryableUpstreamError(reason, message, status=status, retry_after_s=retry_after_s)
+            if status in (401, 402):
+                raise AccountRefusedError(reason, message, status=status)
+            if status == 404 or (status == 400 and _NO_SUCH_MODEL.search(message)):
+                raise MisconfiguredError(reason, message, status=status, target=f"{self.url} with model {model!r}")
             raise FatalUpstreamError(reason, message, status=status)
         if not isinstance(body, dict):
             raise RetryableUpstreamError("bad_json", "200 with a body that is not a JSON object", status=200)
@@ -148,9 +222,9 @@ class OpenRouterClient:
             # Nothing to learn from and nothing a rebuild could check; seen when a provider drops
             # the connection after "200 OK" or ends a stream early.
             raise RetryableUpstreamError("empty_answer", f"no content, reasoning or tool calls ({finish})", status=200)
-        return Completion(
-            message=message_obj,
-            finish_reason=finish,
+        return answer_from_message(
+            message_obj,
+            finish,
             native_finish_reason=choice.get("native_finish_reason"),
             usage=_usage(body.get("usage")),
             provider=str(body.get("provider") or ""),
@@ -159,4 +233,4 @@ class OpenRouterClient:
         )
 
 
-__all__ = ["Completion", "OpenRouterClient", "UpstreamError", "parse_retry_after_s"]
+__all__ = ["OpenRouterClient", "UpstreamError", "answer_from_message", "chat_url", "parse_retry_after_s"]

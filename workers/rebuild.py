@@ -1,9 +1,15 @@
-"""An API answer → the token-exact row the target model emitted, checked before it is kept.
+"""An upstream ``Answer`` → the token-exact row the target model emitted, checked before it is kept.
+
+The upstream parsed its own wire format into the ``Answer`` (``workers/upstream.py``); this module
+knows only the target's template and tokenizer.
 
 ``input_ids = prompt ids + completion ids``: the prompt is the template rendered with the generation
 prompt (what the model saw); the completion is the assistant turn rebuilt from the answer's parts in
-the template's own layout (``TurnFormat``). Never render the finished conversation and cut it: Kimi's
-templates render a final turn without tool calls as history and drop its reasoning.
+the template's own layout (``TurnFormat``), with the edges the template strips from reasoning and
+content stripped (whether the provider kept the newlines around them or not, the model emitted the
+template's glue once), encoded as generated text (no normalizer). Never render the finished
+conversation and cut it: Kimi's templates render a final turn without tool calls as history and
+drop its reasoning.
 
 Every row passes three self-checks or raises ``TokenMismatch``: the completion ids decode back to
 the rebuilt text; every special-token string in that text became its single id; and, where the
@@ -19,6 +25,7 @@ from typing import Any, Literal
 
 from common.errors import TokenMismatch
 from workers.target import TargetTokenizer, TurnFormat
+from workers.upstream import Answer
 
 ReasoningEnd = Literal["explicit", "implicit", "none", "truncated"]
 
@@ -30,13 +37,20 @@ _KIMI_CALL_ID = re.compile(r"functions\.(?P<name>.+):(?P<index>\d+)", re.DOTALL)
 
 
 @dataclass(frozen=True)
-class Answer:
-    """The parts of one API answer a rebuild needs. ``None`` = absent, ``""`` = present and empty."""
+class Prompt:
+    """The prompt as the model saw it: the template rendered with the generation prompt, and its
+    ids. Rendered once per prompt (``render_prompt``), counted before any money is spent, reused
+    here."""
 
-    reasoning: str | None
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None
-    finish_reason: str
+    text: str
+    ids: list[int]
+
+
+def render_prompt(
+    target: TargetTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> Prompt:
+    text = target.render(messages, tools, add_generation_prompt=True)
+    return Prompt(text, target.encode(text))
 
 
 @dataclass(frozen=True)
@@ -58,29 +72,22 @@ class RebuiltRow:
     reasoning_end: ReasoningEnd
 
 
-def answer_from_message(message: dict[str, Any], finish_reason: str) -> Answer:
-    """Read an OpenRouter ``choices[0].message``: reasoning from ``reasoning``, else
-    ``reasoning_content``, else the text of ``reasoning_details`` (summaries if it has no text)."""
-    reasoning = _first_text(
-        message.get("reasoning"), message.get("reasoning_content"), _details_text(message.get("reasoning_details"))
-    )
-    calls = message.get("tool_calls")
-    return Answer(
-        reasoning=reasoning,
-        content=_content_text(message.get("content")),
-        tool_calls=[dict(c) for c in calls] if isinstance(calls, list) and calls else None,
-        finish_reason=finish_reason,
-    )
-
-
 def rebuild(
-    target: TargetTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, answer: Answer
+    target: TargetTokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    answer: Answer,
+    *,
+    prompt: Prompt | None = None,
 ) -> RebuiltRow:
-    """Rebuild ``answer`` as the token ids the model produced after ``messages``; self-checked."""
-    prompt_text = target.render(messages, tools, add_generation_prompt=True)
-    prompt_ids = target.encode(prompt_text)
+    """Rebuild ``answer`` as the token ids the model produced after ``messages``; self-checked.
+
+    ``prompt``: the already rendered prompt (the worker's prepare step); rendered here when absent."""
+    if prompt is None:
+        prompt = render_prompt(target, messages, tools)
+    prompt_text, prompt_ids = prompt.text, prompt.ids
     turn = _assemble(target, messages, answer)
-    completion_ids = target.encode(turn.text)
+    completion_ids = target.encode_generated(turn.text)
 
     _check_round_trip(target, turn.text, completion_ids)
     _check_special_ids(target, turn.text, completion_ids)
@@ -123,6 +130,8 @@ def _assemble(target: TargetTokenizer, messages: list[dict[str, Any]], answer: A
         # does not know that hands the whole section over as reasoning. Keep it as emitted.
         at = reasoning.index(fmt.tool_call_open)
         reasoning, raw_tool_text = reasoning[:at], _strip_end(reasoning[at:], ends)
+        # No think-close follows, so the template's glue after the reasoning was never emitted.
+        reasoning = fmt.reasoning_edges.apply(reasoning, trail=False)
     elif reasoning and not content and not calls:
         reasoning = _strip_end(reasoning, ends)
 
@@ -138,14 +147,22 @@ def _assemble(target: TargetTokenizer, messages: list[dict[str, Any]], answer: A
         reasoning_end = "implicit"
     elif not content and not calls and not ended:
         # Cut off before any content: the model was still reasoning (hidden reasoning reads as "").
+        # Its end is text the model emitted, not glue before a think-close.
+        reasoning = fmt.reasoning_edges.apply(reasoning, trail=False) if reasoning else reasoning
         parts += [fmt.reasoning_prefix, reasoning or ""]
         reasoning_end = "truncated" if fmt.think_close is not None else "none"
     else:
+        # The template writes its own glue around reasoning and content and strips theirs: a
+        # provider that kept the newlines the model emitted as glue hands them over as text.
+        content_edges = fmt.plain_content_edges if reasoning is None else fmt.content_edges
+        if content is not None:
+            content = content_edges.apply(content, trail=ended or bool(calls))
         if reasoning is None:
             parts.append(fmt.no_reasoning_prefix)
             has_close = fmt.think_close is not None and fmt.think_close in fmt.no_reasoning_prefix
             reasoning_end = "explicit" if has_close else "none"
         else:
+            reasoning = fmt.reasoning_edges.apply(reasoning)
             parts += [fmt.reasoning_prefix, reasoning, fmt.reasoning_suffix]
             reasoning_end = "explicit"
         parts.append(content or "")
@@ -247,7 +264,7 @@ def _check_special_ids(target: TargetTokenizer, text: str, ids: list[int]) -> No
         if want == got:
             continue
         # Where it went wrong: the token at which the k-th special should have started.
-        position = len(target.encode(text[: wanted[k][0]])) if k < len(wanted) else found[k][0]
+        position = len(target.encode_generated(text[: wanted[k][0]])) if k < len(wanted) else found[k][0]
         raise TokenMismatch(
             "special",
             position,
@@ -266,6 +283,14 @@ def _check_template(
 ) -> None:
     fmt = target.turn_format
     message = dict(assistant)
+    # The rebuilt text reads an absent content as "", and an absent reasoning as the empty block
+    # where the template writes one for it; say so to the template too (Qwen3's reads reasoning
+    # out of the content when none is given, and fails on a null content).
+    if message.get("content") is None:
+        message["content"] = ""
+    empty_block = fmt.reasoning_prefix + fmt.reasoning_suffix
+    if fmt.reasoning_key and "reasoning_content" not in message and fmt.no_reasoning_prefix == empty_block:
+        message["reasoning_content"] = ""
     if "reasoning_content" in message and fmt.reasoning_key and fmt.reasoning_key != "reasoning_content":
         message[fmt.reasoning_key] = message.pop("reasoning_content")
     full = target.render([*messages, message], tools, add_generation_prompt=False)
@@ -283,7 +308,7 @@ def _check_template(
         turn = full[cut + len(fmt.generation_prompt) :] if cut >= 0 else full
     if fmt.end_of_turn_tail and turn.endswith(fmt.end_of_turn_tail):
         turn = turn[: -len(fmt.end_of_turn_tail)]
-    position = _first_difference(target.encode(turn), completion_ids)
+    position = _first_difference(target.encode_generated(turn), completion_ids)
     raise TokenMismatch(
         "template", position, f"template renders the turn as {_clip(turn)}, rebuilt {_clip(completion_text)}"
     )
@@ -297,32 +322,6 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
-
-
-def _first_text(*values: Any) -> str | None:
-    """First non-empty string; ``""`` if the only strings are empty; ``None`` if none is a string."""
-    strings = [v for v in values if isinstance(v, str)]
-    return next((s for s in strings if s), "" if strings else None)
-
-
-def _details_text(details: Any) -> str | None:
-    if not isinstance(details, list):
-        return None
-    items = [d for d in details if isinstance(d, dict)]
-    texts = [d["text"] for d in items if d.get("type") == "reasoning.text" and isinstance(d.get("text"), str)]
-    if not texts:
-        texts = [
-            d["summary"] for d in items if d.get("type") == "reasoning.summary" and isinstance(d.get("summary"), str)
-        ]
-    return "".join(texts) if texts else None
-
-
-def _content_text(content: Any) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return str(content)
 
 
 def _name(target: TargetTokenizer, token_id: int | None) -> str:

@@ -1,10 +1,44 @@
-"""When to try the upstream call again: jittered exponential backoff that honours Retry-After."""
+"""What to do after a failed upstream attempt: retry (after how long), fail the prompt, or halt.
+
+The decision is made here, on the error's class (``common.errors``), never on an HTTP status in
+the caller: ``RetryableUpstreamError`` retries with jittered exponential backoff until the attempts
+run out; ``FatalUpstreamError`` fails the prompt; ``AccountRefusedError`` halts the fleet at once
+(every prompt would fail alike); ``MisconfiguredError`` halts the fleet once it has been met on
+``misconfig_prompts`` distinct prompts with no answer in between (``DatasetStats`` keeps that
+streak), and until then is retried, since one such answer may be a prompt's own.
+"""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+from typing import Literal
 
-from common.errors import UpstreamError
+from common.config import RetryConfig
+from common.contract import FAIL_MISCONFIGURED, FAIL_RETRIES_EXHAUSTED, FAIL_UPSTREAM_FATAL, HALT_MISCONFIGURED
+from common.errors import AccountRefusedError, MisconfiguredError, RetryableUpstreamError, UpstreamError
+
+#: Attempts per prompt, the first included (``[retry] max_attempts`` overrides).
+DEFAULT_MAX_ATTEMPTS = RetryConfig.model_fields["max_attempts"].default
+#: Backoff ceiling of the first retry; it doubles per attempt (``[retry] backoff_base_s``).
+DEFAULT_BACKOFF_BASE_S = RetryConfig.model_fields["backoff_base_s"].default
+#: Longest backoff between two attempts (``[retry] backoff_max_s``); a ``Retry-After`` can exceed it.
+DEFAULT_BACKOFF_MAX_S = RetryConfig.model_fields["backoff_max_s"].default
+#: Distinct prompts that must meet a "wrong URL or model" answer, with no answer anywhere in
+#: between, before the fleet halts: one is possibly the prompt's own (no provider serves its
+#: tools), three in a row with nothing succeeding is the configuration.
+DEFAULT_MISCONFIG_PROMPTS = 3
+
+Action = Literal["retry", "fail", "halt"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    #: ``fail``: the failure reason (``contract.FAIL_*``); ``halt``: the halt reason; else "".
+    reason: str = ""
+    #: ``retry``: seconds to wait before the next attempt.
+    delay_s: float = 0.0
 
 
 def backoff_s(
@@ -21,3 +55,43 @@ def backoff_s(
     if error.retry_after_s is not None:
         delay = max(delay, error.retry_after_s)
     return delay
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    backoff_base_s: float = DEFAULT_BACKOFF_BASE_S
+    backoff_max_s: float = DEFAULT_BACKOFF_MAX_S
+    misconfig_prompts: int = DEFAULT_MISCONFIG_PROMPTS
+
+    @classmethod
+    def from_config(cls, retry: RetryConfig) -> RetryPolicy:
+        return cls(retry.max_attempts, retry.backoff_base_s, retry.backoff_max_s)
+
+    def decide(
+        self, error: UpstreamError, attempt: int, *, misconfigured_prompts: int = 0, rng: random.Random | None = None
+    ) -> Decision:
+        """After attempt number ``attempt`` (1-based) failed with ``error``.
+
+        ``misconfigured_prompts``: distinct prompts in the fleet's misconfiguration streak,
+        this one included (only read for a ``MisconfiguredError``)."""
+        if isinstance(error, AccountRefusedError):
+            return Decision("halt", error.reason)
+        if isinstance(error, MisconfiguredError):
+            if misconfigured_prompts >= self.misconfig_prompts:
+                return Decision("halt", HALT_MISCONFIGURED)
+            if attempt >= self.max_attempts:
+                return Decision("fail", FAIL_MISCONFIGURED)
+        elif not isinstance(error, RetryableUpstreamError):
+            return Decision("fail", FAIL_UPSTREAM_FATAL)
+        if attempt >= self.max_attempts:
+            return Decision("fail", FAIL_RETRIES_EXHAUSTED)
+        delay = backoff_s(attempt, error, base_s=self.backoff_base_s, max_s=self.backoff_max_s, rng=rng)
+        return Decision("retry", delay_s=delay)
+
+    def attempt_window_s(self, timeout_s: float) -> float:
+        """Longest one attempt plus the wait after it can take: what a lease must cover."""
+        return timeout_s * 1.2 + self.backoff_max_s
+
+
+__all__ = ["DEFAULT_MISCONFIG_PROMPTS", "Decision", "RetryPolicy", "backoff_s"]

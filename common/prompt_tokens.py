@@ -1,0 +1,48 @@
+"""Counting a prompt's tokens with the target tokenizer, as the model will see it.
+
+The count is of the chat template rendered with the generation prompt (and the tools), tokenized
+without adding BOS/EOS: what ``apply_chat_template(..., add_generation_prompt=True,
+tokenize=True)`` returns and what a provider bills as prompt tokens. Fast tokenizers render a batch
+and tokenize it in one Rust call; others (remote-code ones such as Kimi's tiktoken) go through
+``apply_chat_template`` itself, prompt by prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from common.datasets import Prompt
+from common.errors import ConfigError
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool, revision: str | None = None) -> Any:
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                  revision=revision)
+    except Exception as exc:  # hub, files or remote code: one kind of failure for the caller
+        raise ConfigError(f"cannot load tokenizer {name_or_path!r}: {exc}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"tokenizer {name_or_path!r} has no chat template")
+    return tokenizer
+
+
+def _ids(encoded: Any) -> list[int]:
+    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True), 4 a list.
+    return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+
+
+def count_prompt_tokens(tokenizer: Any, prompts: Sequence[Prompt]) -> list[int]:
+    """Prompt tokens of each prompt, in order."""
+    if not prompts:
+        return []
+    if not getattr(tokenizer, "is_fast", False):
+        return [len(_ids(tokenizer.apply_chat_template(p.messages, tools=p.tools, add_generation_prompt=True,
+                                                      tokenize=True))) for p in prompts]
+    texts = [
+        tokenizer.apply_chat_template(p.messages, tools=p.tools, add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]

@@ -1,0 +1,115 @@
+"""The per-dataset counters (``DatasetKeys.stats``): the only code that names their fields.
+
+Workers write through ``DatasetStats`` (one HINCRBY per event, one pipeline per answer); the
+producer's progress, metrics and reports read through ``DatasetStats.read`` or ``parse`` (for a
+caller that already pipelined the HGETALL). Counters only ever grow, so any read is consistent
+enough for a progress bar.
+
+Fields: ``requests`` and ``billed_*``/``cost_micro_usd`` per answer received (billed whether kept
+or not), ``duplicates`` and ``skipped`` per outcome, ``err:<reason>`` per failed upstream attempt
+(``err:http_429`` …) and ``fail:<reason>`` per prompt that ended failed (``fail:token_mismatch`` …).
+
+Also the fleet-wide misconfiguration streak (``keys.MISCONFIG_STREAK``): prompts that met a
+"wrong URL or model" answer since the last answer anywhere (``workers/retry.py`` halts on it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import redis
+
+from common.contract import Usage
+from common.keys import MISCONFIG_STREAK, DatasetKeys
+
+REQUESTS = "requests"
+BILLED_PROMPT = "billed_prompt_tokens"
+BILLED_COMPLETION = "billed_completion_tokens"
+BILLED_REASONING = "billed_reasoning_tokens"
+COST_MICRO_USD = "cost_micro_usd"
+DUPLICATES = "duplicates"
+SKIPPED = "skipped"
+_ERROR = "err:"
+_FAILURE = "fail:"
+
+#: A streak older than this is forgotten: a stale run's misses must not halt today's on one miss.
+MISCONFIG_STREAK_TTL_S = 600
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    requests: int = 0
+    billed_prompt_tokens: int = 0
+    billed_completion_tokens: int = 0
+    billed_reasoning_tokens: int = 0
+    cost_usd: float = 0.0
+    duplicates: int = 0
+    skipped: int = 0
+    #: Failed upstream attempts by reason (``http_429``, ``timeout`` …).
+    errors: dict[str, int] = field(default_factory=dict)
+    #: Prompts that ended failed, by reason (``retries_exhausted``, ``prompt_too_long`` …).
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+class DatasetStats:
+    def __init__(self, client: redis.Redis, dataset: str) -> None:
+        self._client = client
+        self.key = DatasetKeys(dataset).stats
+
+    # --- writers (workers) --------------------------------------------------------------------
+
+    def record_answer(self, usage: Usage) -> None:
+        """One answer received and billed. It also proves the URL and the model work, so the
+        fleet's misconfiguration streak starts over."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hincrby(self.key, REQUESTS, 1)
+        pipe.hincrby(self.key, BILLED_PROMPT, usage["prompt_tokens"])
+        pipe.hincrby(self.key, BILLED_COMPLETION, usage["completion_tokens"])
+        pipe.hincrby(self.key, BILLED_REASONING, usage["reasoning_tokens"])
+        pipe.hincrby(self.key, COST_MICRO_USD, round(usage["cost"] * 1e6))
+        pipe.delete(MISCONFIG_STREAK)
+        pipe.execute()
+
+    def record_error(self, reason: str) -> None:
+        self._client.hincrby(self.key, _ERROR + reason, 1)
+
+    def record_failure(self, reason: str) -> None:
+        self._client.hincrby(self.key, _FAILURE + reason, 1)
+
+    def record_duplicate(self) -> None:
+        self._client.hincrby(self.key, DUPLICATES, 1)
+
+    def record_skipped(self) -> None:
+        self._client.hincrby(self.key, SKIPPED, 1)
+
+    def record_misconfigured(self, prompt_id: str) -> int:
+        """Add ``prompt_id`` to the fleet's streak; returns how many distinct prompts it holds."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.sadd(MISCONFIG_STREAK, prompt_id)
+        pipe.expire(MISCONFIG_STREAK, MISCONFIG_STREAK_TTL_S)
+        pipe.scard(MISCONFIG_STREAK)
+        return int(pipe.execute()[-1])
+
+    # --- readers (producer) -------------------------------------------------------------------
+
+    def read(self) -> StatsSnapshot:
+        return self.parse(self._client.hgetall(self.key))
+
+    @staticmethod
+    def parse(raw: dict[bytes, bytes]) -> StatsSnapshot:
+        """A snapshot from the hash's HGETALL reply."""
+        counts = {k.decode(): int(v) for k, v in raw.items()}
+        return StatsSnapshot(
+            requests=counts.get(REQUESTS, 0),
+            billed_prompt_tokens=counts.get(BILLED_PROMPT, 0),
+            billed_completion_tokens=counts.get(BILLED_COMPLETION, 0),
+            billed_reasoning_tokens=counts.get(BILLED_REASONING, 0),
+            cost_usd=counts.get(COST_MICRO_USD, 0) / 1e6,
+            duplicates=counts.get(DUPLICATES, 0),
+            skipped=counts.get(SKIPPED, 0),
+            errors={k.removeprefix(_ERROR): v for k, v in counts.items() if k.startswith(_ERROR)},
+            failures={k.removeprefix(_FAILURE): v for k, v in counts.items() if k.startswith(_FAILURE)},
+        )
+
+
+__all__ = ["DatasetStats", "StatsSnapshot"]

@@ -1,0 +1,100 @@
+-- The fleet-wide throttle: how many upstream requests every worker of every host may have in flight
+-- together, how many may start per second, and the adaptive limit that 429s cut and successes grow.
+--
+-- Rate limits are the account's, not a worker's (openrouter.md: per model, global to the account):
+-- greenlets backing off one by one leave half of what a provider would serve unused, and every worker
+-- added adds 429s. Here the whole fleet shares one limit and one pause.
+--
+-- KEYS[1] state  HASH   limit       current in-flight limit (float; absent: max_in_flight)
+--                       pause_ms    unix ms before which nobody starts a request (Retry-After)
+--                       cut_ms      unix ms of the last multiplicative cut
+--                       tokens, tokens_ms   the requests-per-second bucket and when it was filled
+--                       ok, throttled       answers counted by kind (for progress and metrics)
+-- KEYS[2] slots  ZSET   slot id -> expiry unix ms: requests in flight; a dead worker's slots expire
+--
+-- ARGV[1] is the operation:
+--   acquire  slot now_ms ttl_ms max_in_flight max_per_s
+--            -> {"ok", limit} | {"wait", ms, why}   why: pause | limit | rate
+--            max_in_flight 0: no fixed cap (the adaptive limit alone, unbounded until a 429);
+--            max_per_s 0: no rate cap.
+--   release  slot now_ms outcome retry_after_ms max_in_flight beta min_limit cut_gap_ms
+--            outcome: ok | throttled | other -> {"released", limit}
+--            ok grows the limit by 1/limit (one more request per round trip: additive increase) while
+--            the fleet is at its limit;
+--            throttled (429/503) cuts it to beta x min(limit, in flight) unless it was cut less than
+--            cut_gap_ms ago (one congestion event, many 429s: one cut), and a Retry-After pauses
+--            every new request of the fleet until then.
+--   state    now_ms -> {limit, in_flight, pause_ms_left, ok, throttled}
+local state, slots = KEYS[1], KEYS[2]
+local op = ARGV[1]
+local UNBOUNDED = 1e9
+
+local function current_limit(max_in_flight)
+  local limit = tonumber(redis.call("HGET", state, "limit"))
+  local cap = max_in_flight > 0 and max_in_flight or UNBOUNDED
+  if not limit or limit > cap then limit = cap end
+  return limit
+end
+
+if op == "acquire" then
+  local slot, now, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+  local max_in_flight, max_per_s = tonumber(ARGV[5]), tonumber(ARGV[6])
+  redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
+  local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
+  if pause > now then return {"wait", pause - now, "pause"} end
+  local limit = current_limit(max_in_flight)
+  if redis.call("ZCARD", slots) >= math.max(1, math.floor(limit)) then
+    return {"wait", 0, "limit"}
+  end
+  if max_per_s > 0 then
+    local b = redis.call("HMGET", state, "tokens", "tokens_ms")
+    local tokens, at = tonumber(b[1] or max_per_s), tonumber(b[2] or now)
+    tokens = math.min(max_per_s, tokens + (now - at) * max_per_s / 1000)
+    if tokens < 1 then
+      redis.call("HSET", state, "tokens", tostring(tokens), "tokens_ms", now)
+      return {"wait", math.ceil((1 - tokens) * 1000 / max_per_s), "rate"}
+    end
+    redis.call("HSET", state, "tokens", tostring(tokens - 1), "tokens_ms", now)
+  end
+  redis.call("ZADD", slots, now + ttl, slot)
+  return {"ok", tostring(limit)}
+
+elseif op == "release" then
+  local slot, now, outcome = ARGV[2], tonumber(ARGV[3]), ARGV[4]
+  local retry_after, max_in_flight = tonumber(ARGV[5]), tonumber(ARGV[6])
+  local beta, min_limit, cut_gap = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+  local in_flight = redis.call("ZCARD", slots)
+  redis.call("ZREM", slots, slot)
+  local limit = current_limit(max_in_flight)
+  if outcome == "ok" then
+    redis.call("HINCRBY", state, "ok", 1)
+    -- Grow only while the limit is what holds the fleet back: a fleet with fewer greenlets than
+    -- its limit would otherwise raise it without bound, and the next 429 would find it meaningless.
+    if limit < UNBOUNDED and in_flight + 1 >= math.floor(limit) then
+      local cap = max_in_flight > 0 and max_in_flight or UNBOUNDED
+      limit = math.min(cap, limit + 1 / limit)
+      redis.call("HSET", state, "limit", tostring(limit))
+    end
+  elseif outcome == "throttled" then
+    redis.call("HINCRBY", state, "throttled", 1)
+    local cut = tonumber(redis.call("HGET", state, "cut_ms") or "0")
+    if now - cut >= cut_gap then
+      limit = math.max(min_limit, math.floor(math.min(limit, in_flight) * beta))
+      redis.call("HSET", state, "limit", tostring(limit), "cut_ms", now)
+    end
+    if retry_after > 0 then
+      local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
+      if now + retry_after > pause then redis.call("HSET", state, "pause_ms", now + retry_after) end
+    end
+  end
+  return {"released", tostring(limit)}
+
+elseif op == "state" then
+  local now = tonumber(ARGV[2])
+  redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
+  local s = redis.call("HMGET", state, "limit", "pause_ms", "ok", "throttled")
+  return {s[1] or "", redis.call("ZCARD", slots), math.max(0, tonumber(s[2] or "0") - now),
+          tonumber(s[3] or "0"), tonumber(s[4] or "0")}
+end
+
+return redis.error_reply("throttle.lua: unknown operation " .. tostring(op))

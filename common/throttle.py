@@ -1,0 +1,92 @@
+"""Python face of ``throttle.lua``: the fleet-wide in-flight limit, request rate and shared back-off.
+
+Workers acquire a slot before each upstream attempt and release it with the attempt's outcome
+(``workers/gate.py`` makes the waiting cheap); the producer reads ``snapshot`` for progress, metrics
+and the report.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from importlib.resources import files
+from typing import Any, Literal
+
+import redis
+
+from common.keys import THROTTLE, THROTTLE_SLOTS
+
+_SCRIPT = files("common").joinpath("throttle.lua").read_text(encoding="utf-8")
+
+#: A 429/503 cuts the fleet's in-flight limit to this share of what was in flight (multiplicative
+#: decrease). Gentle, because a fleet sits right under a provider's capacity: 0.9 keeps the
+#: sawtooth within 10% of it, where TCP's 0.5 would idle half of it after every 429.
+DEFAULT_BETA = 0.9
+#: The limit is never cut below this many requests in flight.
+DEFAULT_MIN_LIMIT = 4
+#: 429s closer together than this are one congestion event and cut the limit once.
+DEFAULT_CUT_GAP_MS = 1000
+
+Outcome = Literal["ok", "throttled", "other"]
+
+
+@dataclass(frozen=True)
+class Admission:
+    ok: bool
+    #: When not ok: how long until asking again makes sense (0: when a slot frees), and why.
+    wait_ms: int = 0
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class ThrottleSnapshot:
+    #: The fleet's current in-flight limit; None while no 429 has set one and no cap is configured.
+    limit: float | None
+    in_flight: int
+    pause_ms_left: int
+    ok: int
+    throttled: int
+
+    @property
+    def throttled_share(self) -> float:
+        total = self.ok + self.throttled
+        return self.throttled / total if total else 0.0
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class FleetThrottle:
+    def __init__(self, client: redis.Redis, *, max_in_flight: int = 0, max_requests_per_s: float = 0.0,
+                 beta: float = DEFAULT_BETA, min_limit: int = DEFAULT_MIN_LIMIT,
+                 cut_gap_ms: int = DEFAULT_CUT_GAP_MS) -> None:
+        self._script = client.register_script(_SCRIPT)
+        self.max_in_flight = max_in_flight
+        self.max_requests_per_s = max_requests_per_s
+        self.beta, self.min_limit, self.cut_gap_ms = beta, min_limit, cut_gap_ms
+
+    def _call(self, *args: Any) -> list[Any]:
+        reply = self._script(keys=[THROTTLE, THROTTLE_SLOTS], args=list(args))
+        return [x.decode() if isinstance(x, bytes) else x for x in reply]
+
+    def acquire(self, slot: str, *, ttl_ms: int) -> Admission:
+        reply = self._call("acquire", slot, now_ms(), ttl_ms, self.max_in_flight, self.max_requests_per_s)
+        if reply[0] == "ok":
+            return Admission(True)
+        return Admission(False, int(reply[1]), str(reply[2]))
+
+    def release(self, slot: str, outcome: Outcome, *, retry_after_s: float | None = None) -> None:
+        retry_after_ms = int((retry_after_s or 0) * 1000)
+        self._call("release", slot, now_ms(), outcome, retry_after_ms, self.max_in_flight, self.beta,
+                   self.min_limit, self.cut_gap_ms)
+
+    def snapshot(self) -> ThrottleSnapshot:
+        limit, in_flight, pause_left, ok, throttled = self._call("state", now_ms())
+        return ThrottleSnapshot(
+            limit=float(limit) if limit else (float(self.max_in_flight) if self.max_in_flight else None),
+            in_flight=int(in_flight),
+            pause_ms_left=int(pause_left),
+            ok=int(ok),
+            throttled=int(throttled),
+        )

@@ -1,0 +1,95 @@
+"""The model's price and context length, from the models endpoint (``GET {base}/api/v1/models``).
+
+Public on OpenRouter (no key is sent). Prices come as strings of USD per token (per request for
+``request``); they become floats here. Both base-URL forms work: ``https://openrouter.ai`` and
+``https://openrouter.ai/api/v1`` (what the OpenAI SDK and OpenRouter's docs give).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from common.config import Pricing
+from common.errors import ConfigError, SpecfleetError
+
+log = logging.getLogger(__name__)
+
+MODELS_TIMEOUT_S = 15.0
+
+
+class ModelsUnavailable(SpecfleetError):
+    """The models endpoint could not be read: prices and context length are unknown."""
+
+
+class UnknownModel(ConfigError):
+    """The endpoint answered, and the run file's model is not in its list."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    context_length: int | None
+    pricing: Pricing | None
+
+
+def api_root(base_url: str) -> str:
+    """``https://host`` for both ``https://host`` and ``https://host/api/v1``."""
+    root = base_url.rstrip("/")
+    return root.removesuffix("/api/v1").rstrip("/")
+
+
+def models_url(base_url: str) -> str:
+    return api_root(base_url) + "/api/v1/models"
+
+
+def _price(raw: Any, field: str) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"pricing.{field} {raw!r} is not a number") from None
+    if value < 0:  # OpenRouter lists "-1" for router models whose price is not fixed
+        raise ValueError(f"pricing.{field} {raw!r} is negative")
+    return value
+
+
+def parse_model(entry: dict[str, Any]) -> ModelInfo:
+    context = entry.get("context_length")
+    context_length = int(context) if isinstance(context, int | float) and context > 0 else None
+    pricing: Pricing | None = None
+    raw = entry.get("pricing")
+    if isinstance(raw, dict):
+        try:
+            pricing = Pricing(prompt=_price(raw.get("prompt"), "prompt"),
+                                   completion=_price(raw.get("completion"), "completion"),
+                                   request=_price(raw.get("request", 0) or 0, "request"))
+        except ValueError as exc:
+            log.warning("model %s: price not usable (%s): prices unknown", entry.get("id"), exc)
+    return ModelInfo(id=str(entry["id"]), context_length=context_length, pricing=pricing)
+
+
+def fetch_model(base_url: str, model_id: str, *, timeout_s: float = MODELS_TIMEOUT_S) -> ModelInfo:
+    """The model's entry, or ``UnknownModel`` naming the URL and close ids, or ``ModelsUnavailable``."""
+    url = models_url(base_url)
+    try:
+        resp = requests.get(url, timeout=timeout_s, headers={"Accept": "application/json"})
+    except requests.RequestException as exc:
+        raise ModelsUnavailable(f"GET {url}: {type(exc).__name__}") from None
+    if resp.status_code != 200:
+        raise ModelsUnavailable(f"GET {url}: HTTP {resp.status_code}")
+    try:
+        data = resp.json()["data"]
+        entries = {str(e["id"]): e for e in data if isinstance(e, dict) and "id" in e}
+    except (ValueError, KeyError, TypeError):
+        raise ModelsUnavailable(f"GET {url}: not a models list") from None
+    entry = entries.get(model_id)
+    if entry is None:
+        close = difflib.get_close_matches(model_id, list(entries), n=3, cutoff=0.6)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise UnknownModel(f"[model] name {model_id!r} is not a model at {url} "
+                           f"({len(entries):,} models listed){hint}")
+    return parse_model(entry)

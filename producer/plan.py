@@ -1,0 +1,255 @@
+"""``specfleet plan``: what a run will cost, and whether it can start, before the first paid request.
+
+For each dataset: its prompts and their prompt tokens (with the target tokenizer, as the model will
+see them), the rows expected to reach its token budget and their cost, expected and worst case,
+priced from the models endpoint (``producer/models.py``). It refuses, before anything is sent, when
+the model id is unknown or a prompt plus ``max_tokens`` cannot fit the context length (naming the
+rows), and asks for ``--yes`` (or ``[run] confirm_over_budget = true``) when the worst case exceeds
+``[run] budget_usd``.
+
+The estimates: an answer is expected to keep ``estimate_tokens`` of its length class, or
+``max_tokens / 4`` when that is not set; the worst case is the same requests each answered with
+``max_tokens``. A dataset of more than ``exact_limit`` prompts is counted on a deterministic sample
+of that many (a seeded reservoir) and extrapolated; the output says so. The context-length check
+still covers every prompt: outside the sample, each prompt whose text is long enough in bytes to
+possibly overflow is counted too (a byte-level BPE token is at least one byte).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from common.config import DatasetConfig, Pricing, RunConfig
+from common.datasets import Prompt, ReadStats, read_prompts
+from common.errors import ConfigError, DatasetRowError
+from common.prompt_tokens import count_prompt_tokens, load_tokenizer
+from producer.models import ModelInfo, ModelsUnavailable, fetch_model, models_url
+
+EXACT_LIMIT = 20_000
+_SAMPLE_SEED = 20_260_101
+_MAX_NAMED_ROWS = 20
+_COUNT_BATCH = 512
+#: Tokens a template may add around a prompt's text (role headers, default system prompt).
+_FRAMING_TOKENS = 1_024
+
+
+class PlanRefused(ConfigError):
+    """The run must not start: one line per problem."""
+
+
+@dataclass
+class DatasetPlan:
+    name: str
+    prompts: int
+    malformed: int
+    counted: int
+    prompt_tokens: int
+    max_prompt_tokens: int
+    max_tokens: int
+    expected_completion: int
+    expected_rows: int
+    #: ``file:line (N tokens)`` of prompts that cannot fit prompt + max_tokens in the context.
+    too_long: list[str] = field(default_factory=list)
+    expected_usd: float | None = None
+    worst_usd: float | None = None
+
+    @property
+    def sampled(self) -> bool:
+        return self.counted < self.prompts
+
+
+@dataclass
+class Plan:
+    model: str
+    url: str
+    context_length: int | None
+    pricing: Pricing | None
+    datasets: list[DatasetPlan]
+    #: Why prices are unknown (the endpoint's error), when they are.
+    unavailable: str | None = None
+
+    def total(self, attr: str) -> float | None:
+        values = [getattr(d, attr) for d in self.datasets]
+        return None if any(v is None for v in values) else sum(values)
+
+
+def _sample(prompts: list[Prompt], seen: int, prompt: Prompt, rng: random.Random, k: int) -> None:
+    if len(prompts) < k:
+        prompts.append(prompt)
+        return
+    j = rng.randrange(seen)
+    if j < k:
+        prompts[j] = prompt
+
+
+def _count(tokenizer: object, prompts: list[Prompt]) -> list[int]:
+    counts: list[int] = []
+    for start in range(0, len(prompts), _COUNT_BATCH):
+        counts += count_prompt_tokens(tokenizer, prompts[start:start + _COUNT_BATCH])
+    return counts
+
+
+def _line_no(prompt: Prompt) -> int:
+    return int(prompt.where.rsplit(":", 1)[1])
+
+
+def _payload_bytes(prompt: Prompt) -> int:
+    return len(json.dumps([prompt.messages, prompt.tools], ensure_ascii=False).encode())
+
+
+def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: ModelInfo | None, *,
+                 exact_limit: int = EXACT_LIMIT) -> DatasetPlan:
+    length = cfg.length_for(ds.length)
+    context = cfg.model.context_length or (info.context_length if info else None)
+    room = None if context is None else context - length.max_tokens
+    errors: list[DatasetRowError] = []
+    stats = ReadStats()
+    rng = random.Random(_SAMPLE_SEED)
+    sample: list[Prompt] = []
+    # Outside the sample, a prompt is counted too when it might not fit: a byte-level token is at
+    # least one byte, so a prompt far shorter in bytes than the room left cannot overflow it.
+    suspects: list[Prompt] = []
+    for seen, prompt in enumerate(read_prompts(ds.path, errors, stats, limit=ds.max_prompts,
+                                               max_line_bytes=ds.max_line_bytes), start=1):
+        _sample(sample, seen, prompt, rng, exact_limit)
+        if room is not None and _payload_bytes(prompt) + _FRAMING_TOKENS > room:
+            suspects.append(prompt)
+    counts = _count(tokenizer, sample)
+    too_long: list[str] = []
+    if context is not None and room is not None:
+        in_sample = {p.where for p in sample}
+        extra = [p for p in suspects if p.where not in in_sample]
+        checked = sorted([*zip(sample, counts, strict=True), *zip(extra, _count(tokenizer, extra), strict=True)],
+                         key=lambda pn: _line_no(pn[0]))
+        too_long = [f"{p.where} ({n:,} prompt tokens + max_tokens {length.max_tokens:,} > context {context:,})"
+                    for p, n in checked if n > room]
+    prompt_tokens = round(sum(counts) * stats.prompts / len(counts)) if counts else 0
+    expected = length.estimate_tokens or max(1, length.max_tokens // 4)
+    rows = min(stats.prompts, math.ceil(ds.budget_tokens / expected))
+    plan = DatasetPlan(
+        name=ds.name, prompts=stats.prompts, malformed=stats.malformed + stats.duplicates, counted=len(counts),
+        prompt_tokens=prompt_tokens, max_prompt_tokens=max(counts, default=0), max_tokens=length.max_tokens,
+        expected_completion=expected, expected_rows=rows, too_long=too_long,
+    )
+    pricing = cfg.model.pricing or (info.pricing if info else None)
+    if pricing is not None and stats.prompts:
+        mean_prompt = prompt_tokens / stats.prompts
+        per_request = mean_prompt * pricing.prompt + pricing.request
+        plan.expected_usd = rows * (per_request + expected * pricing.completion)
+        plan.worst_usd = rows * (per_request + length.max_tokens * pricing.completion)
+    elif pricing is not None:
+        plan.expected_usd = plan.worst_usd = 0.0
+    return plan
+
+
+def make_plan(cfg: RunConfig, base_url: str, *, exact_limit: int = EXACT_LIMIT) -> Plan:
+    """Read the model's entry, count every dataset. ``UnknownModel`` propagates: nothing to plan."""
+    missing = [f"datasets[{i}] ({d.name}).path: {d.path}: no such file"
+               for i, d in enumerate(cfg.datasets) if not d.path.is_file()]
+    if missing:
+        raise PlanRefused("dataset files missing\n  " + "\n  ".join(missing))
+    info: ModelInfo | None = None
+    unavailable = None
+    try:
+        info = fetch_model(base_url, cfg.model.name)
+    except ModelsUnavailable as exc:
+        unavailable = str(exc)
+    tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code,
+                               revision=cfg.model.revision)
+    datasets = [plan_dataset(cfg, ds, tokenizer, info, exact_limit=exact_limit) for ds in cfg.datasets]
+    return Plan(
+        model=cfg.model.name, url=models_url(base_url),
+        context_length=cfg.model.context_length or (info.context_length if info else None),
+        pricing=cfg.model.pricing or (info.pricing if info else None),
+        datasets=datasets, unavailable=unavailable,
+    )
+
+
+def _usd(value: float | None) -> str:
+    return "?" if value is None else f"${value:,.2f}"
+
+
+def _per_mtok(value: float) -> str:
+    return f"${value * 1e6:,.2f}/M"
+
+
+def render(plan: Plan) -> str:
+    lines = []
+    if plan.unavailable:
+        lines.append(f"model {plan.model}: price and context length unknown ({plan.unavailable})")
+    else:
+        price = (f"{_per_mtok(plan.pricing.prompt)} prompt · {_per_mtok(plan.pricing.completion)} completion"
+                 f" · ${plan.pricing.request:g}/request") if plan.pricing else "price unknown"
+        context = f"context {plan.context_length:,}" if plan.context_length else "context unknown"
+        lines.append(f"model {plan.model} ({plan.url}): {context} · {price}")
+    header = ("dataset", "prompts", "prompt tok", "max tok", "expect tok", "rows to budget", "expected $",
+              "worst $")
+    rows = [header]
+    for d in plan.datasets:
+        rows.append((d.name, f"{d.prompts:,}", ("~" if d.sampled else "") + f"{d.prompt_tokens:,}",
+                     f"{d.max_tokens:,}", f"{d.expected_completion:,}", f"{d.expected_rows:,}",
+                     _usd(d.expected_usd), _usd(d.worst_usd)))
+    rows.append(("total", f"{sum(d.prompts for d in plan.datasets):,}",
+                 ("~" if any(d.sampled for d in plan.datasets) else "")
+                 + f"{sum(d.prompt_tokens for d in plan.datasets):,}", "", "",
+                 f"{sum(d.expected_rows for d in plan.datasets):,}",
+                 _usd(plan.total("expected_usd")), _usd(plan.total("worst_usd"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
+                                                                                                  strict=True))))
+    lines.append("expect tok: estimate_tokens of the length class, else max_tokens/4; expected $: the rows "
+                 "to budget at that length; worst $: the same requests each answered with max_tokens")
+    for d in plan.datasets:
+        if d.sampled:
+            lines.append(f"{d.name}: prompt tokens extrapolated from a sample of {d.counted:,} of "
+                         f"{d.prompts:,} prompts")
+        if d.malformed:
+            lines.append(f"{d.name}: {d.malformed:,} malformed or duplicate rows are skipped "
+                         f"(`specfleet check` lists them)")
+    return "\n".join(lines)
+
+
+def problems(plan: Plan, cfg: RunConfig, *, yes: bool) -> list[str]:
+    """What stops the run from starting, one line each."""
+    out: list[str] = []
+    for d in plan.datasets:
+        out += [f"{d.name}: prompt_too_long: {row}" for row in d.too_long[:_MAX_NAMED_ROWS]]
+        if len(d.too_long) > _MAX_NAMED_ROWS:
+            out.append(f"{d.name}: … and {len(d.too_long) - _MAX_NAMED_ROWS:,} more prompts too long")
+    budget = cfg.run.budget_usd
+    if budget is not None:
+        worst = plan.total("worst_usd")
+        if worst is None:
+            out.append(f"[run] budget_usd = {budget:g} needs the model's price, and it is unknown "
+                       f"({plan.unavailable or 'no price listed'})")
+        elif worst > budget and not (yes or cfg.run.confirm_over_budget):
+            out.append(f"worst case {_usd(worst)} exceeds [run] budget_usd {_usd(budget)}: the run may stop on "
+                       f"its dollar budget; pass --yes (or set [run] confirm_over_budget = true) to start anyway")
+    return out
+
+
+def apply(cfg: RunConfig, plan: Plan) -> RunConfig:
+    """The run file with what the plan learned, for the worker view: context length and prices."""
+    update: dict[str, object] = {}
+    if cfg.model.context_length is None and plan.context_length is not None:
+        update["context_length"] = plan.context_length
+    if cfg.model.pricing is None and plan.pricing is not None:
+        update["pricing"] = plan.pricing
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update=update)}) if update else cfg
+
+
+def check_plan(cfg: RunConfig, base_url: str, *, yes: bool, out: TextIO = sys.stdout) -> RunConfig:
+    """Plan, print it, refuse with ``PlanRefused`` if the run must not start; else the run file with
+    the model's context length and prices filled in."""
+    plan = make_plan(cfg, base_url)
+    print(render(plan), file=out, flush=True)
+    found = problems(plan, cfg, yes=yes)
+    if found:
+        raise PlanRefused("refusing to start:\n  " + "\n  ".join(found))
+    return apply(cfg, plan)

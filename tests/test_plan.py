@@ -1,0 +1,210 @@
+"""``specfleet plan`` and the plan at the start of ``specfleet run``: a price before the first request,
+and a run that cannot work refused before anything is paid for (real simulator over HTTP)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+from transformers import AutoTokenizer
+
+from common import keys
+from common.datasets import ReadStats, read_prompts
+from tests.fleet import DEMO_TOKENIZER, REPO, Fleet, free_port, prompts, write_jsonl
+
+DEMO_CONFIG = REPO / "demo" / "fleet.toml"
+
+
+def _cli(fleet: Fleet, *args: str, base_url: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = fleet.env(OPENROUTER_BASE_URL=base_url or fleet.sim_url)
+    return subprocess.run([sys.executable, "-m", "producer.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=180)
+
+
+def _prompt_tokens(path: Path) -> list[int]:
+    """The definition: the template with the generation prompt, tokenized, per prompt."""
+    tok = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    out = []
+    for p in read_prompts(path, [], ReadStats()):
+        ids = tok.apply_chat_template(p.messages, tools=p.tools, add_generation_prompt=True, tokenize=True)
+        out.append(len(ids["input_ids"] if not isinstance(ids, list) else ids))
+    return out
+
+
+def _row(stdout: str, name: str) -> list[str]:
+    line = next(ln for ln in stdout.splitlines() if ln.startswith(name + " "))
+    return line.split()
+
+
+def test_plan_prices_the_demo_config_and_sends_nothing(fleet: Fleet) -> None:
+    fleet.start_simulator()
+    fleet.sim_config(price_in_per_mtok=1.25, price_out_per_mtok=7.5, price_request_usd=0.001)
+    # OpenRouter's documented base URL form (…/api/v1) is accepted as well as the bare host.
+    out = _cli(fleet, "plan", str(DEMO_CONFIG), base_url=fleet.sim_url + "/api/v1/")
+    assert out.returncode == 0, out.stderr
+    print(out.stdout)
+    assert "context 262,144 · $1.25/M prompt · $7.50/M completion · $0.001/request" in out.stdout
+    p_in, p_out, p_req = 1.25e-6, 7.5e-6, 0.001
+    totals = {"rows": 0, "expected": 0.0, "worst": 0.0}
+    for name, data, budget, max_tokens in (("B1_glaive", "b1_glaive.jsonl", 400_000, 2048),
+                                           ("B4_mixturethoughts", "b4_mixturethoughts.jsonl", 10_000_000, 16384)):
+        counts = _prompt_tokens(REPO / "demo" / "data" / data)
+        expect = max_tokens // 4  # the demo sets no estimate_tokens
+        rows = min(len(counts), math.ceil(budget / expect))
+        per_request = sum(counts) / len(counts) * p_in + p_req
+        expected, worst = rows * (per_request + expect * p_out), rows * (per_request + max_tokens * p_out)
+        assert _row(out.stdout, name) == [name, f"{len(counts):,}", f"{sum(counts):,}", f"{max_tokens:,}",
+                                          f"{expect:,}", f"{rows:,}", f"${expected:,.2f}", f"${worst:,.2f}"]
+        totals["rows"] += rows
+        totals["expected"] += expected
+        totals["worst"] += worst
+    total = _row(out.stdout, "total")
+    assert total[-3:] == [f"{totals['rows']:,}", f"${totals['expected']:,.2f}", f"${totals['worst']:,.2f}"]
+    assert fleet.sim_stats()["requests"] == 0
+
+
+def _one_dataset(fleet: Fleet, rows: list[dict[str, object] | str], *, head: str = "",
+                 model: str | None = None) -> Path:
+    data = write_jsonl(fleet.tmp / "b1.jsonl", rows)
+    config = fleet.write_config([{"name": "B1", "path": data, "length": "short"}])
+    text = config.read_text()
+    if model:
+        text = text.replace('name = "moonshotai/kimi-k2.5"', f'name = "{model}"')
+    config.write_text(head + text)
+    return config
+
+
+def test_run_refuses_an_unknown_model_before_any_request(fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator()
+    config = _one_dataset(fleet, prompts(5), model="moonshotai/kimi-k9")
+    out = _cli(fleet, "run", str(config), "--no-progress")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert (f"[model] name 'moonshotai/kimi-k9' is not a model at {fleet.sim_url}/api/v1/models "
+            "(1 models listed) (did you mean moonshotai/kimi-k2.5?)") in out.stderr
+    assert "Traceback" not in out.stderr
+    assert fleet.sim_stats()["requests"] == 0
+    assert redis_client.dbsize() == 0  # nothing enqueued, no run started
+
+
+def test_a_prompt_that_cannot_fit_the_context_is_named_and_nothing_is_sent(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
+    fleet.start_simulator()
+    rows: list[dict[str, object] | str] = [*prompts(2), {"id": "long", "messages": [
+        {"role": "user", "content": "Summarise: " + " ".join(f"word{i}" for i in range(600))}]}, *prompts(2, "q")]
+    config = _one_dataset(fleet, rows)
+    n_long = _prompt_tokens(fleet.tmp / "b1.jsonl")[2]
+    # max_tokens of the short class is 1024 in the test config: the long prompt fits exactly at
+    # n_long + 1024 and by one token too many below that.
+    fleet.sim_config(context_length=n_long + 1024)
+    fits = _cli(fleet, "plan", str(config))
+    assert fits.returncode == 0, fits.stderr
+    fleet.sim_config(context_length=n_long + 1023)
+    out = _cli(fleet, "run", str(config), "--no-progress")
+    assert out.returncode == 2, out.stdout + out.stderr
+    problems = [ln.strip() for ln in out.stderr.splitlines() if "prompt_too_long" in ln]
+    assert problems == [f"B1: prompt_too_long: {fleet.tmp / 'b1.jsonl'}:3 ({n_long:,} prompt tokens + max_tokens "
+                        f"1,024 > context {n_long + 1023:,})"]
+    assert fleet.sim_stats()["requests"] == 0 and redis_client.dbsize() == 0
+
+
+def test_a_worst_case_over_the_run_budget_needs_yes(fleet: Fleet) -> None:
+    fleet.start_simulator()
+    # 40 prompts of ~40 tokens, 1024 max_tokens at $2.50/M: worst ≈ 40 × 1024 × 2.5e-6 ≈ $0.10.
+    over = '[run]\nbudget_usd = 0.05\n\n'
+    config = _one_dataset(fleet, prompts(40), head=over)
+    refused = _cli(fleet, "plan", str(config))
+    assert refused.returncode == 2
+    worst = re.search(r"^total .* \$(\d+\.\d\d)$", refused.stdout, re.M)
+    assert worst and 0.05 < float(worst.group(1)) < 0.2, refused.stdout
+    assert f"worst case ${worst.group(1)} exceeds [run] budget_usd $0.05" in refused.stderr
+    assert "--yes" in refused.stderr
+    assert _cli(fleet, "plan", str(config), "--yes").returncode == 0
+    flagged = _one_dataset(fleet, prompts(40), head=over.replace("\n\n", "\nconfirm_over_budget = true\n\n"))
+    assert _cli(fleet, "plan", str(flagged)).returncode == 0
+    enough = _one_dataset(fleet, prompts(40), head=over.replace("0.05", "0.5"))
+    assert _cli(fleet, "plan", str(enough)).returncode == 0
+    assert fleet.sim_stats()["requests"] == 0
+
+
+def test_without_the_models_endpoint_plans_warn_unless_a_dollar_budget_needs_prices(fleet: Fleet) -> None:
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    fleet.sim_url = nowhere
+    out = _cli(fleet, "plan", str(_one_dataset(fleet, prompts(3))), base_url=nowhere)
+    assert out.returncode == 0, out.stderr
+    assert f"price and context length unknown (GET {nowhere}/api/v1/models: ConnectionError)" in out.stdout
+    assert re.search(r"^B1 +3 +[\d,]+ +1,024 +256 +3 +\? +\?$", out.stdout, re.M), out.stdout
+    dollars = _cli(fleet, "plan", str(_one_dataset(fleet, prompts(3), head="[run]\nbudget_usd = 5\n\n")),
+                   base_url=nowhere)
+    assert dollars.returncode == 2
+    assert "[run] budget_usd = 5 needs the model's price, and it is unknown" in dollars.stderr
+
+
+@pytest.mark.timeout(240)
+def test_run_hands_the_models_context_length_and_prices_to_the_workers(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
+    fleet.start_simulator()
+    fleet.sim_config(price_in_per_mtok=1.25, price_out_per_mtok=7.5, price_request_usd=0.001,
+                     context_length=100_000)
+    fleet.start_worker("w1", concurrency=10)
+    config = _one_dataset(fleet, prompts(5))
+    log = fleet.run_producer(config)
+    assert "context 100,000 · $1.25/M prompt · $7.50/M completion · $0.001/request" in log
+    run = json.loads(redis_client.get(keys.CURRENT_RUN))
+    view = json.loads(redis_client.get(keys.config(run["config_id"])))
+    assert view["model"]["context_length"] == 100_000
+    assert view["model"]["pricing"] == {"prompt": 1.25e-6, "completion": 7.5e-6, "request": 0.001}
+    fleet.assert_exactly_once(redis_client, "B1", 5)
+
+
+def test_a_5mb_line_and_bad_content_are_reported_in_malformed_jsonl_and_never_sent(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
+    fleet.start_simulator("--latency-median-ms", "10")
+    rows: list[dict[str, object] | str] = [*prompts(4, "g")]
+    rows[1] = {"id": "huge", "messages": [{"role": "user", "content": "x" * 5_000_000}]}
+    rows[2] = {"id": "ints", "messages": [{"role": "user", "content": [1, 2]}]}
+    rows.append({"id": "parts", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                          {"type": "text", "text": "b"}]}]})
+    config = _one_dataset(fleet, rows)
+    data = fleet.tmp / "b1.jsonl"
+    fleet.start_worker("w1", concurrency=10)
+    fleet.run_producer(config)
+    bad = [json.loads(x) for x in (fleet.out / "B1" / "malformed.jsonl").read_text().splitlines()]
+    assert [(b["where"], b["reason"]) for b in bad] == [
+        (f"{data}:2", f"line_too_long ({len(json.dumps(rows[1])):,} bytes > 1,000,000)"),
+        (f"{data}:3", "messages[0].content[0]: a part must be an object like {'type': 'text', 'text': ...}, not int"),
+    ]
+    kept = {r["id"]: r for r in fleet.assert_exactly_once(redis_client, "B1", 3)}
+    assert set(kept) == {"g00000", "g00003", "parts"}
+    stats = fleet.sim_stats()
+    assert stats["requests"] == 3 and stats["billed_prompt_tokens"] < 3 * 200  # the 5 MB prompt never went
+
+
+def test_a_sampled_dataset_still_names_every_prompt_that_cannot_fit(tmp_path: Path) -> None:
+    """Above the exact limit only a sample is counted, yet a long prompt outside it is still found."""
+    from common.config import load_config
+    from common.prompt_tokens import load_tokenizer
+    from producer.plan import plan_dataset
+
+    rows: list[dict[str, object] | str] = [*prompts(50)]
+    rows[36] = {"id": "long", "messages": [{"role": "user", "content": " ".join(f"w{i}" for i in range(3000))}]}
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    config = tmp_path / "fleet.toml"
+    config.write_text(f'[model]\nname = "m"\ntokenizer = "{DEMO_TOKENIZER}"\ncontext_length = 3000\n\n'
+                      f'[lengths.short]\nmax_tokens = 1000\ntimeout_s = 10\n\n'
+                      f'[[datasets]]\nname = "D"\npath = "{data}"\n')
+    cfg = load_config(config)
+    tokenizer = load_tokenizer(str(DEMO_TOKENIZER), trust_remote_code=False)
+    plan = plan_dataset(cfg, cfg.datasets[0], tokenizer, None, exact_limit=1)
+    assert (plan.prompts, plan.counted, plan.sampled) == (50, 1, True)
+    assert [t.split(" (")[0] for t in plan.too_long] == [f"{data}:37"]
+    exact = plan_dataset(cfg, cfg.datasets[0], tokenizer, None)
+    assert exact.too_long == plan.too_long and not exact.sampled
