@@ -50,7 +50,7 @@ def test_worker_and_producer_logs_never_show_the_configured_key(fleet: Fleet) ->
     """The key reaches a log record for real, in processes started as in production: the upstream
     echoes the model name (which here holds the key) in a 403 the worker logs as the prompt's
     failure, and the producer logs a malformed row's offending value (the key again)."""
-    fleet.start_simulator("--latency-median-ms", "10")
+    fleet.start_simulator("--latency-median-ms", "10", "--models", f"moonshotai/kimi-k2.5,{PLAIN_KEY}")
     rows: list[Any] = prompts(6, "k")
     for r in rows[:3]:
         r["messages"][0]["content"] = '#sim {"fail_attempts": [403]} ' + r["messages"][0]["content"]
@@ -60,7 +60,8 @@ def test_worker_and_producer_logs_never_show_the_configured_key(fleet: Fleet) ->
     config.write_text(config.read_text().replace('name = "moonshotai/kimi-k2.5"', f'name = "{PLAIN_KEY}"'))
     env = {"OPENROUTER_API_KEY": PLAIN_KEY, "SPECFLEET_LOG_LEVEL": "DEBUG"}
     fleet.start_worker("w1", concurrency=5, **env)
-    producer = fleet._spawn("producer", fleet.producer_cmd(config), fleet.env(**env))
+    # --no-plan: the plan prints the model name (the key, here) to stdout on purpose; not a log record.
+    producer = fleet._spawn("producer", [*fleet.producer_cmd(config), "--no-plan"], fleet.env(**env))
     assert producer.wait(timeout=120) == 0, fleet.all_logs()
     fleet.stop_all()
     worker_log, producer_log = fleet.log("w1"), fleet.log("producer")
