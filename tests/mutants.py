@@ -141,9 +141,12 @@ def _run_pytest(root: Path, m: Mutant, timeout_s: float, log: Path) -> tuple[int
 
 
 def _summary_line(output: str) -> str:
+    """The first failing test and the first line of why (pytest's ``E`` lines)."""
     lines = [x for x in output.strip().splitlines() if x.strip()]
-    failed = [x for x in lines if x.startswith(("FAILED", "ERROR"))]
-    return (failed[0] if failed else (lines[-1] if lines else "no output"))[:160]
+    failed = [x.split(" - ")[0] for x in lines if x.startswith(("FAILED", "ERROR"))]
+    why = [x[1:].strip() for x in lines if x.startswith("E ") and x[1:].strip()]
+    head = failed[0] if failed else (lines[-1] if lines else "no output")
+    return (head + (f" | {why[0]}" if why else ""))[:240]
 
 
 def run_one(m: Mutant, *, mutate: bool, timeout_s: float, keep: bool) -> Outcome:
