@@ -38,6 +38,10 @@ _GAUGES: list[tuple[str, str, str]] = [
     ("specfleet_reserved_tokens", "Estimated tokens of admitted requests still in flight", "reserved_tokens"),
     ("specfleet_failed", "Prompts whose last outcome is a failure (cleared if later kept)", "failed"),
     ("specfleet_in_flight", "Admitted requests holding a budget lease", "in_flight"),
+    ("specfleet_budget_usd", "Dollar budget of the dataset (0: none)", "budget_usd"),
+    ("specfleet_held_usd", "Worst-case dollars held for requests in flight and reaped ones", "held_usd"),
+    ("specfleet_run_budget_usd", "Dollar budget of the whole run (0: none)", "run_budget_usd"),
+    ("specfleet_run_spent_usd", "Dollars the budget counted across the run's datasets", "run_spent_usd"),
 ]
 _COUNTERS: list[tuple[str, str, str]] = [
     ("specfleet_kept_tokens", "Tokens of kept rows (sum of loss_mask), what the budget counts", "kept_tokens"),
@@ -55,6 +59,7 @@ _COUNTERS: list[tuple[str, str, str]] = [
         "billed_reasoning_tokens",
     ),
     ("specfleet_cost_usd", "Cost reported by OpenRouter, USD", "cost_usd"),
+    ("specfleet_spent_usd", "Dollars the budget counted: every billed answer, kept or not", "spent_usd"),
     ("specfleet_duplicates", "Second deliveries of an already kept prompt, row dropped", "duplicates"),
     ("specfleet_skipped", "Tasks skipped by workers", "skipped_by_workers"),
 ]

@@ -44,6 +44,7 @@ _COLUMNS = [
     "billed completion",
     "billed/kept",
     "cost (USD)",
+    "USD budget",
     "wall",
     "rows/s",
 ]
@@ -91,7 +92,8 @@ def table_row(summary: dict[str, Any]) -> list[str]:
     tokens = _num(summary, "tokens")
     budget = _num(summary, "budget_tokens")
     completion = _num(summary, "billed_completion_tokens")
-    cost = _num(summary, "cost_usd")
+    cost = _num(summary, "spent_usd")
+    cost = _num(summary, "cost_usd") if cost is None else cost
     wall = _num(summary, "wall_s")
     return [
         str(summary.get("dataset", "?")),
@@ -107,6 +109,7 @@ def table_row(summary: dict[str, Any]) -> list[str]:
         _int_cell(completion),
         _ratio(completion, tokens, ".2f"),
         "-" if cost is None else f"{cost:.4f}",
+        "-" if (usd := _num(summary, "budget_usd")) is None else f"{usd:.2f}",
         "-" if wall is None else fmt_duration(wall),
         _ratio(results, wall, ".2f"),
     ]
@@ -124,6 +127,8 @@ def _totals(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "billed_prompt_tokens",
         "billed_completion_tokens",
         "cost_usd",
+        "spent_usd",
+        "budget_usd",
         "wall_s",  # datasets run one after another: the run's wall time is the sum
     ):
         values = [v for s in summaries if (v := _num(s, key)) is not None]
@@ -151,6 +156,26 @@ def _breakdown(title: str, key: str, timelines: dict[str, list[dict[str, Any]]])
     return [f"## {title}", "", *lines, ""] if lines else []
 
 
+def _engine_ids(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """Datasets whose rows carry an engine's ids: how often the text rebuild disagreed with them."""
+    lines = []
+    for s in summaries:
+        rows = _num(s, "engine_rows")
+        if not rows:
+            continue
+        wrong, prompts = _num(s, "engine_mismatch") or 0, _num(s, "engine_prompt_mismatch") or 0
+        lines.append(
+            f"- **{s.get('dataset', '?')}**: {int(rows):,} rows with the engine's ids; `engine_mismatch` "
+            f"{int(wrong):,} ({wrong / rows:.2%} of them: text-only rebuilding would have been wrong); "
+            f"prompt ids unlike the template-rendered prompt: {int(prompts):,} ({prompts / rows:.2%})"
+        )
+    if not lines:
+        return []
+    note = ("A prompt-ids difference means the engine serves another chat template than the run's "
+            "tokenizer: check the configuration.")
+    return ["## Engine ids", "", *lines, "", note, ""]
+
+
 def render_markdown(
     summaries: list[dict[str, Any]], timelines: dict[str, list[dict[str, Any]]], *, png_name: str = REPORT_PNG
 ) -> str:
@@ -171,6 +196,7 @@ def render_markdown(
         "",
         f"![budget consumption and throughput over time]({png_name})",
         "",
+        *_engine_ids(summaries),
         *_breakdown("Upstream errors by class", "errors", timelines),
         *_breakdown("Failures by reason", "failures", timelines),
     ]

@@ -22,7 +22,7 @@ import redis
 from celery import Celery
 
 from common import keys
-from common.budget import Budget
+from common.budget import Budget, open_run
 from common.config import DatasetConfig, RunConfig
 from common.contract import CONTRACT_VERSION, TaskPayload, halt_line
 from common.datasets import Prompt, ReadStats, read_prompts
@@ -40,6 +40,10 @@ ENQUEUE_BATCH = 1000
 TICK_S = 0.25
 SAMPLE_EVERY_S = 1.0
 REAP_EVERY_S = 5.0
+
+#: End reasons by the limit that exhausted a dataset (BudgetSnapshot.ended_by); these leave
+#: admitted requests to land, where other end reasons stop them.
+BUDGET_END_REASONS = {"tokens": "budget", "usd": "budget_usd", "run_usd": "run_budget"}
 
 
 @dataclass
@@ -125,6 +129,7 @@ class Runner:
                    for i, d in enumerate(self.cfg.datasets) if not d.path.is_file()]
         if missing:  # before anything is enqueued: a typo in the third dataset must not wait hours
             raise ConfigError("dataset files missing\n  " + "\n  ".join(missing))
+        self.cfg.require_prices()
         self.lock.acquire()
         self._install_signal_handlers()
         try:
@@ -147,6 +152,9 @@ class Runner:
             ),
         )
         self.collector.start()
+        spent = open_run(self.client, self.cfg.run.budget_usd, [d.name for d in self.cfg.datasets])
+        if self.cfg.run.budget_usd:
+            log.info("run budget $%.2f, $%.4f spent so far", self.cfg.run.budget_usd, spent)
         try:
             self._warn_if_no_workers()
             for ds in self.cfg.datasets:
@@ -195,13 +203,20 @@ class Runner:
         self._runs.append(run)
         sink = self.collector.add(ds.name)
         k = budget.keys
+        if budget.snapshot().run_exhausted:
+            # The run's dollars are spent: this dataset gets no request (finalized on the next tick).
+            run.end_reason, run.enqueue_done = "run_budget", True
+            run.admission_ended_s = run.first_stop_s = time.time()
+            log.warning("%s: skipped, the run's dollar budget is spent", ds.name)
+            return
         self._restore_from_disk(budget, sink.writer)
         # Failures of an earlier run get another chance; the queue is rebuilt from the file below.
         self.client.delete(k.failed, k.queue)
-        kept, rows = budget.open(ds.budget_tokens)
+        kept, rows = budget.open(ds.budget_tokens, ds.budget_usd, self.cfg.run.budget_mode)
         run.resumed_rows = rows
         log.info(
-            "%s: start (%s, budget %s tokens%s)", ds.name, ds.length, f"{ds.budget_tokens:,}",
+            "%s: start (%s, %s budget %s tokens%s%s)", ds.name, ds.length, self.cfg.run.budget_mode,
+            f"{ds.budget_tokens:,}", f", ${ds.budget_usd:,.2f}" if ds.budget_usd else "",
             f", resuming with {kept:,} tokens in {rows:,} rows" if rows else "",
         )
         self.client.hset(keys.ACTIVE_QUEUES, k.queue, self.config_id)
@@ -235,22 +250,20 @@ class Runner:
         """Redis lost kept rows the shards hold (a server without persistence restarted): rebuild
         the exactly-once guard and the counter from the shards before anything is asked again."""
         rows_on_disk = writer.rows
-        rows_in_redis = int(self.client.hget(budget.keys.budget, "rows") or 0)
+        rows_in_redis = budget.snapshot().rows
         if rows_in_redis >= rows_on_disk:
             return
-        log.warning("%s: Redis knows %d kept rows, the shards hold %d: restoring from the shards",
+        log.warning("%s: Redis knows %d kept rows, the shards hold %d: restoring from the shards (dollars "
+                    "from the rows' usage.cost: billed answers that were not kept are not on disk)",
                     budget.keys.dataset, rows_in_redis, rows_on_disk)
-        ids, tokens, squares = [], 0, 0
+        ids: list[str] = []
+        tokens: list[int] = []
+        costs: list[float] = []
         for row in writer.iter_kept():
             ids.append(row["id"])
-            tokens += int(row["num_tokens"])
-            squares += int(row["num_tokens"]) ** 2
-        pipe = self.client.pipeline(transaction=True)
-        pipe.delete(budget.keys.done)
-        for start in range(0, len(ids), 10_000):
-            pipe.sadd(budget.keys.done, *ids[start:start + 10_000])
-        pipe.hset(budget.keys.budget, mapping={"kept": tokens, "rows": len(ids), "kept_sq": squares})
-        pipe.execute()
+            tokens.append(int(row["num_tokens"]))
+            costs.append(float((row.get("usage") or {}).get("cost") or 0.0))
+        budget.restore(ids, tokens, costs)
 
     def _enqueue(self, run: DatasetRun, batch: list[Prompt]) -> int:
         done = self.client.smismember(run.budget.keys.done, [p.id for p in batch])
@@ -315,7 +328,7 @@ class Runner:
 
     def _check_admission(self, run: DatasetRun, st: DatasetState, now: float) -> None:
         if st.state == "exhausted":
-            self._end_admission(run, "budget")
+            self._end_admission(run, BUDGET_END_REASONS.get(st.ended_by, "budget"))
             return
         if not run.enqueue_done:
             return
@@ -357,12 +370,12 @@ class Runner:
         run.admission_ended_s = time.time()
         if run.first_stop_s is None:
             run.first_stop_s = run.admission_ended_s
-            run.rows_at_first_stop = int(self.client.hget(run.budget.keys.budget, "rows") or 0)
+            run.rows_at_first_stop = run.budget.snapshot().rows
         k = run.budget.keys
         # Order matters: workers stop following the queue, then what is left in it goes. Messages a
         # worker already reserved find the dataset not active and end without a request.
         self.client.hdel(keys.ACTIVE_QUEUES, k.queue)
-        if reason != "budget":
+        if reason not in BUDGET_END_REASONS.values():
             run.budget.close()
         purged = self.client.llen(k.queue)
         self.client.delete(k.queue)
@@ -391,16 +404,17 @@ class Runner:
     def _top_up(self, run: DatasetRun, st: DatasetState) -> bool:
         """Give the room a budget stop left another round, while the next dataset runs.
 
-        The stop projects in-flight requests with the length-biased mean, so it never overshoots
-        but can end a few percent short once they land. A round admits only what the room can
-        take, so each one leaves a fraction of the previous shortfall.
+        Projected rule only (BudgetPolicy.should_top_up): its stop projects in-flight requests with
+        the length-biased mean and can end a few percent short once they land; a round admits only
+        what the room can take, so each one leaves a fraction of the previous shortfall. The hard
+        rule stops only when less than one worst case is left, which no round could use.
         """
-        if run.end_reason != "budget" or run.top_ups >= self.tuning.max_top_ups or not st.rows:
+        if run.end_reason != "budget" or run.top_ups >= self.tuning.max_top_ups:
+            return False
+        if not run.budget.policy.should_top_up(run.budget.snapshot()):
             return False
         room = st.limit - st.kept_tokens
-        if room < st.kept_tokens / st.rows:  # not even one more mean-sized row
-            return False
-        run.budget.open(run.cfg.budget_tokens)
+        run.budget.open(run.cfg.budget_tokens, run.cfg.budget_usd, self.cfg.run.budget_mode)
         self.client.hset(keys.ACTIVE_QUEUES, run.budget.keys.queue, self.config_id)
         queued = self._sweep(run)
         if not queued:
@@ -448,8 +462,17 @@ class Runner:
             billed_completion_tokens=st.billed_completion_tokens,
             billed_reasoning_tokens=st.billed_reasoning_tokens,
             cost_usd=round(st.cost_usd, 6),
+            budget_mode=st.budget_mode,
+            budget_usd=run.cfg.budget_usd,
+            spent_usd=round(st.spent_usd, 9),
+            unresolved_usd=round(st.orphaned_usd, 9),
+            run_budget_usd=self.cfg.run.budget_usd,
+            run_spent_usd=round(st.run_spent_usd, 9),
             requests=st.requests,
             duplicates=st.duplicates,
+            engine_rows=st.engine_rows,
+            engine_mismatch=st.engine_mismatch,
+            engine_prompt_mismatch=st.engine_prompt_mismatch,
             errors=st.errors,
             failures=st.failures,
             wall_s=round(wall_s, 3),

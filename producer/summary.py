@@ -15,7 +15,7 @@ from typing import Any
 @dataclass
 class Summary:
     dataset: str
-    #: budget | complete | stalled
+    #: budget (tokens) | budget_usd | run_budget | complete | stalled
     end_reason: str
     #: Good prompts in the file (up to max_prompts).
     prompts: int
@@ -35,6 +35,20 @@ class Summary:
     cost_usd: float
     requests: int
     duplicates: int
+    #: hard: never over a budget; projected: tokens admitted on an estimate (see common/budget.py).
+    budget_mode: str = "hard"
+    #: Dollars: the dataset's limit (None: none) and what it spent, kept or not; dollars still held
+    #: for requests whose worker vanished (they may have been billed); the run's limit and spend.
+    budget_usd: float | None = None
+    spent_usd: float = 0.0
+    unresolved_usd: float = 0.0
+    run_budget_usd: float | None = None
+    run_spent_usd: float = 0.0
+    #: Rows with an engine's ids (``model.upstream`` an engine); of those, rows whose text rebuild
+    #: differed from them, and rows whose prompt ids differed from the template-rendered prompt.
+    engine_rows: int = 0
+    engine_mismatch: int = 0
+    engine_prompt_mismatch: int = 0
     #: Attempts that failed, by reason, and prompts that failed for good, by reason.
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
@@ -62,16 +76,17 @@ class Summary:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+_HEADS = {"budget": "budget reached", "budget_usd": "dollar budget reached",
+          "run_budget": "run dollar budget reached", "complete": "all prompts done"}
+
+
 def report_line(s: Summary) -> str:
-    of_budget = f"{s.tokens:,} of {s.budget_tokens:,} tokens"
-    if s.end_reason == "budget":
-        head = f"budget reached {of_budget}"
-    elif s.end_reason == "complete":
-        head = f"all prompts done, {of_budget}"
-    else:
-        head = f"{s.end_reason}, {of_budget}"
+    head = f"{_HEADS.get(s.end_reason, s.end_reason)}, {s.tokens:,} of {s.budget_tokens:,} tokens"
+    dollars = f"${s.spent_usd or s.cost_usd:.4f}" + (f" of ${s.budget_usd:.2f}" if s.budget_usd else "")
+    if s.run_budget_usd:
+        dollars += f" (run ${s.run_spent_usd:.4f} of ${s.run_budget_usd:.2f})"
     return (
-        f"{s.dataset}: {head} · results {s.results:,} · skipped {s.skipped:,} · "
+        f"{s.dataset}: {head} · {dollars} · results {s.results:,} · skipped {s.skipped:,} · "
         f"failed {s.failed:,} · malformed {s.malformed:,} · billed {s.billed_completion_tokens:,} "
-        f"completion tokens · ${s.cost_usd:.4f} · {s.wall_s:.1f} s"
+        f"completion tokens · {s.wall_s:.1f} s"
     )

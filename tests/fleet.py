@@ -19,6 +19,7 @@ from typing import Any
 
 import requests
 
+from common.budget import Budget
 from common.worker_cmd import worker_argv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,7 +114,10 @@ class Fleet:
         return self._spawn(name, cmd, self.env(SPECFLEET_CONCURRENCY=str(concurrency), **env))
 
     def producer_cmd(self, config: Path, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "5", *extra]
+        # --yes: a small dollar budget is what tests use, and the plan would ask to confirm it
+        # (tests/test_plan.py tests that question on its own).
+        return [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "5", "--yes",
+                *extra]
 
     def start_producer(self, config: Path, name: str = "producer", *extra: str) -> subprocess.Popen[bytes]:
         return self._spawn(name, self.producer_cmd(config, *extra), self.env())
@@ -132,7 +136,7 @@ class Fleet:
     def wait_rows(self, client: Any, dataset: str, n: int, timeout_s: float = 60) -> None:
         """Until ``n`` rows of ``dataset`` are kept: a point mid-run to break something at."""
         deadline = time.monotonic() + timeout_s
-        while int(client.hget(f"specfleet:ds:{dataset}:budget", "rows") or 0) < n:
+        while Budget(client, dataset).snapshot().rows < n:
             assert time.monotonic() < deadline, self.all_logs()
             time.sleep(0.1)
 
@@ -141,9 +145,9 @@ class Fleet:
         rows = read_rows(self.out, dataset)
         ids = Counter(r["id"] for r in rows)
         assert not [i for i, c in ids.items() if c > 1], "a prompt id appears twice across the shards"
-        budget = client.hgetall(f"specfleet:ds:{dataset}:budget")
-        assert int(budget[b"kept"]) == sum(r["num_tokens"] for r in rows), "budget and rows disagree"
-        assert int(budget[b"rows"]) == len(rows)
+        snap = Budget(client, dataset).snapshot()
+        assert snap.kept == sum(r["num_tokens"] for r in rows), "budget and rows disagree"
+        assert snap.rows == len(rows)
         for r in rows:
             assert sum(r["loss_mask"]) == r["num_tokens"]
             assert len(r["input_ids"]) == len(r["loss_mask"])

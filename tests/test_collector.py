@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import redis
 
-from common.budget import Budget
+from common.budget import Ask, Budget
 from common.errors import OutputError
 from producer.collector import Collector
 from producer.rows import CHECKPOINT, JsonlShards, open_writer, shard_path
@@ -19,8 +19,8 @@ from producer.rows import CHECKPOINT, JsonlShards, open_writer, shard_path
 def _keep(b: Budget, n: int, start: int = 0) -> None:
     for i in range(start, start + n):
         pid = f"p{i}"
-        b.reserve(pid, "L", ttl_ms=60_000, prior_estimate=1)
-        b.settle(pid, "L", 3, msgpack.packb({"id": pid, "num_tokens": 3, "text": "héllo ✓"}))
+        b.reserve(pid, "L", ttl_ms=60_000, ask=Ask(3, 0, 3))
+        b.settle(pid, "L", 3, msgpack.packb({"id": pid, "num_tokens": 3, "text": "héllo ✓"}), cost_usd=0.0)
 
 
 def _ids(out: Path) -> list[str]:
@@ -66,8 +66,8 @@ def test_a_row_is_one_line_for_every_reader(tmp_path: Path, redis_client: redis.
     b = Budget(redis_client, "D")
     b.open(10_000)
     tricky = "line\u2028sep\u2029para\x85nel é ✓ 🙂"
-    b.reserve("p", "L", ttl_ms=60_000, prior_estimate=1)
-    b.settle("p", "L", 3, msgpack.packb({"id": "p", "content": tricky}))
+    b.reserve("p", "L", ttl_ms=60_000, ask=Ask(3, 0, 3))
+    b.settle("p", "L", 3, msgpack.packb({"id": "p", "content": tricky}), cost_usd=0.0)
     c = Collector(redis_client, tmp_path, shard_rows=10)
     c.add("D")
     c.drain_once(block_ms=10)

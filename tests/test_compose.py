@@ -626,6 +626,11 @@ backoff_max_s = 1.0
 [output]
 shard_rows = 500
 
+# The compose simulator counts tokens with its own rule, not the target tokenizer, so max_tokens does
+# not bound the kept tokens here: the hard rule would discard its first wave. Test the projected one.
+[run]
+budget_mode = "projected"
+
 [[datasets]]
 name = "A_budget"
 path = "data/a.jsonl"

@@ -25,13 +25,13 @@ def test_summary_json_round_trips_and_tolerates_keys_of_other_versions() -> None
     data = json.loads(s.dumps())
     assert data["tokens"] == 9_000 and data["errors"] == {"http_429": 4} and data["shards"] == ["shard-00000.jsonl"]
     assert Summary.from_json(data) == s
-    assert Summary.from_json({**data, "budget_usd": 5.0}) == s  # a newer file read by this version
+    assert Summary.from_json({**data, "a_field_of_a_newer_version": 5.0}) == s  # a newer file read by this one
 
 
 def test_report_line_says_why_the_dataset_ended() -> None:
     assert report_line(_summary()) == (
-        "short: budget reached 9,000 of 10,000 tokens · results 120 · skipped 77 · failed 3 · malformed 2 · "
-        "billed 9,900 completion tokens · $0.1235 · 61.2 s")
+        "short: budget reached, 9,000 of 10,000 tokens · $0.1235 · results 120 · skipped 77 · failed 3 · "
+        "malformed 2 · billed 9,900 completion tokens · 61.2 s")
     assert report_line(_summary(end_reason="complete")).startswith("short: all prompts done, 9,000 of 10,000 tokens")
     assert report_line(_summary(end_reason="stalled")).startswith("short: stalled, 9,000 of 10,000 tokens")
 

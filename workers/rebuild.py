@@ -70,6 +70,8 @@ class RebuiltRow:
     completion_text: str
     assistant_message: dict[str, Any]
     reasoning_end: ReasoningEnd
+    #: With an engine's ids (``workers/engine_ids.py``): how the text rebuild compared with them.
+    engine_check: dict[str, Any] | None = None
 
 
 def rebuild(

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from common.errors import TokenizerError
+from common.hf import auto_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +165,7 @@ class TargetTokenizer:
     ) -> TargetTokenizer:
         """Load a HF tokenizer (hub id or local dir), derive its turn format, run the start-up check."""
         try:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(
+            tokenizer = auto_tokenizer().from_pretrained(
                 name_or_path, trust_remote_code=trust_remote_code, revision=revision
             )
         except Exception as exc:  # any loader failure (hub, files, remote code) is one kind for us
