@@ -296,11 +296,12 @@ def test_max_prompts_caps_what_is_asked_and_kept(fleet: Fleet, redis_client: red
 
 
 def test_top_up_rounds_fill_the_room_a_budget_stop_left(fleet: Fleet, redis_client: redis.Redis) -> None:
-    """The stop projects in-flight work conservatively, so what lands leaves room (≈ 5% here); top-up
-    rounds refill it until less than one mean-sized row of room is left."""
+    """Projected rule: the stop projects in-flight work conservatively, so what lands leaves room
+    (≈ 1.5% here); top-up rounds refill it until less than one mean-sized row of room is left."""
     fleet.start_simulator("--latency-median-ms", "50")
     budget = 60_000
     config = fleet.one_dataset("T", 1000, budget_tokens=budget)
+    config.write_text(config.read_text() + '\n[run]\nbudget_mode = "projected"\n')  # top-ups are its rule's
     fleet.start_worker("w1", concurrency=40)
     fleet.start_worker("w2", concurrency=40)
     fleet.run_producer(config)
