@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint check bench soak clean
+.PHONY: install demo test lint check bench soak mutants clean
 
 install: $(STAMP)
 
@@ -42,6 +42,9 @@ bench: install  ## benchmark scripts that print figures
 
 soak: install  ## chaos soak (not part of test): 10k prompts, faults, worker and Redis SIGKILLs
 	$(BIN)/python bench/soak.py --prompts 10000
+
+mutants: install  ## one-line mutants of the promises (tests/mutants.toml), each on a temp copy; every one must be caught
+	$(BIN)/python -m tests.mutants $(MUTANTS_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache
