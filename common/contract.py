@@ -65,8 +65,9 @@ class ResultRow(TypedDict):
 
 #: Why a regenerated conversation ended at a turn: its last assistant turn was produced; the turn
 #: called tools (the dataset's tool results answered other calls); the dataset goes on with tool
-#: results although the regenerated turn called no tool.
-CONVERSATION_ENDS = ("last_turn", "tool_calls", "tool_results")
+#: results although the regenerated turn called no tool; the turn was cut before its end
+#: (``finish_reason`` length or a filter: as history it would read as a turn the model finished).
+CONVERSATION_ENDS = ("last_turn", "tool_calls", "tool_results", "cut")
 
 
 def row_key(conversation_id: str, turn: int) -> str:

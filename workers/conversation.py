@@ -12,7 +12,8 @@ A kept turn's regenerated message is stored by the same ``budget.lua`` settle th
 (``keys.DatasetKeys.turns``), so a redelivered conversation reads back exactly the turns that were
 counted and continues after the last one: no turn is paid for twice. The conversation ends at the
 turn that called tools (the dataset's tool results answered other calls), at a turn the dataset
-follows with tool results the turn did not ask for, or at its last turn; that row says why
+follows with tool results the turn did not ask for, at a turn cut short (``length``: as history it
+would read as finished), or at its last turn; that row says why
 (``conversation_end``) and the conversation joins ``ended``. A failed turn (token mismatch, retries
 exhausted, prompt too long) is that turn's failure and the conversation's outcome: later turns
 depend on it. A budget stop leaves the kept turns kept; a later run with room continues from them.
@@ -31,7 +32,7 @@ from common.contract import CONTRACT_VERSION, ResultRow, TaskPayload, row_key
 from common.keys import DatasetKeys
 from workers.context import WorkerContext
 from workers.generate import Busy, generate
-from workers.rebuild import RebuiltRow
+from workers.rebuild import ENDED_FINISH_REASONS, RebuiltRow
 from workers.upstream import Answer
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,12 @@ class Conversation:
             out += [*self.segments[k], regenerated[k]]
         return out + self.segments[turn]
 
-    def end_after(self, turn: int, called_tools: bool) -> str | None:
+    def end_after(self, turn: int, called_tools: bool, finished: bool) -> str | None:
         """Why the conversation ends at ``turn`` (``contract.CONVERSATION_ENDS``), or None."""
         if called_tools:
             return "tool_calls"
+        if not finished:
+            return "cut"
         if turn == self.turns - 1:
             return "last_turn"
         if self.segments[turn + 1][0]["role"] == "tool":
@@ -104,8 +107,10 @@ class Turn:
             message["content"] = ""
         raw_call = bool(self._tool_call_open) and self._tool_call_open in (message["content"] or "")
         end = self.conv.end_after(self.index, bool(message.get("tool_calls")) or raw_call
-                                  or answer.finish_reason == "tool_calls")
+                                  or answer.finish_reason == "tool_calls",
+                                  answer.finish_reason in ENDED_FINISH_REASONS)
         row["id"], row["turn"], row["key"] = self.conv.id, self.index, self.key
+        row["conversations"] = [*self.messages, message]  # as the next turn's history has it
         if end is not None:
             row["conversation_end"] = end
         record = msgpack.packb({"message": message, "end": end or ""}, use_bin_type=True)
