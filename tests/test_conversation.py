@@ -39,8 +39,9 @@ DS = "C"
 MAX_TOKENS = 64
 #: Room for the simulator's answers to end by themselves (a cut turn ends its conversation).
 SIM_MAX_TOKENS = 4096
-TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
-                                             "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+_LOOKUP_PARAMETERS = {"type": "object", "properties": {"q": {"type": "string"}}}
+TOOLS = [{"type": "function",
+          "function": {"name": "lookup", "description": "look a word up", "parameters": _LOOKUP_PARAMETERS}}]
 
 # Three assistant turns in the dataset, the last one cut (the target answers u2 itself).
 CONVERSATION = [
@@ -174,7 +175,8 @@ def test_last_stays_one_row_per_prompt(world: World) -> None:
 
 
 def _calls(k: int) -> Answer:
-    call = {"id": f"functions.lookup:{k}", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
+    call = {"id": f"functions.lookup:{k}", "type": "function",
+            "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
     return Answer(reasoning="need a lookup", content="", tool_calls=[call], finish_reason="tool_calls",
                   usage={"prompt_tokens": 5, "completion_tokens": 6, "reasoning_tokens": 0, "cost": 0.0})
 
