@@ -72,3 +72,34 @@ def test_conversations_survive_a_killed_worker_and_no_turn_is_paid_twice(fleet: 
     assert billing.not_kept == 0
     assert billing.twice <= at_kill and billing.extra == len(billing.twice) <= victim_in_flight
     assert billing.requests == len(rows) + billing.extra
+
+
+def test_a_larger_budget_continues_the_conversations_even_after_redis_lost_them(
+        fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator("--latency-median-ms", "20")
+    data = write_jsonl(fleet.tmp / "conv.jsonl", conversations(60, seed=2))
+    dataset = {"name": "CONV", "path": data, "length": "short", "regenerate": "all"}
+    small = fleet.write_config([{**dataset, "budget_tokens": 20_000}])
+    fleet.start_worker("w1", concurrency=30)
+    fleet.run_producer(small, name="producer1")
+    first = read_summary(fleet.out, "CONV")
+    rows_before = read_rows(fleet.out, "CONV")
+    assert first["end_reason"] == "budget" and first["skipped"] > 0
+    assert first["conversations_partial"] > 0  # stopped between turns of some conversations
+
+    # A Redis without persistence restarted: the done set, the stored turns and the ends are gone;
+    # the producer rebuilds them from the shards before anything is asked again.
+    redis_client.flushdb()
+    big = fleet.write_config([{**dataset, "budget_tokens": 10_000_000}])
+    out = fleet.run_producer(big, name="producer2")
+    assert "restoring from the shards" in out
+    summary = read_summary(fleet.out, "CONV")
+    rows = read_rows(fleet.out, "CONV")
+    check = check_rows(rows, DEMO_TOKENIZER)
+    assert check.bad == [] and check.prompt_mismatch == 0
+    assert summary["end_reason"] == "complete" and summary["conversations_ended"] + summary["failed"] == 60
+    assert summary["results"] == len(rows) and summary["results_this_run"] == len(rows) - len(rows_before)
+    # The partial conversations went on from their kept turns: nothing kept was asked again.
+    generations = requests.get(fleet.sim_url + "/_sim/stats?detail=1", timeout=30).json()["generations"]
+    billing = billed_twice(generations, rows)
+    assert (billing.not_kept, billing.extra) == (0, 0) and billing.requests == len(rows)
