@@ -318,3 +318,19 @@ def test_two_deliveries_at_once_ask_each_turn_once(world: World) -> None:
     assert len(fake.requests) == 3
     assert [r["turn"] for r in world.rows()] == [0, 1, 2]
 
+
+
+def test_summary_line_and_report_count_conversations_rows_and_turns() -> None:
+    from producer.report import render_markdown
+    from producer.summary import Summary, report_line
+
+    s = Summary(dataset="C", end_reason="budget", prompts=10, results=17, results_this_run=17, failed=1, skipped=3,
+                malformed=0, tokens=900, budget_tokens=1000, billed_prompt_tokens=0, billed_completion_tokens=0,
+                billed_reasoning_tokens=0, cost_usd=0.0, requests=18, duplicates=0, regenerate="all",
+                conversations_ended=6, conversations_partial=2, turns_per_conversation={"1": 3, "2": 4, "3": 2})
+    line = report_line(s)
+    assert "conversations 10 (ended 6, partial 2, failed 1, skipped 3)" in line and "rows 17" in line
+    assert "turns per conversation 1:3 2:4 3:2" in line
+    report = render_markdown([s.to_json()], {})
+    assert "10 conversations, 17 rows (one per kept turn); ended 6, failed 1, without an outcome 3" in report
+    assert "with some turns kept: 2" in report and "3 turns: 2" in report
