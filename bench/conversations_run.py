@@ -49,6 +49,8 @@ def main() -> int:
     ap.add_argument("--budget-tokens", type=int, default=50_000_000)
     ap.add_argument("--budget-usd", type=float, default=20.0)
     ap.add_argument("--kill-after-rows", type=int, default=0, help="default: a third of the expected rows")
+    ap.add_argument("--length", choices=("short", "long"), default="long",
+                    help="length class: max_tokens 1024 (short) or 4096 (long); a turn cut by it ends its conversation")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -61,7 +63,7 @@ def main() -> int:
         try:
             fleet.start_simulator("--latency-median-ms", str(args.latency_median_ms), "--seed", str(args.seed))
             data = write_jsonl(tmp / "conv.jsonl", conversations(args.conversations, seed=args.seed))
-            config = fleet.write_config([{"name": DATASET, "path": data, "length": "short", "regenerate": "all",
+            config = fleet.write_config([{"name": DATASET, "path": data, "length": args.length, "regenerate": "all",
                                           "budget_tokens": args.budget_tokens, "budget_usd": args.budget_usd}],
                                         timeout_s=60)
             config.write_text(config.read_text() + "\n" + PRICING)
