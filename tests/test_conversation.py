@@ -334,3 +334,20 @@ def test_summary_line_and_report_count_conversations_rows_and_turns() -> None:
     report = render_markdown([s.to_json()], {})
     assert "10 conversations, 17 rows (one per kept turn); ended 6, failed 1, without an outcome 3" in report
     assert "with some turns kept: 2" in report and "3 turns: 2" in report
+
+
+def test_a_spooled_turn_is_stored_with_its_row_when_replayed(world: World, tmp_path: Path) -> None:
+    from common.budget import TurnKeep
+    from workers.spool import replay, write_entry
+
+    world.budget.open(10_000)
+    record = msgpack.packb({"message": {"role": "assistant", "content": "A0"}, "end": "last_turn"})
+    entry = {"op": "settle", "dataset": DS, "id": "c9#0", "lease": "gone", "tokens": 5, "row": b"row",
+             "cost_usd": 0.0, "attempts": 1, "turn": ["c9", record, True]}
+    write_entry(tmp_path, entry)
+    assert replay(world.client, tmp_path) == 1
+    assert world.client.hget(keys.DatasetKeys(DS).turns, "c9#0") == record and world.ended() == {"c9"}
+    # Replayed twice (another worker on the host): a duplicate, nothing stored again.
+    assert world.budget.settle("c9#0", "gone", 5, b"row", cost_usd=0.0, turn=TurnKeep("c9", b"other", True)) \
+        == "duplicate"
+    assert world.client.hget(keys.DatasetKeys(DS).turns, "c9#0") == record
