@@ -136,6 +136,16 @@ POLICY = BudgetPolicy()
 
 
 @dataclass(frozen=True)
+class TurnKeep:
+    """A regenerated turn kept with its row: ``record`` (msgpack {message, end}) goes to the
+    conversation's turns, and ``ends`` marks the conversation ended (see keys.DatasetKeys.turns)."""
+
+    conversation: str
+    record: bytes
+    ends: bool
+
+
+@dataclass(frozen=True)
 class Reservation:
     status: Admission
     #: Tokens held (ok/over/wait) or ms until a busy lease expires (busy); 0 otherwise.
@@ -254,10 +264,15 @@ class Budget:
         return status
 
     def settle(self, prompt_id: str, lease: str, tokens: int, row: bytes, *, cost_usd: float,
-               attempts: int = 0) -> Settled:
+               attempts: int = 0, turn: TurnKeep | None = None) -> Settled:
         """Count a billed answer's cost, and keep its row (hand it to the collector) unless another
-        delivery already did ("duplicate") or the hard cap has no room for it ("discarded")."""
-        reply = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row)
+        delivery already did ("duplicate") or the hard cap has no room for it ("discarded").
+
+        ``turn`` (regenerate = "all"; ``prompt_id`` is then the row key): kept with the row, atomically."""
+        extra: tuple[Any, ...] = ()
+        if turn is not None:
+            extra = (turn.record, turn.conversation, "1" if turn.ends else "0")
+        reply = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row, *extra)
         if int(reply[-1]):
             # The dollar cap holds only while answers cost no more than their worst case.
             log.warning("%s/%s: the answer cost $%.6f, more than its worst case: is the model's price right?",

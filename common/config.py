@@ -72,6 +72,8 @@ class LengthClass(_Strict):
 
 
 LengthName = Literal["short", "long"]
+#: Which assistant turns of a dataset row the target produces again (``DatasetConfig.regenerate``).
+Regenerate = Literal["last", "all"]
 _LENGTHS: tuple[LengthName, ...] = ("short", "long")
 
 
@@ -126,6 +128,10 @@ class DatasetConfig(_Strict):
     max_prompts: int | None = Field(default=None, gt=0)
     #: A longer line is reported as ``line_too_long`` in malformed.jsonl and never sent.
     max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, gt=0)
+    #: ``last``: the answer to the conversation's last non-assistant message is produced again (one
+    #: row per prompt). ``all``: every assistant turn is, in order, each call seeing the regenerated
+    #: history (one row per turn; see workers/conversation.py).
+    regenerate: Regenerate = "last"
 
     @field_validator("name")
     @classmethod
@@ -161,6 +167,11 @@ class WorkerView(_Strict):
     retry: RetryConfig
     #: Dataset name -> its length class.
     datasets: dict[str, LengthName]
+    #: Datasets whose every assistant turn is regenerated (``regenerate = "all"``); absent: "last".
+    regenerate: dict[str, Regenerate] = Field(default_factory=dict)
+
+    def regenerates_all(self, dataset: str) -> bool:
+        return self.regenerate.get(dataset, "last") == "all"
 
     def length(self, dataset: str) -> LengthClass:
         name = self.datasets.get(dataset)
@@ -194,6 +205,7 @@ class RunConfig(_Strict):
             lengths={k: self.length_for(k) for k in _LENGTHS},
             retry=self.retry,
             datasets={d.name: d.length for d in self.datasets},
+            regenerate={d.name: d.regenerate for d in self.datasets if d.regenerate != "last"},
         )
 
     def require_prices(self) -> None:

@@ -176,6 +176,25 @@ def _engine_ids(summaries: Sequence[dict[str, Any]]) -> list[str]:
     return ["## Engine ids", "", *lines, "", note, ""]
 
 
+def _conversations(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """Datasets with ``regenerate = "all"``: rows are turns, prompts are conversations."""
+    lines = []
+    for s in summaries:
+        if s.get("regenerate") != "all":
+            continue
+        per = s.get("turns_per_conversation") or {}
+        turns = ", ".join(f"{k} turns: {int(v):,}" for k, v in sorted(per.items(), key=lambda kv: int(kv[0])))
+        lines.append(
+            f"- **{s.get('dataset', '?')}**: {int(_num(s, 'prompts') or 0):,} conversations, "
+            f"{int(_num(s, 'results') or 0):,} rows (one per kept turn); ended "
+            f"{int(_num(s, 'conversations_ended') or 0):,}, failed {int(_num(s, 'failed') or 0):,}, without an "
+            f"outcome {int(_num(s, 'skipped') or 0):,} (with some turns kept: "
+            f"{int(_num(s, 'conversations_partial') or 0):,}); "
+            f"kept turns per conversation: {turns or 'none'}"
+        )
+    return ["## Conversations (every turn regenerated)", "", *lines, ""] if lines else []
+
+
 def render_markdown(
     summaries: list[dict[str, Any]], timelines: dict[str, list[dict[str, Any]]], *, png_name: str = REPORT_PNG
 ) -> str:
@@ -196,6 +215,7 @@ def render_markdown(
         "",
         f"![budget consumption and throughput over time]({png_name})",
         "",
+        *_conversations(summaries),
         *_engine_ids(summaries),
         *_breakdown("Upstream errors by class", "errors", timelines),
         *_breakdown("Failures by reason", "failures", timelines),

@@ -62,6 +62,15 @@ class Summary:
     enqueue_s: float | None = None
     #: The files holding the rows (for JSONL, the shards).
     shards: list[str] = field(default_factory=list)
+    #: ``all``: every assistant turn regenerated: ``prompts`` are conversations, ``results`` rows
+    #: (one per kept turn), ``failed`` conversations ended by a failed turn, ``skipped`` conversations
+    #: without an outcome (the budget ended first; ``conversations_partial`` of them keep some turns).
+    regenerate: str = "last"
+    #: Conversations whose turns were all kept, or that ended at a kept turn calling tools.
+    conversations_ended: int | None = None
+    conversations_partial: int | None = None
+    #: Kept turns per conversation (a histogram: turns -> conversations, those with at least one).
+    turns_per_conversation: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +94,14 @@ def report_line(s: Summary) -> str:
     dollars = f"${s.spent_usd or s.cost_usd:.4f}" + (f" of ${s.budget_usd:.2f}" if s.budget_usd else "")
     if s.run_budget_usd:
         dollars += f" (run ${s.run_spent_usd:.4f} of ${s.run_budget_usd:.2f})"
+    if s.regenerate == "all":
+        turns = " ".join(f"{k}:{v:,}" for k, v in sorted(s.turns_per_conversation.items(), key=lambda kv: int(kv[0])))
+        return (
+            f"{s.dataset}: {head} · {dollars} · conversations {s.prompts:,} (ended {s.conversations_ended or 0:,}, "
+            f"partial {s.conversations_partial or 0:,}, failed {s.failed:,}, skipped {s.skipped:,}) · rows "
+            f"{s.results:,} · turns per conversation {turns or '-'} · malformed {s.malformed:,} · billed "
+            f"{s.billed_completion_tokens:,} completion tokens · {s.wall_s:.1f} s"
+        )
     return (
         f"{s.dataset}: {head} · {dollars} · results {s.results:,} · skipped {s.skipped:,} · "
         f"failed {s.failed:,} · malformed {s.malformed:,} · billed {s.billed_completion_tokens:,} "

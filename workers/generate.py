@@ -28,12 +28,13 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Protocol
 
 import gevent
 import msgpack
 import redis
 
-from common.budget import POLICY, Budget, Price, Reservation
+from common.budget import POLICY, Budget, Price, Reservation, TurnKeep
 from common.config import LengthClass, WorkerView
 from common.contract import (
     CONTRACT_VERSION,
@@ -82,6 +83,13 @@ class Prepared:
         return len(self.prompt.ids)
 
 
+class TurnHook(Protocol):
+    """A conversation's turn (``workers/conversation.py``, regenerate = "all"): the payload's id is
+    the row key; ``finish`` completes the row and says what is kept with it."""
+
+    def finish(self, row: ResultRow, rebuilt: RebuiltRow, answer: Answer) -> TurnKeep: ...
+
+
 class _Job:
     """The per-prompt state the steps share."""
 
@@ -122,8 +130,9 @@ class _Failed(Exception):
         self.reason, self.detail = reason, detail
 
 
-def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
-    """Run one prompt; returns the outcome word (kept, failed, duplicate, skipped:…, done, halted) or Busy."""
+def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = None) -> str | Busy:
+    """Run one prompt (or, with ``turn``, one turn of a conversation); returns the outcome word
+    (kept, failed, duplicate, skipped:…, done, halted) or Busy."""
     if payload.get("v") != CONTRACT_VERSION:
         raise ValueError(f"task contract version {payload.get('v')!r}, this worker speaks {CONTRACT_VERSION}")
     job = _Job(ctx, payload)
@@ -158,7 +167,7 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
         # of vanishing from the dataset's accounting.
         log.exception("%s/%s internal error", job.dataset, job.pid)
         return job.fail(FAIL_INTERNAL, f"{type(exc).__name__}: {exc}")
-    return settle(job, answer, rebuilt)
+    return settle(job, answer, rebuilt, turn)
 
 
 # --- 1. prepare ---------------------------------------------------------------------------------
@@ -302,13 +311,14 @@ def rebuild_row(job: _Job, prepared: Prepared, answer: Answer) -> RebuiltRow:
 # --- 5. settle ----------------------------------------------------------------------------------
 
 
-def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> str:
+def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow, turn: TurnHook | None = None) -> str:
     """Keep the row, unless another delivery did ("duplicate") or the hard cap has no room left
     for it ("discarded": its lease was reaped meanwhile; billed, failed as over_budget)."""
     row = _row(job.payload, rebuilt, answer, job.attempts)
+    keep = None if turn is None else turn.finish(row, rebuilt, answer)
     settled = settle_or_spool(job.ctx.redis, job.ctx.settings.spool_dir, job.budget, job.pid, job.lease,
                               rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True),
-                              cost_usd=job.billed_usd, attempts=job.attempts, within_s=LEASE_SLACK_S)
+                              cost_usd=job.billed_usd, attempts=job.attempts, within_s=LEASE_SLACK_S, turn=keep)
     if settled == "duplicate":
         job.stats.record_duplicate()
     elif settled == "discarded":

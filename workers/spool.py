@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from common.budget import Budget
+from common.budget import Budget, TurnKeep
 from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
 
@@ -65,8 +65,10 @@ def _apply(client: Any, entry: dict[str, Any]) -> str:
     budget = Budget(client, entry["dataset"])
     cost_usd = float(entry.get("cost_usd", 0.0))
     if entry["op"] == "settle":
+        turn = entry.get("turn")
         return budget.settle(entry["id"], entry["lease"], int(entry["tokens"]), entry["row"], cost_usd=cost_usd,
-                             attempts=int(entry.get("attempts", 0)))
+                             attempts=int(entry.get("attempts", 0)),
+                             turn=None if turn is None else TurnKeep(turn[0], turn[1], bool(turn[2])))
     failed = budget.fail(entry["id"], entry["lease"], entry["reason"], int(entry["attempts"]), entry["detail"],
                          where=entry.get("where", ""), cost_usd=cost_usd)
     return "failed" if failed else "duplicate"
@@ -85,9 +87,13 @@ def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: flo
 
 
 def settle_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str, lease: str, tokens: int,
-                    row: bytes, *, cost_usd: float, attempts: int, within_s: float) -> Outcome:
-    entry = {"op": "settle", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease, "tokens": tokens,
-             "row": row, "cost_usd": cost_usd, "attempts": attempts, "t_s": time.time()}
+                    row: bytes, *, cost_usd: float, attempts: int, within_s: float,
+                    turn: TurnKeep | None = None) -> Outcome:
+    entry: dict[str, Any] = {"op": "settle", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease,
+                             "tokens": tokens, "row": row, "cost_usd": cost_usd, "attempts": attempts,
+                             "t_s": time.time()}
+    if turn is not None:  # a conversation's turn travels with its row, so a replay stores it too
+        entry["turn"] = [turn.conversation, turn.record, turn.ends]
     word = _or_spool(client, spool_dir, entry, within_s)
     return "spooled" if word is None else word  # type: ignore[return-value]
 
