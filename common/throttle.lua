@@ -7,7 +7,9 @@
 --
 -- KEYS[1] state  HASH   limit       current in-flight limit (float; absent: max_in_flight)
 --                       pause_ms    unix ms before which nobody starts a request (Retry-After)
---                       cut_ms      unix ms of the last multiplicative cut
+--                       cut_ms      unix ms the current congestion event began
+--                       event_limit, event_in_flight, event_throttled   the limit and the requests
+--                                   in flight when it began, and how many the provider refused since
 --                       tokens, tokens_ms   the requests-per-second bucket and when it was filled
 --                       ok, throttled       answers counted by kind (for progress and metrics)
 -- KEYS[2] slots  ZSET   slot id -> expiry unix ms: requests in flight; a dead worker's slots expire
@@ -21,10 +23,11 @@
 --            outcome: ok | throttled | other -> {"released", limit}
 --            ok grows the limit by 1/limit (one more request per round trip: additive increase) while
 --            the fleet is at its limit;
---            throttled (429/503) cuts it to beta x min(limit, in flight) unless it was cut less than
---            cut_gap_ms ago (one congestion event, many 429s: one cut), and a Retry-After pauses
---            every new request of the fleet until then.
+--            throttled (429/503) begins a congestion event unless one began less than cut_gap_ms ago,
+--            and cuts the limit to beta x what the provider served during it (see below); a
+--            Retry-After pauses every new request of the fleet until then.
 --   state    now_ms -> {limit, in_flight, pause_ms_left, ok, throttled}
+--   reset    -> "reset": a new run learns from scratch (the slots of requests in flight stay)
 local state, slots = KEYS[1], KEYS[2]
 local op = ARGV[1]
 local UNBOUNDED = 1e9
@@ -64,7 +67,9 @@ elseif op == "release" then
   local retry_after, max_in_flight = tonumber(ARGV[5]), tonumber(ARGV[6])
   local beta, min_limit, cut_gap = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
   local in_flight = redis.call("ZCARD", slots)
-  redis.call("ZREM", slots, slot)
+  -- A slot that expired (or was never ours) must not count as an answer: its request's fate is
+  -- already out of the in-flight count the limit is compared with.
+  if redis.call("ZREM", slots, slot) == 0 then outcome = "other" end
   local limit = current_limit(max_in_flight)
   if outcome == "ok" then
     redis.call("HINCRBY", state, "ok", 1)
@@ -77,11 +82,21 @@ elseif op == "release" then
     end
   elseif outcome == "throttled" then
     redis.call("HINCRBY", state, "throttled", 1)
-    local cut = tonumber(redis.call("HGET", state, "cut_ms") or "0")
-    if now - cut >= cut_gap then
-      limit = math.max(min_limit, math.floor(math.min(limit, in_flight) * beta))
-      redis.call("HSET", state, "limit", tostring(limit), "cut_ms", now)
+    -- What the provider serves is what was in flight when the event began minus what it refused:
+    -- each refusal of the event lowers the estimate by one. A fleet starting unbounded with 1,500
+    -- requests against a capacity of 300 thus lands near 0.9 x 300 in one event, not after fifteen
+    -- 10% cuts; at steady state (one request over the capacity) it is the plain 0.9 x cut.
+    local e = redis.call("HMGET", state, "cut_ms", "event_limit", "event_in_flight", "event_throttled")
+    local cut, event_limit = tonumber(e[1] or "0"), tonumber(e[2] or "0")
+    local event_in_flight, refused = tonumber(e[3] or "0"), tonumber(e[4] or "0")
+    if now - cut >= cut_gap then  -- a new event: one congestion, however many 429s, cuts once
+      cut, event_limit, event_in_flight, refused = now, limit, in_flight, 0
     end
+    refused = refused + 1
+    local served = math.min(event_limit, event_in_flight - refused)
+    limit = math.min(limit, math.max(min_limit, math.floor(served * beta)))
+    redis.call("HSET", state, "limit", tostring(limit), "cut_ms", cut, "event_limit", tostring(event_limit),
+               "event_in_flight", event_in_flight, "event_throttled", refused)
     if retry_after > 0 then
       local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
       if now + retry_after > pause then redis.call("HSET", state, "pause_ms", now + retry_after) end
@@ -95,6 +110,10 @@ elseif op == "state" then
   local s = redis.call("HMGET", state, "limit", "pause_ms", "ok", "throttled")
   return {s[1] or "", redis.call("ZCARD", slots), math.max(0, tonumber(s[2] or "0") - now),
           tonumber(s[3] or "0"), tonumber(s[4] or "0")}
+
+elseif op == "reset" then
+  redis.call("DEL", state)
+  return "reset"
 end
 
 return redis.error_reply("throttle.lua: unknown operation " .. tostring(op))

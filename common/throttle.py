@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import redis
 
+from common.config import ThrottleLimits
 from common.keys import THROTTLE, THROTTLE_SLOTS
 
 _SCRIPT = files("common").joinpath("throttle.lua").read_text(encoding="utf-8")
@@ -28,6 +29,9 @@ DEFAULT_MIN_LIMIT = 4
 DEFAULT_CUT_GAP_MS = 1000
 
 Outcome = Literal["ok", "throttled", "other"]
+
+#: No fixed cap and no rate cap: the adaptive limit alone.
+NO_CAPS = ThrottleLimits()
 
 
 @dataclass(frozen=True)
@@ -58,35 +62,45 @@ def now_ms() -> int:
 
 
 class FleetThrottle:
-    def __init__(self, client: redis.Redis, *, max_in_flight: int = 0, max_requests_per_s: float = 0.0,
-                 beta: float = DEFAULT_BETA, min_limit: int = DEFAULT_MIN_LIMIT,
+    """The caps (``ThrottleLimits``, from the run's ``[request]``) travel with every call: one
+    process may serve runs with different caps, and the script clamps the learned limit to them."""
+
+    def __init__(self, client: redis.Redis, *, beta: float = DEFAULT_BETA, min_limit: int = DEFAULT_MIN_LIMIT,
                  cut_gap_ms: int = DEFAULT_CUT_GAP_MS) -> None:
         self._script = client.register_script(_SCRIPT)
-        self.max_in_flight = max_in_flight
-        self.max_requests_per_s = max_requests_per_s
         self.beta, self.min_limit, self.cut_gap_ms = beta, min_limit, cut_gap_ms
 
-    def _call(self, *args: Any) -> list[Any]:
+    def _call(self, *args: Any) -> Any:
         reply = self._script(keys=[THROTTLE, THROTTLE_SLOTS], args=list(args))
-        return [x.decode() if isinstance(x, bytes) else x for x in reply]
+        if isinstance(reply, list):
+            return [x.decode() if isinstance(x, bytes) else x for x in reply]
+        return reply
 
-    def acquire(self, slot: str, *, ttl_ms: int) -> Admission:
-        reply = self._call("acquire", slot, now_ms(), ttl_ms, self.max_in_flight, self.max_requests_per_s)
+    def acquire(self, slot: str, *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS) -> Admission:
+        reply = self._call("acquire", slot, now_ms(), ttl_ms, limits.max_in_flight or 0,
+                           limits.max_requests_per_s or 0)
         if reply[0] == "ok":
             return Admission(True)
         return Admission(False, int(reply[1]), str(reply[2]))
 
-    def release(self, slot: str, outcome: Outcome, *, retry_after_s: float | None = None) -> None:
+    def release(self, slot: str, outcome: Outcome, *, retry_after_s: float | None = None,
+                limits: ThrottleLimits = NO_CAPS) -> None:
         retry_after_ms = int((retry_after_s or 0) * 1000)
-        self._call("release", slot, now_ms(), outcome, retry_after_ms, self.max_in_flight, self.beta,
+        self._call("release", slot, now_ms(), outcome, retry_after_ms, limits.max_in_flight or 0, self.beta,
                    self.min_limit, self.cut_gap_ms)
 
-    def snapshot(self) -> ThrottleSnapshot:
+    def snapshot(self, limits: ThrottleLimits = NO_CAPS) -> ThrottleSnapshot:
         limit, in_flight, pause_left, ok, throttled = self._call("state", now_ms())
+        bounds = [float(x) for x in (limit, limits.max_in_flight) if x]  # the learned limit, the cap
         return ThrottleSnapshot(
-            limit=float(limit) if limit else (float(self.max_in_flight) if self.max_in_flight else None),
+            limit=min(bounds) if bounds else None,
             in_flight=int(in_flight),
             pause_ms_left=int(pause_left),
             ok=int(ok),
             throttled=int(throttled),
         )
+
+    def reset(self) -> None:
+        """A new run learns the provider's capacity from scratch: the last run's limit may belong to
+        another model or provider, and its counters to another run. Slots in flight stay."""
+        self._call("reset")

@@ -15,6 +15,8 @@ from common import keys
 from common.config import WorkerView
 from common.errors import ConfigError, TokenizerError
 from common.settings import Settings
+from common.throttle import FleetThrottle
+from workers.gate import Gate
 from workers.openrouter import OpenRouterClient
 from workers.target import TargetTokenizer
 from workers.upstream import Upstream
@@ -44,6 +46,11 @@ class WorkerContext:
             health_check_interval=25,
         )
         return redis.Redis(connection_pool=pool)
+
+    @cached_property
+    def gate(self) -> Gate:
+        """The process's door to the fleet-wide throttle: every upstream attempt passes it."""
+        return Gate(FleetThrottle(self.redis))
 
     @property
     def client(self) -> Upstream:

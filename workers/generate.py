@@ -4,9 +4,10 @@
   length class's ``max_prompt_tokens`` or the model's context length is failed
   (``prompt_too_long``) before any money is spent. The ids are reused by the rebuild.
 - **reserve**: ask the budget (``common/budget.py``) for admission; parked while it is full.
-- **call**: one ``Upstream.complete`` per attempt; after a failed one ``workers/retry.py`` decides
-  (retry after a backoff, fail the prompt, halt the fleet); the lease is renewed before a retry,
-  so a stopped dataset makes no further calls.
+- **call**: one ``Upstream.complete`` per attempt, each inside a slot of the fleet-wide throttle
+  (``workers/gate.py``); after a failed one ``workers/retry.py`` decides (retry after a backoff,
+  fail the prompt, halt the fleet); the lease is renewed before a retry and while waiting for a
+  slot, so a stopped dataset makes no further calls.
 - **rebuild**: the answer as token-exact ids, self-checked (``workers/rebuild.py``).
 - **settle**: count the row and hand it to the collector, exactly once.
 
@@ -220,12 +221,12 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
         timeout_s=job.length.timeout_s,
         prompt_ids=prepared.prompt.ids,
     )
-    upstream = job.ctx.client
     while True:
-        job.attempts += 1
         t0 = time.monotonic()
         try:
-            answer = upstream.complete(request)
+            answer = _attempt(job, request)
+        except _Ended as ended:
+            return ended.outcome
         except UpstreamError as exc:
             job.stats.record_error(exc.reason)
             log.info("%s/%s call %d: %s (%.1fs)", job.dataset, job.pid, job.attempts, exc.reason,
@@ -237,19 +238,50 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
             if decision.action == "fail":
                 raise _Failed(decision.reason, str(exc)) from None
             gevent.sleep(decision.delay_s)
-            # A stopped dataset makes no further upstream calls; an exhausted one still finishes
-            # what it admitted (the admission was within budget).
-            renewal = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, prior_estimate=0)
-            if renewal.status == "stopped":
-                job.budget.release(job.pid, job.lease)
-                return "skipped:stopped"
-            if renewal.status != "ok":  # halted, done elsewhere, or our lease expired and was taken over
-                return renewal.status
+            if (ended := _renew(job)) is not None:
+                return ended
             continue
         job.stats.record_answer(answer.usage)
         log.info("%s/%s call %d: %s completion_tokens=%s (%.1fs)", job.dataset, job.pid, job.attempts,
                  answer.finish_reason, answer.usage["completion_tokens"], time.monotonic() - t0)
         return answer
+
+
+class _Ended(Exception):
+    """The lease renewal found the prompt must end without another attempt (``outcome``)."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+def _attempt(job: _Job, request: Request) -> Answer:
+    """One attempt through the fleet-wide throttle (``workers/gate.py``): wait for a slot of the
+    fleet's in-flight limit, renewing the lease meanwhile, and give it back with the outcome (a
+    429/503 cuts the fleet's limit and its Retry-After pauses every worker)."""
+
+    def keepalive() -> None:
+        if (ended := _renew(job)) is not None:
+            raise _Ended(ended)
+
+    ttl_ms = int((job.length.timeout_s + LEASE_SLACK_S) * 1000)
+    with job.ctx.gate.slot(ttl_ms=ttl_ms, limits=job.view.throttle, keepalive=keepalive):
+        job.attempts += 1
+        return job.ctx.client.complete(request)
+
+
+def _renew(job: _Job) -> str | None:
+    """Renew the lease before another attempt; the outcome word when the prompt ends instead.
+
+    A stopped dataset makes no further upstream calls; an exhausted one still finishes what it
+    admitted (the admission was within budget)."""
+    renewal = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, prior_estimate=0)
+    if renewal.status == "stopped":
+        job.budget.release(job.pid, job.lease)
+        return "skipped:stopped"
+    if renewal.status != "ok":  # halted, done elsewhere, or our lease expired and was taken over
+        return renewal.status
+    return None
 
 
 def _halt(job: _Job, reason: str, exc: UpstreamError) -> str:
