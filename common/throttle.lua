@@ -12,6 +12,7 @@
 --                                   in flight when it began, and how many the provider refused since
 --                       tokens, tokens_ms   the requests-per-second bucket and when it was filled
 --                       ok, throttled       answers counted by kind (for progress and metrics)
+--                       cap         the run's max_in_flight, for readers (workers pass theirs)
 -- KEYS[2] slots  ZSET   slot id -> expiry unix ms: requests in flight; a dead worker's slots expire
 --
 -- ARGV[1] is the operation:
@@ -26,8 +27,8 @@
 --            throttled (429/503) begins a congestion event unless one began less than cut_gap_ms ago,
 --            and cuts the limit to beta x what the provider served during it (see below); a
 --            Retry-After pauses every new request of the fleet until then.
---   state    now_ms -> {limit, in_flight, pause_ms_left, ok, throttled}
---   reset    -> "reset": a new run learns from scratch (the slots of requests in flight stay)
+--   state    now_ms -> {limit, in_flight, pause_ms_left, ok, throttled, cap}
+--   reset    max_in_flight -> "reset": a new run learns from scratch (slots in flight stay)
 local state, slots = KEYS[1], KEYS[2]
 local op = ARGV[1]
 local UNBOUNDED = 1e9
@@ -107,12 +108,14 @@ elseif op == "release" then
 elseif op == "state" then
   local now = tonumber(ARGV[2])
   redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
-  local s = redis.call("HMGET", state, "limit", "pause_ms", "ok", "throttled")
+  local s = redis.call("HMGET", state, "limit", "pause_ms", "ok", "throttled", "cap")
   return {s[1] or "", redis.call("ZCARD", slots), math.max(0, tonumber(s[2] or "0") - now),
-          tonumber(s[3] or "0"), tonumber(s[4] or "0")}
+          tonumber(s[3] or "0"), tonumber(s[4] or "0"), s[5] or ""}
 
 elseif op == "reset" then
+  local cap = tonumber(ARGV[2])
   redis.call("DEL", state)
+  if cap > 0 then redis.call("HSET", state, "cap", cap) end
   return "reset"
 end
 

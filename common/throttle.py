@@ -89,9 +89,9 @@ class FleetThrottle:
         self._call("release", slot, now_ms(), outcome, retry_after_ms, limits.max_in_flight or 0, self.beta,
                    self.min_limit, self.cut_gap_ms)
 
-    def snapshot(self, limits: ThrottleLimits = NO_CAPS) -> ThrottleSnapshot:
-        limit, in_flight, pause_left, ok, throttled = self._call("state", now_ms())
-        bounds = [float(x) for x in (limit, limits.max_in_flight) if x]  # the learned limit, the cap
+    def snapshot(self) -> ThrottleSnapshot:
+        limit, in_flight, pause_left, ok, throttled, cap = self._call("state", now_ms())
+        bounds = [float(x) for x in (limit, cap) if x]  # the learned limit, the run's cap
         return ThrottleSnapshot(
             limit=min(bounds) if bounds else None,
             in_flight=int(in_flight),
@@ -100,7 +100,8 @@ class FleetThrottle:
             throttled=int(throttled),
         )
 
-    def reset(self) -> None:
-        """A new run learns the provider's capacity from scratch: the last run's limit may belong to
-        another model or provider, and its counters to another run. Slots in flight stay."""
-        self._call("reset")
+    def reset(self, limits: ThrottleLimits = NO_CAPS) -> None:
+        """A new run learns the provider's capacity from scratch (the last run's limit may belong
+        to another model or provider, its counters to another run) and records its cap for
+        readers. Slots of requests in flight stay."""
+        self._call("reset", limits.max_in_flight or 0)

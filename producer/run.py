@@ -27,6 +27,7 @@ from common.config import DatasetConfig, RunConfig
 from common.contract import CONTRACT_VERSION, TaskPayload, halt_line
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
+from common.throttle import FleetThrottle, ThrottleSnapshot
 from producer.collector import Collector
 from producer.enqueue import push
 from producer.lock import ProducerLock
@@ -111,6 +112,7 @@ class Runner:
         self.out_dir = cfg.output.dir
         self.collector = Collector(client, self.out_dir, cfg.output.shard_rows)
         self.lock = ProducerLock(client)
+        self.throttle = FleetThrottle(client)
         self._runs: list[DatasetRun] = []
         self._interrupted = threading.Event()
         self._last_sample_s = 0.0
@@ -130,6 +132,7 @@ class Runner:
         if self.client.delete(keys.HALT):
             log.warning("cleared the halt of an earlier run: resuming")
         self.client.delete(keys.MISCONFIG_STREAK)  # a fresh start: only this run's misses count
+        self.throttle.reset(self.cfg.request.throttle())  # this run's provider, this run's 429s
         self.client.set(
             keys.CURRENT_RUN,
             json.dumps(
@@ -308,7 +311,7 @@ class Runner:
             pipe.execute()
             if self.progress is not None:
                 shown = [states.get(r.name) or r.final_state for r in self._runs]
-                self.progress.update([st for st in shown if st is not None])
+                self.progress.update([st for st in shown if st is not None], self.throttle.snapshot())
 
     def _check_admission(self, run: DatasetRun, st: DatasetState, now: float) -> None:
         if st.state == "exhausted":
@@ -449,6 +452,7 @@ class Runner:
             "duplicates": st.duplicates,
             "errors": st.errors,
             "failures": st.failures,
+            "throttle": throttle_summary(self.throttle.snapshot()),
             "wall_s": round(wall_s, 3),
             "admission_s": round((run.first_stop_s or time.time()) - run.started_s, 3),
             "switch_s": None if run.switch_s is None else round(run.switch_s, 3),
@@ -473,7 +477,15 @@ def report_line(s: dict[str, Any]) -> str:
         f"{s['dataset']}: {head} · results {s['results']:,} · skipped {s['skipped']:,} · "
         f"failed {s['failed']:,} · malformed {s['malformed']:,} · billed {s['billed_completion_tokens']:,} "
         f"completion tokens · ${s['cost_usd']:.4f} · {s['wall_s']:.1f} s"
+        + (f" · 429s {100 * t['throttled_share']:.1f}%" if (t := s.get("throttle")) else "")
     )
+
+
+def throttle_summary(t: ThrottleSnapshot) -> dict[str, Any]:
+    """The fleet's throttle when a dataset ends: its in-flight limit then, and the run's answers
+    so far by kind (the counters are the fleet's, reset when the run started)."""
+    return {"limit": None if t.limit is None else round(t.limit, 1), "ok": t.ok, "throttled": t.throttled,
+            "throttled_share": round(t.throttled_share, 4)}
 
 
 def _batches(items: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:

@@ -30,7 +30,7 @@ def test_a_fixed_cap_holds_across_callers_and_a_release_frees_a_slot(redis_clien
     assert not refused.ok and refused.why == "limit"
     b.release("b0", "other", limits=cap)
     assert a.acquire("a9", ttl_ms=TTL_MS, limits=cap).ok
-    assert a.snapshot(cap).in_flight == 5 and a.snapshot(cap).limit == 5
+    assert a.snapshot().in_flight == 5
 
 
 def test_the_rate_bucket_lets_a_second_of_requests_through_then_spaces_them(redis_client: redis.Redis) -> None:
@@ -76,26 +76,26 @@ def test_successes_at_the_limit_grow_it_by_one_per_round_trip_up_to_the_cap(redi
     t, cap = FleetThrottle(redis_client, cut_gap_ms=0), ThrottleLimits(max_in_flight=12)
     slots = _fill(t, 11, limits=cap)
     t.release(slots[0], "throttled", limits=cap)  # 0.9 x the 10 not refused -> 9
-    assert t.snapshot(cap).limit == 9
+    assert t.snapshot().limit == 9
     held = slots[1:]
     for s in held[:2]:  # 10 in flight over the limit of 9: drain to it (answers at the limit grow it)
         t.release(s, "ok", limits=cap)
     held = held[2:]
-    grown = t.snapshot(cap).limit
+    grown = t.snapshot().limit
     assert grown is not None and 9.2 < grown < 9.3  # 9 + 1/9 + 1/9.1
     for i in range(9):  # a round trip at the limit: 9 answers, each slot taken again at once
         t.release(held.pop(0), "ok", limits=cap)
         assert t.acquire(f"again{i}", ttl_ms=TTL_MS, limits=cap).ok
         held.append(f"again{i}")
-    limit = t.snapshot(cap).limit
+    limit = t.snapshot().limit
     assert limit is not None and 9.95 < limit < 10.15  # about one more per round trip
     for i in range(300):  # a busy fleet: every freed slot is taken again at once
         if t.acquire(f"busy{i}", ttl_ms=TTL_MS, limits=cap).ok:
             held.append(f"busy{i}")
         else:
             t.release(held.pop(0), "ok", limits=cap)
-    assert t.snapshot(cap).limit == 12  # grew, and never past the configured cap
-    assert t.snapshot(cap).in_flight <= 12
+    assert t.snapshot().limit == 12  # grew, and never past the configured cap
+    assert t.snapshot().in_flight <= 12
 
 
 def test_an_idle_fleet_does_not_grow_its_limit(redis_client: redis.Redis) -> None:
@@ -119,8 +119,8 @@ def test_a_dead_workers_slots_expire_and_their_late_answers_count_for_nothing(re
     assert t.acquire("live", ttl_ms=TTL_MS, limits=cap).ok
     assert t.snapshot().in_flight == 1
     t.release("dead1", "throttled", limits=cap)  # expired: neither counted nor cutting
-    snap = t.snapshot(cap)
-    assert (snap.throttled, snap.limit, snap.in_flight) == (0, 2, 1)
+    snap = t.snapshot()
+    assert (snap.throttled, snap.limit, snap.in_flight) == (0, None, 1)
 
 
 def test_reset_forgets_the_limit_and_counters_but_not_the_requests_in_flight(redis_client: redis.Redis) -> None:
@@ -130,6 +130,8 @@ def test_reset_forgets_the_limit_and_counters_but_not_the_requests_in_flight(red
     t.reset()
     snap = t.snapshot()
     assert (snap.limit, snap.throttled, snap.pause_ms_left, snap.in_flight) == (None, 0, 0, 9)
+    t.reset(ThrottleLimits(max_in_flight=50))  # the run's cap, for readers that have no config
+    assert t.snapshot().limit == 50
 
 
 def test_gates_of_two_processes_never_exceed_the_fleet_limit(redis_client: redis.Redis) -> None:

@@ -238,8 +238,8 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
             if decision.action == "fail":
                 raise _Failed(decision.reason, str(exc)) from None
             gevent.sleep(decision.delay_s)
-            if (ended := _renew(job)) is not None:
-                return ended
+            if (outcome := _renew(job)) is not None:
+                return outcome
             continue
         job.stats.record_answer(answer.usage)
         log.info("%s/%s call %d: %s completion_tokens=%s (%.1fs)", job.dataset, job.pid, job.attempts,
