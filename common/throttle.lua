@@ -16,8 +16,10 @@
 -- KEYS[2] slots  ZSET   slot id -> expiry unix ms: requests in flight; a dead worker's slots expire
 --
 -- ARGV[1] is the operation:
---   acquire  slot now_ms ttl_ms max_in_flight max_per_s
---            -> {"ok", limit} | {"wait", ms, why}   why: pause | limit | rate
+--   acquire  now_ms ttl_ms max_in_flight max_per_s slot [slot ...]
+--            -> {"ok", granted, limit} | {"wait", ms, why}   why: pause | limit | rate
+--            grants the first ``granted`` slots (at least one; as many as the limit and the rate
+--            allow): a process's queue of waiting requests is served in one call, not one each.
 --            max_in_flight 0: no fixed cap (the adaptive limit alone, unbounded until a 429);
 --            max_per_s 0: no rate cap.
 --   release  slot now_ms outcome retry_after_ms max_in_flight beta min_limit cut_gap_ms
@@ -41,27 +43,28 @@ local function current_limit(max_in_flight)
 end
 
 if op == "acquire" then
-  local slot, now, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-  local max_in_flight, max_per_s = tonumber(ARGV[5]), tonumber(ARGV[6])
+  local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
+  local max_in_flight, max_per_s = tonumber(ARGV[4]), tonumber(ARGV[5])
+  local wanted = #ARGV - 5  -- slot ids: ARGV[6], ARGV[7] ...
   redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
   local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
   if pause > now then return {"wait", pause - now, "pause"} end
   local limit = current_limit(max_in_flight)
-  if redis.call("ZCARD", slots) >= math.max(1, math.floor(limit)) then
-    return {"wait", 0, "limit"}
-  end
+  local grant = math.min(wanted, math.max(1, math.floor(limit)) - redis.call("ZCARD", slots))
+  if grant < 1 then return {"wait", 0, "limit"} end
   if max_per_s > 0 then
     local b = redis.call("HMGET", state, "tokens", "tokens_ms")
     local tokens, at = tonumber(b[1] or max_per_s), tonumber(b[2] or now)
     tokens = math.min(max_per_s, tokens + (now - at) * max_per_s / 1000)
-    if tokens < 1 then
+    grant = math.min(grant, math.floor(tokens))
+    if grant < 1 then
       redis.call("HSET", state, "tokens", tostring(tokens), "tokens_ms", now)
       return {"wait", math.ceil((1 - tokens) * 1000 / max_per_s), "rate"}
     end
-    redis.call("HSET", state, "tokens", tostring(tokens - 1), "tokens_ms", now)
+    redis.call("HSET", state, "tokens", tostring(tokens - grant), "tokens_ms", now)
   end
-  redis.call("ZADD", slots, now + ttl, slot)
-  return {"ok", tostring(limit)}
+  for i = 1, grant do redis.call("ZADD", slots, now + ttl, ARGV[5 + i]) end
+  return {"ok", grant, tostring(limit)}
 
 elseif op == "release" then
   local slot, now, outcome = ARGV[2], tonumber(ARGV[3]), ARGV[4]

@@ -40,6 +40,8 @@ class Admission:
     #: When not ok: how long until asking again makes sense (0: when a slot frees), and why.
     wait_ms: int = 0
     why: str = ""
+    #: When ok: how many of the slots asked for were granted (the first ones).
+    granted: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,14 @@ class FleetThrottle:
         return reply
 
     def acquire(self, slot: str, *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS) -> Admission:
-        reply = self._call("acquire", slot, now_ms(), ttl_ms, limits.max_in_flight or 0,
-                           limits.max_requests_per_s or 0)
+        return self.acquire_many([slot], ttl_ms=ttl_ms, limits=limits)
+
+    def acquire_many(self, slots: list[str], *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS) -> Admission:
+        """Take as many of ``slots``, in order, as the limit and the rate allow (``granted``)."""
+        reply = self._call("acquire", now_ms(), ttl_ms, limits.max_in_flight or 0, limits.max_requests_per_s or 0,
+                           *slots)
         if reply[0] == "ok":
-            return Admission(True)
+            return Admission(True, granted=int(reply[1]))
         return Admission(False, int(reply[1]), str(reply[2]))
 
     def release(self, slot: str, outcome: Outcome, *, retry_after_s: float | None = None,
