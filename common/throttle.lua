@@ -22,10 +22,10 @@
 --            allow): a process's queue of waiting requests is served in one call, not one each.
 --            max_in_flight 0: no fixed cap (the adaptive limit alone, unbounded until a 429);
 --            max_per_s 0: no rate cap.
---   release  slot now_ms outcome retry_after_ms max_in_flight beta min_limit cut_gap_ms
+--   release  slot now_ms outcome retry_after_ms max_in_flight beta min_limit cut_gap_ms grow_near
 --            outcome: ok | throttled | other -> {"released", limit}
 --            ok grows the limit by 1/limit (one more request per round trip: additive increase) while
---            the fleet is at its limit;
+--            the fleet uses its limit (in flight >= grow_near x limit, or within one of it);
 --            throttled (429/503) begins a congestion event unless one began less than cut_gap_ms ago,
 --            and cuts the limit to beta x what the provider served during it (see below); a
 --            Retry-After pauses every new request of the fleet until then.
@@ -70,6 +70,7 @@ elseif op == "release" then
   local slot, now, outcome = ARGV[2], tonumber(ARGV[3]), ARGV[4]
   local retry_after, max_in_flight = tonumber(ARGV[5]), tonumber(ARGV[6])
   local beta, min_limit, cut_gap = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+  local grow_near = tonumber(ARGV[10])
   local in_flight = redis.call("ZCARD", slots)
   -- A slot that expired (or was never ours) must not count as an answer: its request's fate is
   -- already out of the in-flight count the limit is compared with.
@@ -79,7 +80,9 @@ elseif op == "release" then
     redis.call("HINCRBY", state, "ok", 1)
     -- Grow only while the limit is what holds the fleet back: a fleet with fewer greenlets than
     -- its limit would otherwise raise it without bound, and the next 429 would find it meaningless.
-    if limit < UNBOUNDED and in_flight + 1 >= math.floor(limit) then
+    -- "At the limit" with a margin: slots freed in one process are refilled by another only after
+    -- its next poll, so a busy fleet sits a few requests under its limit most of the time.
+    if limit < UNBOUNDED and in_flight >= math.min(math.floor(limit) - 1, grow_near * limit) then
       local cap = max_in_flight > 0 and max_in_flight or UNBOUNDED
       limit = math.min(cap, limit + 1 / limit)
       redis.call("HSET", state, "limit", tostring(limit))

@@ -19,14 +19,19 @@ from common.keys import THROTTLE, THROTTLE_SLOTS
 
 _SCRIPT = files("common").joinpath("throttle.lua").read_text(encoding="utf-8")
 
-#: A 429/503 cuts the fleet's in-flight limit to this share of what was in flight (multiplicative
-#: decrease). Gentle, because a fleet sits right under a provider's capacity: 0.9 keeps the
-#: sawtooth within 10% of it, where TCP's 0.5 would idle half of it after every 429.
-DEFAULT_BETA = 0.9
+#: A 429/503 cuts the fleet's in-flight limit to this share of what the provider served during the
+#: congestion event (multiplicative decrease). Gentle, because the cut starts from a measurement,
+#: not from a guess, and because getting back is slow: one request per round trip (2 s at the
+#: bench's latency, minutes at a long generation's). bench/throttle_run.py measured 0.9 leaving the
+#: fleet ~10% under the capacity for a minute after the start; each event also costs a fleet-wide
+#: Retry-After pause, so a shallower cut means a few more, cheap, events.
+DEFAULT_BETA = 0.95
 #: The limit is never cut below this many requests in flight.
 DEFAULT_MIN_LIMIT = 4
 #: 429s closer together than this are one congestion event and cut the limit once.
 DEFAULT_CUT_GAP_MS = 1000
+#: Answers grow the limit while the fleet has at least this share of it in flight.
+DEFAULT_GROW_NEAR = 0.97
 
 Outcome = Literal["ok", "throttled", "other"]
 
@@ -68,9 +73,9 @@ class FleetThrottle:
     process may serve runs with different caps, and the script clamps the learned limit to them."""
 
     def __init__(self, client: redis.Redis, *, beta: float = DEFAULT_BETA, min_limit: int = DEFAULT_MIN_LIMIT,
-                 cut_gap_ms: int = DEFAULT_CUT_GAP_MS) -> None:
+                 cut_gap_ms: int = DEFAULT_CUT_GAP_MS, grow_near: float = DEFAULT_GROW_NEAR) -> None:
         self._script = client.register_script(_SCRIPT)
-        self.beta, self.min_limit, self.cut_gap_ms = beta, min_limit, cut_gap_ms
+        self.beta, self.min_limit, self.cut_gap_ms, self.grow_near = beta, min_limit, cut_gap_ms, grow_near
 
     def _call(self, *args: Any) -> Any:
         reply = self._script(keys=[THROTTLE, THROTTLE_SLOTS], args=list(args))
@@ -93,7 +98,7 @@ class FleetThrottle:
                 limits: ThrottleLimits = NO_CAPS) -> None:
         retry_after_ms = int((retry_after_s or 0) * 1000)
         self._call("release", slot, now_ms(), outcome, retry_after_ms, limits.max_in_flight or 0, self.beta,
-                   self.min_limit, self.cut_gap_ms)
+                   self.min_limit, self.cut_gap_ms, self.grow_near)
 
     def snapshot(self) -> ThrottleSnapshot:
         limit, in_flight, pause_left, ok, throttled, cap = self._call("state", now_ms())

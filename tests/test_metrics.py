@@ -129,7 +129,7 @@ def test_scrape_reports_every_dataset_series(midrun: redis.Redis) -> None:
 def test_scrape_reports_the_fleet_throttle(midrun: redis.Redis) -> None:
     """The throttle as the workers leave it: 6 in flight, 3 answered, 1 answered 429 (which cut the
     limit to 0.9 x the 6 in flight it did not refuse and paused the fleet), and the run's cap of 20."""
-    throttle = FleetThrottle(midrun)
+    throttle = FleetThrottle(midrun, beta=0.9)
     throttle.reset(ThrottleLimits(max_in_flight=20))
     for i in range(10):
         assert throttle.acquire(f"s{i}", ttl_ms=60_000).ok

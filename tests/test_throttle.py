@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from common.config import ThrottleLimits
-from common.throttle import FleetThrottle
+from common.throttle import DEFAULT_BETA, FleetThrottle
 
 TTL_MS = 60_000
 
@@ -44,7 +44,7 @@ def test_the_rate_bucket_lets_a_second_of_requests_through_then_spaces_them(redi
 
 
 def test_a_429_cuts_the_limit_once_per_congestion_event_and_pauses_the_fleet(redis_client: redis.Redis) -> None:
-    t = FleetThrottle(redis_client, cut_gap_ms=300)
+    t = FleetThrottle(redis_client, cut_gap_ms=300, beta=0.9)
     slots = _fill(t, 100)  # no cap configured: unbounded until the first 429
     assert t.snapshot().limit is None
     t.release(slots[0], "throttled", retry_after_s=0.4)
@@ -62,18 +62,18 @@ def test_a_429_cuts_the_limit_once_per_congestion_event_and_pauses_the_fleet(red
 
 def test_a_burst_far_over_the_capacity_lands_near_it_in_one_event(redis_client: redis.Redis) -> None:
     """1,500 requests start at once against a provider that serves 300: the 1,200 it refuses are
-    one congestion event, and the limit lands at 0.9 x 300, not at 0.9 x 1,500 (which would take
-    fifteen events of hundreds of 429s each to come down)."""
+    one congestion event, and the limit lands at beta x 300, not at beta x 1,500 (which would take
+    dozens of events of hundreds of 429s each to come down)."""
     t = FleetThrottle(redis_client, cut_gap_ms=60_000)
     slots = _fill(t, 1500)
     for s in slots[300:]:
         t.release(s, "throttled", retry_after_s=1)
-    assert t.snapshot().limit == 270
+    assert t.snapshot().limit == int(DEFAULT_BETA * 300)
     assert t.snapshot().in_flight == 300
 
 
 def test_successes_at_the_limit_grow_it_by_one_per_round_trip_up_to_the_cap(redis_client: redis.Redis) -> None:
-    t, cap = FleetThrottle(redis_client, cut_gap_ms=0), ThrottleLimits(max_in_flight=12)
+    t, cap = FleetThrottle(redis_client, cut_gap_ms=0, beta=0.9), ThrottleLimits(max_in_flight=12)
     slots = _fill(t, 11, limits=cap)
     t.release(slots[0], "throttled", limits=cap)  # 0.9 x the 10 not refused -> 9
     assert t.snapshot().limit == 9
@@ -99,7 +99,7 @@ def test_successes_at_the_limit_grow_it_by_one_per_round_trip_up_to_the_cap(redi
 
 
 def test_an_idle_fleet_does_not_grow_its_limit(redis_client: redis.Redis) -> None:
-    t = FleetThrottle(redis_client, cut_gap_ms=0)
+    t = FleetThrottle(redis_client, cut_gap_ms=0, beta=0.9)
     slots = _fill(t, 21)
     t.release(slots[0], "throttled")  # limit 0.9 x 20 = 18
     for s in slots[1:5]:
@@ -109,6 +109,18 @@ def test_an_idle_fleet_does_not_grow_its_limit(redis_client: redis.Redis) -> Non
     for s in slots[5:16]:
         t.release(s, "ok")  # in flight falls far below the limit: no growth
     assert t.snapshot().limit == at_limit
+
+
+def test_a_busy_fleet_a_few_short_of_a_large_limit_still_grows_it(redis_client: redis.Redis) -> None:
+    """Slots freed in one process are refilled by another only after its next poll: a busy fleet
+    of 300 sits a few under its limit, and its answers must still grow it."""
+    t = FleetThrottle(redis_client, cut_gap_ms=0, beta=0.9)
+    slots = _fill(t, 301)
+    t.release(slots.pop(), "throttled")  # 0.9 x 300 = 270
+    for s in slots[:35]:
+        t.release(s, "ok")  # 300 … 266 in flight: growth while at least 97% of 270 (261.9)
+    limit = t.snapshot().limit
+    assert limit is not None and 270 + 34 / 271 < limit < 270 + 36 / 270
 
 
 def test_a_dead_workers_slots_expire_and_their_late_answers_count_for_nothing(redis_client: redis.Redis) -> None:
