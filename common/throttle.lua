@@ -10,7 +10,7 @@
 --                       cut_ms      unix ms the current congestion event began
 --                       event_limit, event_in_flight, event_throttled   the limit and the requests
 --                                   in flight when it began, and how many the provider refused since
---                       tokens, tokens_ms   the requests-per-second bucket and when it was filled
+--                       tokens, tokens_ms   the requests-per-second bucket (of one) and when it was filled
 --                       ok, throttled       answers counted by kind (for progress and metrics)
 --                       cap         the run's max_in_flight, for readers (workers pass theirs)
 -- KEYS[2] slots  ZSET   slot id -> expiry unix ms: requests in flight; a dead worker's slots expire
@@ -53,9 +53,12 @@ if op == "acquire" then
   local grant = math.min(wanted, math.max(1, math.floor(limit)) - redis.call("ZCARD", slots))
   if grant < 1 then return {"wait", 0, "limit"} end
   if max_per_s > 0 then
+    -- A bucket of one: requests start at least 1/max_per_s apart, so no one-second window holds
+    -- more than max_per_s + 1 of them (a bucket of max_per_s would let 2 x max_per_s through in
+    -- the first second, which a provider counting per second answers with 429s).
     local b = redis.call("HMGET", state, "tokens", "tokens_ms")
-    local tokens, at = tonumber(b[1] or max_per_s), tonumber(b[2] or now)
-    tokens = math.min(max_per_s, tokens + (now - at) * max_per_s / 1000)
+    local tokens, at = tonumber(b[1] or "1"), tonumber(b[2] or now)
+    tokens = math.min(1, tokens + (now - at) * max_per_s / 1000)
     grant = math.min(grant, math.floor(tokens))
     if grant < 1 then
       redis.call("HSET", state, "tokens", tostring(tokens), "tokens_ms", now)
