@@ -381,3 +381,13 @@ def test_the_worker_view_is_typed_and_carries_no_paths() -> None:
     renamed["lengths"]["short"]["timeout"] = renamed["lengths"]["short"].pop("timeout_s")
     with pytest.raises(ValueError, match="timeout"):
         WorkerView.model_validate_json(json.dumps(renamed))
+
+
+def test_the_throttle_caps_reach_workers_and_never_the_request_body() -> None:
+    cfg = _config(request={"temperature": 0.6, "max_in_flight": 300, "max_requests_per_s": 50})
+    assert cfg.request.body() == {"temperature": 0.6}  # what OpenRouter is sent
+    view = WorkerView.model_validate_json(cfg.worker_view().model_dump_json())
+    assert (view.throttle.max_in_flight, view.throttle.max_requests_per_s) == (300, 50)
+    assert "max_in_flight" not in view.request
+    with pytest.raises(ValueError, match="max_in_flight"):
+        _config(request={"max_in_flight": 0})
