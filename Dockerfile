@@ -41,7 +41,7 @@ WORKDIR /home/specfleet
 # matplotlib builds its font cache on first import (~14 s): once here, not in every new container.
 RUN python -c "import matplotlib.pyplot"
 
-# The default role is the worker: healthy while its own node (worker-<random>@<this hostname>)
+# The default role is the worker: healthy while its own node (specfleet@<this hostname>)
 # answers a ping. Other roles override this in compose.yaml / the k8s manifests.
 HEALTHCHECK --interval=60s --timeout=30s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import socket, sys; from workers.celery import app; r = app.control.inspect(timeout=15, limit=1, pattern='*@' + socket.gethostname(), matcher='glob').ping(); sys.exit(0 if r else 1)"]

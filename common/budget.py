@@ -1,36 +1,142 @@
-"""Python face of ``budget.lua``: one method per operation, typed answers.
+"""Python face of ``budget.lua``: the budget's policy, one method per operation, typed answers.
 
-Both sides use it: workers reserve/settle/fail/release, the producer opens, reaps and closes.
+The only Python that names a field of the budget hashes (a test holds it to that). Workers
+reserve/renew/settle/fail/release; the producer opens, restores, reaps, closes and reads snapshots.
+Dollars travel as integer nano-dollars (``nusd``) so the sums in Redis stay exact.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any, Literal
 
 import redis
 
-from common.keys import HALT, DatasetKeys
+from common.config import Pricing
+from common.keys import HALT, RUN_BUDGET, DatasetKeys
+
+log = logging.getLogger(__name__)
 
 _SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
 
-#: How many kept rows the prior estimate weighs as; after a few times this many rows the estimate
-#: is the measured mean.
-PRIOR_WEIGHT_ROWS = 2
-#: Kept rows after which the estimate is trusted to declare the budget fully committed; before,
-#: a full budget makes requests wait for in-flight ones to land instead of ending the dataset.
-TRUST_ROWS = 20
+#: Every field of the dataset budget hash and the run budget hash (see budget.lua's header).
+FIELDS = (
+    "tokens_rule", "tokens_limit", "tokens_kept", "tokens_kept_sq", "tokens_held", "tokens_max_seen", "rows_kept",
+    "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned", "admission_state", "ended_by",
+)
 
+Mode = Literal["hard", "projected"]
 Admission = Literal["ok", "done", "stopped", "busy", "over", "wait", "halted"]
+Renewal = Literal["ok", "done", "stopped", "halted", "lost"]
+Settled = Literal["kept", "duplicate", "discarded"]
+#: The limit that exhausted a dataset: its tokens, its dollars, the run's dollars ("" while open).
+EndedBy = Literal["tokens", "usd", "run_usd", ""]
+
+NUSD_PER_USD = 1_000_000_000
+
+
+def to_nusd(usd: float) -> int:
+    return round(usd * NUSD_PER_USD)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class Price:
+    """The model's price, as OpenRouter's models endpoint gives it: USD per token, per request."""
+
+    prompt: float
+    completion: float
+    request: float = 0.0
+
+    @classmethod
+    def of(cls, pricing: Pricing | None) -> Price | None:
+        """``model.pricing`` of the worker view, or None when the price is unknown."""
+        if pricing is None:
+            return None
+        return cls(pricing.prompt, pricing.completion, pricing.request)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What one request asks the budget for: its worst case, and the prior of the projected rule."""
+
+    worst_tokens: int
+    worst_nusd: int
+    prior_tokens: int
+
+
+@dataclass(frozen=True)
+class BudgetPolicy:
+    """Every constant of the budget rule, in one place (budget.lua's header states the rule).
+
+    ``hard`` admits a request only while the kept tokens (dollars spent) plus the worst case of
+    every request in flight fit the limit, so nothing lands over it; ``projected`` admits on an
+    estimate that moves from a prior to the measured mean and can end slightly over or under.
+    """
+
+    #: How many kept rows the prior estimate weighs as (projected rule); after a few times this
+    #: many rows the estimate is the measured mean.
+    prior_weight_rows: int = 2
+    #: Kept rows after which the estimate is trusted to declare the budget full (projected rule);
+    #: before, a full budget makes requests wait for in-flight ones to land.
+    trust_rows: int = 20
+    #: Tokens a rebuilt turn may count beyond the provider's completion tokens (``</think>``,
+    #: ``<|im_end|>``, re-tokenization): part of the hard rule's worst case.
+    turn_overhead_tokens: int = 16
+    #: Margin on our count of prompt tokens for the worst-case cost: the provider counts its own.
+    prompt_slack_fraction: float = 0.02
+    prompt_slack_tokens: int = 32
+    #: How often a request parked by a full budget ("wait") asks again, in seconds (jittered ±50%).
+    wait_poll_s: float = 1.0
+    #: Projected rule: a stopped dataset gets a top-up round while the room left once in-flight
+    #: work landed holds at least this many mean-sized rows. The hard rule ends less than one
+    #: worst case short by construction, so it never needs one.
+    top_up_min_rows: float = 1.0
+
+    def prior_tokens(self, max_tokens: int, estimate_tokens: int | None) -> int:
+        """The projected rule's first estimate: the configured guess, else max_tokens (a first
+        wave can't overshoot)."""
+        return int(estimate_tokens or max_tokens)
+
+    def worst_tokens(self, max_tokens: int) -> int:
+        return int(max_tokens) + self.turn_overhead_tokens
+
+    def worst_nusd(self, price: Price | None, prompt_tokens: int, max_tokens: int) -> int:
+        """Worst-case cost in nano-dollars; 0 when the price is unknown (no dollar budget then)."""
+        if price is None:
+            return 0
+        prompt = math.ceil(prompt_tokens * (1 + self.prompt_slack_fraction)) + self.prompt_slack_tokens
+        usd = prompt * price.prompt + max_tokens * price.completion + price.request
+        return math.ceil(usd * NUSD_PER_USD)
+
+    def ask(self, *, max_tokens: int, estimate_tokens: int | None, prompt_tokens: int,
+            price: Price | None) -> Ask:
+        return Ask(self.worst_tokens(max_tokens), self.worst_nusd(price, prompt_tokens, max_tokens),
+                   self.prior_tokens(max_tokens, estimate_tokens))
+
+    def should_top_up(self, snap: BudgetSnapshot) -> bool:
+        """After a budget stop, once nothing is in flight: is the room left worth another round?"""
+        if snap.rule != "projected" or snap.ended_by != "tokens" or not snap.rows:
+            return False
+        return snap.limit - snap.kept >= self.top_up_min_rows * snap.kept / snap.rows
+
+
+POLICY = BudgetPolicy()
 
 
 @dataclass(frozen=True)
 class Reservation:
     status: Admission
-    #: Tokens reserved (ok/over) or ms until a busy lease expires (busy); 0 otherwise.
+    #: Tokens held (ok/over/wait) or ms until a busy lease expires (busy); 0 otherwise.
     value: int
 
 
@@ -38,19 +144,71 @@ class Reservation:
 class BudgetSnapshot:
     limit: int
     kept: int
-    reserved: int
+    #: Token holds of live leases (hard: their worst cases; projected: their estimates).
+    held: int
     rows: int
     state: str  # active | exhausted | stopped | "" (never opened)
     in_flight: int
+    rule: str
+    ended_by: str
+    limit_nusd: int  # 0: no dollar budget
+    spent_nusd: int
+    held_nusd: int
+    orphaned_nusd: int
+    run_limit_nusd: int
+    run_spent_nusd: int
+    run_state: str
+
+    @property
+    def run_exhausted(self) -> bool:
+        return self.run_state == "exhausted"
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
+_SNAPSHOT_FIELDS = ("tokens_limit", "tokens_kept", "tokens_held", "rows_kept", "admission_state", "tokens_rule",
+                    "ended_by", "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
+_RUN_FIELDS = ("nusd_limit", "nusd_spent", "admission_state")
+#: Commands ``queue_snapshot`` adds to a pipeline.
+SNAPSHOT_COMMANDS = 3
+
+
+def queue_snapshot(pipe: Any, dataset: str) -> None:
+    """Adds the reads of a snapshot to ``pipe`` (``SNAPSHOT_COMMANDS`` replies, for ``parse_snapshot``),
+    so a caller can read the budget in the same round trip as its other keys."""
+    k = DatasetKeys(dataset)
+    pipe.hmget(k.budget, *_SNAPSHOT_FIELDS)
+    pipe.hlen(k.leases)
+    pipe.hmget(RUN_BUDGET, *_RUN_FIELDS)
+
+
+def parse_snapshot(replies: Sequence[Any]) -> BudgetSnapshot:
+    b, in_flight, r = replies[:SNAPSHOT_COMMANDS]
+
+    def i(v: Any) -> int:
+        return int(v or 0)
+
+    def s(v: Any) -> str:
+        return (v or b"").decode() if isinstance(v, bytes | None) else str(v)
+
+    return BudgetSnapshot(
+        limit=i(b[0]), kept=i(b[1]), held=i(b[2]), rows=i(b[3]), state=s(b[4]), in_flight=i(in_flight),
+        rule=s(b[5]), ended_by=s(b[6]), limit_nusd=i(b[7]), spent_nusd=i(b[8]), held_nusd=i(b[9]),
+        orphaned_nusd=i(b[10]), run_limit_nusd=i(r[0]), run_spent_nusd=i(r[1]), run_state=s(r[2]),
+    )
+
+
+def open_run(client: redis.Redis, limit_usd: float | None, datasets: Sequence[str]) -> float:
+    """Start or resume the run's dollar count: re-summed from its datasets' counters (so a resumed
+    run continues, and another config's spending is not carried in). Returns dollars spent so far."""
+    script = client.register_script(_SCRIPT)
+    reply = script(keys=[RUN_BUDGET, *(DatasetKeys(d).budget for d in datasets)],
+                   args=["run_open", to_nusd(limit_usd) if limit_usd else 0])
+    return int(reply[1]) / NUSD_PER_USD
 
 
 class Budget:
-    def __init__(self, client: redis.Redis, dataset: str) -> None:
+    def __init__(self, client: redis.Redis, dataset: str, policy: BudgetPolicy = POLICY) -> None:
         self.keys = DatasetKeys(dataset)
+        self.policy = policy
         self._client = client
         self._script = client.register_script(_SCRIPT)
 
@@ -60,23 +218,37 @@ class Budget:
 
     # --- workers ---------------------------------------------------------------------------
 
-    def reserve(self, prompt_id: str, lease: str, *, ttl_ms: int, prior_estimate: int) -> Reservation:
-        reply = self._call(
-            "reserve", prompt_id, lease, now_ms(), ttl_ms, prior_estimate, PRIOR_WEIGHT_ROWS, TRUST_ROWS
-        )
+    def reserve(self, prompt_id: str, lease: str, *, ttl_ms: int, ask: Ask) -> Reservation:
+        reply = self._call("reserve", prompt_id, lease, now_ms(), ttl_ms, ask.worst_tokens, ask.worst_nusd,
+                           ask.prior_tokens, self.policy.prior_weight_rows, self.policy.trust_rows)
         return Reservation(reply[0], int(reply[1]) if len(reply) > 1 else 0)
 
-    def settle(self, prompt_id: str, lease: str, tokens: int, row: bytes) -> bool:
-        """Count a kept row and hand it to the collector. False: another delivery already did."""
-        return self._call("settle", prompt_id, lease, tokens, row)[0] == "kept"
+    def renew(self, prompt_id: str, lease: str, *, ttl_ms: int) -> Renewal:
+        """Extend an admitted request's lease before a retry; takes no new budget."""
+        status: Renewal = self._call("renew", prompt_id, lease, now_ms(), ttl_ms)[0]
+        return status
 
-    def fail(self, prompt_id: str, lease: str, reason: str, attempts: int, detail: str, *, where: str = "") -> bool:
-        """Record the prompt's failure (a ``failed.jsonl`` line); ``where`` is its ``file:line``."""
+    def settle(self, prompt_id: str, lease: str, tokens: int, row: bytes, *, cost_usd: float,
+               attempts: int = 0) -> Settled:
+        """Count a billed answer's cost, and keep its row (hand it to the collector) unless another
+        delivery already did ("duplicate") or the hard cap has no room for it ("discarded")."""
+        reply = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row)
+        if int(reply[-1]):
+            # The dollar cap holds only while answers cost no more than their worst case.
+            log.warning("%s/%s: the answer cost $%.6f, more than its worst case: is the model's price right?",
+                        self.keys.dataset, prompt_id, cost_usd)
+        status: Settled = reply[0]
+        return status
+
+    def fail(self, prompt_id: str, lease: str, reason: str, attempts: int, detail: str, *,
+             where: str = "", cost_usd: float = 0.0) -> bool:
+        """Record the prompt's failure (a ``failed.jsonl`` line; ``where`` is its ``file:line``);
+        ``cost_usd`` of an answer that was billed before it failed still counts."""
         failure = json.dumps({"reason": reason, "attempts": attempts, "detail": detail[:500], "where": where})
-        return self._call("fail", prompt_id, lease, failure)[0] == "failed"
+        return self._call("fail", prompt_id, lease, failure, to_nusd(cost_usd))[0] == "failed"
 
-    def release(self, prompt_id: str, lease: str) -> None:
-        self._call("release", prompt_id, lease)
+    def release(self, prompt_id: str, lease: str, *, cost_usd: float = 0.0) -> None:
+        self._call("release", prompt_id, lease, to_nusd(cost_usd))
 
     def halt(self, reason: str, message: str, worker: str) -> None:
         """Stop every admission of every dataset: the account itself was refused."""
@@ -84,30 +256,29 @@ class Budget:
 
     # --- producer --------------------------------------------------------------------------
 
-    def open(self, limit_tokens: int) -> tuple[int, int]:
-        """Start or resume the dataset under ``limit_tokens``; returns (kept tokens, rows) so far."""
-        reply = self._call("open", limit_tokens)
+    def open(self, limit_tokens: int, limit_usd: float | None = None, mode: Mode = "hard") -> tuple[int, int]:
+        """Start or resume the dataset; returns (kept tokens, rows) so far."""
+        reply = self._call("open", limit_tokens, to_nusd(limit_usd) if limit_usd else 0, mode)
         return int(reply[1]), int(reply[2])
 
     def close(self) -> None:
         self._call("close")
 
     def reap(self) -> int:
+        """Expired leases (dead or stalled workers): tokens go back, dollars stay held as orphans."""
         return int(self._call("reap", now_ms())[1])
+
+    def restore(self, ids: Sequence[str], tokens: Sequence[int], costs_usd: Sequence[float]) -> bool:
+        """Rebuild the kept counters, the done set and (as a floor) the dollars spent from the rows
+        on disk, when Redis holds fewer kept rows than they do. True if it restored."""
+        reply = self._call("restore", len(ids), sum(tokens), sum(t * t for t in tokens),
+                           sum(to_nusd(c) for c in costs_usd), *ids)
+        return bool(reply[0] == "restored")
 
     def snapshot(self) -> BudgetSnapshot:
         pipe = self._client.pipeline(transaction=False)
-        pipe.hmget(self.keys.budget, "limit", "kept", "reserved", "rows", "state")
-        pipe.hlen(self.keys.leases)
-        (limit, kept, reserved, rows, state), in_flight = pipe.execute()
-        return BudgetSnapshot(
-            limit=int(limit or 0),
-            kept=int(kept or 0),
-            reserved=int(reserved or 0),
-            rows=int(rows or 0),
-            state=(state or b"").decode(),
-            in_flight=int(in_flight),
-        )
+        queue_snapshot(pipe, self.keys.dataset)
+        return parse_snapshot(pipe.execute())
 
     def failures(self) -> dict[str, dict[str, Any]]:
         raw = self._client.hgetall(self.keys.failed)

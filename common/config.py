@@ -27,6 +27,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+#: Who answers: OpenRouter (text only), or a self-hosted OpenAI-compatible engine that returns the
+#: token ids it sampled (``return_token_ids``), at the workers' ``SPECFLEET_ENGINE_URL``.
+UpstreamKind = Literal["openrouter", "vllm", "sglang"]
+
+
 class Pricing(_Strict):
     """The model's price in USD, OpenRouter's ``pricing`` shape: per token, and per request."""
 
@@ -36,8 +41,9 @@ class Pricing(_Strict):
 
 
 class ModelConfig(_Strict):
-    #: What OpenRouter is asked for.
+    #: What the upstream is asked for (OpenRouter's model id, or the engine's served model name).
     name: str = Field(min_length=1)
+    upstream: UpstreamKind = "openrouter"
     #: HF hub id or local folder, loaded with AutoTokenizer.
     tokenizer: str = Field(min_length=1)
     trust_remote_code: bool = False
@@ -55,17 +61,14 @@ class LengthClass(_Strict):
     max_tokens: int = Field(gt=0)
     #: Read timeout of one HTTP attempt: the only real time limit under gevent.
     timeout_s: float = Field(gt=0)
-    #: Tokens a request is expected to keep, before kept rows give a measured mean. Default:
-    #: max_tokens, which can't overshoot the budget in the first wave; a lower guess admits more
-    #: requests at the start but overshoots if it is wrong.
+    #: ``budget_mode = "projected"`` only: tokens a request is expected to keep, before kept rows
+    #: give a measured mean. Default: max_tokens, which can't overshoot the budget in the first
+    #: wave; a lower guess admits more requests at the start but overshoots if it is wrong. The
+    #: hard rule always holds max_tokens (common/budget.py BudgetPolicy).
     estimate_tokens: int | None = Field(default=None, gt=0)
     #: A prompt longer than this (counted with the target tokenizer) is refused before it is sent,
     #: failed as ``prompt_too_long``. None: only the model's context length limits it.
     max_prompt_tokens: int | None = Field(default=None, gt=0)
-
-    @property
-    def prior_estimate_tokens(self) -> int:
-        return self.estimate_tokens or self.max_tokens
 
 
 LengthName = Literal["short", "long"]
@@ -133,6 +136,8 @@ class DatasetConfig(_Strict):
     path: Path
     length: Literal["short", "long"] = "short"
     budget_tokens: int = Field(default=DEFAULT_BUDGET_TOKENS, gt=0)
+    #: Spend at most this many USD on the dataset (billed answers, kept or not). None: no limit.
+    budget_usd: float | None = Field(default=None, gt=0)
     #: Take at most this many prompts from the file (None: all).
     max_prompts: int | None = Field(default=None, gt=0)
     #: A longer line is reported as ``line_too_long`` in malformed.jsonl and never sent.
@@ -154,6 +159,10 @@ class RunSection(_Strict):
     budget_usd: float | None = Field(default=None, gt=0)
     #: Start even when ``specfleet plan``'s worst case exceeds ``budget_usd`` (same as ``--yes``).
     confirm_over_budget: bool = False
+    #: ``hard``: the kept tokens and the dollars spent never exceed their budgets (requests near
+    #: the end hold their worst case). ``projected``: tokens are admitted on an estimate, which
+    #: can end slightly over or under (dollars always hold worst cases).
+    budget_mode: Literal["hard", "projected"] = "hard"
 
 
 class WorkerView(_Strict):
@@ -206,6 +215,17 @@ class RunConfig(_Strict):
             throttle=self.request.throttle(),
         )
 
+    def require_prices(self) -> None:
+        """A dollar budget needs the model's price (config or models endpoint) before any request."""
+        with_usd = [f"datasets[{i}] ({d.name}).budget_usd" for i, d in enumerate(self.datasets) if d.budget_usd]
+        if self.run.budget_usd:
+            with_usd.insert(0, "[run] budget_usd")
+        if with_usd and self.model.pricing is None:
+            raise ConfigError(
+                f"{', '.join(with_usd)} needs the price of model {self.model.name!r}, which is unknown: "
+                "state it as [model.pricing] prompt = …, completion = … (USD per token, request = USD "
+                "per request), or let specfleet read it from OpenRouter's models endpoint")
+
     def length_for(self, name: LengthName) -> LengthClass:
         return self.lengths.get(name) or _default_lengths()[name]
 
@@ -227,11 +247,15 @@ def _line_of(text: str, loc: tuple[int | str, ...]) -> int | None:
             end = later[0] if later else len(lines)
         path = path[2:]
     elif path and isinstance(path[0], str):
+        # A sub-table of its own ([model.pricing]) before its parent ([model]).
+        depth = 2 if len(path) >= 2 and isinstance(path[1], str) and f"[{path[0]}.{path[1]}]" in (
+            ln.strip() for ln in lines) else 1
+        header = ".".join(str(p) for p in path[:depth])
         for i, ln in enumerate(lines):
-            if ln.strip() in (f"[{path[0]}]", f"[[{path[0]}]]"):
+            if ln.strip() in (f"[{header}]", f"[[{header}]]"):
                 start = i
                 break
-        path = path[1:]
+        path = path[depth:]
     key = next((p for p in path if isinstance(p, str)), None)
     if key is None:
         return start + 1 if start else None

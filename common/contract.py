@@ -52,6 +52,9 @@ class ResultRow(TypedDict):
     where: NotRequired[str]
     #: The row's tool declarations, when the prompt had them (they are part of the prompt ids).
     tools: NotRequired[list[dict[str, Any]]]
+    #: Rows whose ids came from the engine: the text rebuild checked against them
+    #: (``{"match", "prompt_match", …}``, see ``workers/engine_ids.py``).
+    engine_check: NotRequired[dict[str, Any]]
 
 
 # Failure reasons written to failed.jsonl (stable words for reports and metrics).
@@ -74,6 +77,7 @@ def halt_line(reason: str, message: str) -> str:
     """What the producer tells the user about a halt a worker recorded: once, with what to fix."""
     if reason == HALT_MISCONFIGURED:
         return (f"the upstream is misconfigured: {message.rstrip('.')}; fix the workers' OPENROUTER_BASE_URL "
-                "or the run file's model.name, then run the same command again to resume")
+                "(SPECFLEET_ENGINE_URL for an engine run) or the run file's model.name, then run the same command "
+                "again to resume")
     return (f"OpenRouter refused the account ({reason}: {message}); fix the key or the credits, then run "
             "the same command again to resume")

@@ -9,7 +9,7 @@ id gets a stable content hash, so a re-run recognises it. A bad row raises ``Dat
 naming ``file:line`` and is counted by the caller; the rest of the file still runs.
 
 A UTF-8 BOM before a row is dropped. ``content`` is a string, null (a tool-calling
-assistant turn) or OpenAI text parts (``[{"type": "text", "text": …}, …]``), which are joined into
+assistant turn; read as "") or OpenAI text parts (``[{"type": "text", "text": …}, …]``), which are joined into
 one string with nothing between them: that is what Kimi's chat template renders for parts, and a
 string is rendered the same way by every template, so the text sent to the model and the text the
 worker's template renders for the row never differ. Any other content (numbers, objects, image
@@ -68,8 +68,13 @@ def _messages(row: dict[str, Any]) -> list[dict[str, Any]]:
                 raise ValueError(f"field 'messages[{i}]': must be an object")
             if m.get("role") not in _ROLES:
                 raise ValueError(f"field 'messages[{i}].role': {m.get('role')!r} is not one of {sorted(_ROLES)}")
-            if "content" in m and not (m["content"] is None or isinstance(m["content"], str)):
-                m = {**m, "content": _joined_text(m["content"], f"messages[{i}].content")}
+            content = m.get("content")
+            if content is None:
+                # A tool-calling turn's null (or missing) content: Qwen3's own template fails on it,
+                # and every template renders "" as it renders null. Sent and rendered the same.
+                m = {**m, "content": ""}
+            elif not isinstance(content, str):
+                m = {**m, "content": _joined_text(content, f"messages[{i}].content")}
             out.append(m)
         return out
     if "conversations" in row:

@@ -114,3 +114,14 @@ class TokenMismatch(SpecfleetError):
 
 class StoreError(SpecfleetError):
     """Redis is unreachable or answered something the key layout does not allow."""
+
+
+# --- the output folder --------------------------------------------------------------------------
+
+
+class OutputError(SpecfleetError):
+    """The output folder refused a write (full, read-only, over a file size limit).
+
+    Nothing is lost: rows not yet written stay in Redis, and running the same command again
+    (once the folder is writable) writes them exactly once.
+    """

@@ -4,15 +4,18 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
 
     specfleet:config:<cid>          STRING  run config as JSON (secrets stripped), written by the producer
     specfleet:active                HASH    queue name -> run-config id: what workers consume now (they poll it)
-    specfleet:ds:<ds>:budget        HASH    limit, kept, reserved, rows, state (see budget.lua)
+    specfleet:ds:<ds>:budget        HASH    the dataset's budget counters (fields: see budget.lua)
     specfleet:ds:<ds>:done          SET     prompt ids whose row was kept (the exactly-once guard)
-    specfleet:ds:<ds>:leases        HASH    prompt id -> "<lease>|<estimate>|<expires_ms>" of admitted requests
+    specfleet:ds:<ds>:leases        HASH    prompt id -> "<lease>|<hold tokens>|<hold nano-usd>|<expires_ms>"
+    specfleet:ds:<ds>:orphans       HASH    lease -> nano-usd still held for a reaped lease (it may be billed)
     specfleet:ds:<ds>:failed        HASH    prompt id -> JSON {reason, attempts, detail, where} (cleared if kept later)
     specfleet:ds:<ds>:results       STREAM  kept rows (field ``row``: msgpack), drained by the collector
     specfleet:ds:<ds>:stats         HASH    counters for reports and metrics (billed tokens, errors by class…)
     specfleet:ds:<ds>:timeline      LIST    JSON samples of progress over time, for the run report's plot
     specfleet:producer:lock         STRING  one producer per Redis at a time
     specfleet:run:current           STRING  JSON {config_id, datasets, started_s, out_dir} of the run in progress
+    specfleet:run:budget            HASH    the run's dollars across all its datasets (spent, held, limit; see
+                                            budget.lua): one counter so a run-wide cap is atomic
     specfleet:halt                  STRING  JSON {reason, message, worker}: the account was refused (401, 402)
                                             or the URL/model is wrong: every admission stops until the next
                                             `specfleet run` (contract.halt_line says it to the user)
@@ -36,6 +39,7 @@ MISCONFIG_STREAK = f"{PREFIX}:misconfig"
 #: One throttle per Redis: rate limits belong to the account and model, not to a dataset or a run.
 THROTTLE = f"{PREFIX}:throttle"
 THROTTLE_SLOTS = f"{PREFIX}:throttle:slots"
+RUN_BUDGET = f"{PREFIX}:run:budget"
 
 #: Prefix of the per-dataset Celery queue name (a Redis list of the same name).
 QUEUE_PREFIX = f"{PREFIX}.q."
@@ -58,6 +62,7 @@ class DatasetKeys:
         self.budget = f"{base}:budget"
         self.done = f"{base}:done"
         self.leases = f"{base}:leases"
+        self.orphans = f"{base}:orphans"
         self.failed = f"{base}:failed"
         self.results = f"{base}:results"
         self.stats = f"{base}:stats"
@@ -66,4 +71,4 @@ class DatasetKeys:
 
     @property
     def budget_keys(self) -> list[str]:
-        return [self.budget, self.done, self.leases, self.failed, self.results, HALT]
+        return [self.budget, self.done, self.leases, self.failed, self.results, HALT, RUN_BUDGET, self.orphans]

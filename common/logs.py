@@ -53,7 +53,8 @@ def configure(level: str = "INFO") -> None:
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     )
-    handler.addFilter(RedactSecrets([os.environ.get("OPENROUTER_API_KEY", "")]))
+    keys = [os.environ.get(name, "") for name in ("OPENROUTER_API_KEY", "SPECFLEET_ENGINE_API_KEY")]
+    handler.addFilter(RedactSecrets(keys))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -14,13 +14,12 @@ from typing import Any
 
 from common.datasets import Prompt
 from common.errors import ConfigError
+from common.hf import auto_tokenizer
 
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool, revision: str | None = None) -> Any:
     try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+        tokenizer = auto_tokenizer().from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
                                                   revision=revision)
     except Exception as exc:  # hub, files or remote code: one kind of failure for the caller
         raise ConfigError(f"cannot load tokenizer {name_or_path!r}: {exc}") from None

@@ -15,7 +15,7 @@ from common.errors import ConfigError
 OPENROUTER_DEFAULT_BASE_URL = "https://openrouter.ai"
 
 
-def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0, maximum: int | None = None) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -25,6 +25,8 @@ def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -
         raise ConfigError(f"environment variable {name}={raw!r}: not a whole number") from None
     if value < minimum:
         raise ConfigError(f"environment variable {name}={raw!r}: must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"environment variable {name}={raw!r}: must be <= {maximum}")
     return value
 
 
@@ -59,6 +61,10 @@ class Settings:
     log_level: str = "INFO"
     app_url: str = "https://github.com/specfleet/specfleet"
     app_title: str = "specfleet"
+    #: A self-hosted OpenAI-compatible engine (vLLM, SGLang), for runs whose ``model.upstream``
+    #: names one: its base URL (``http://host:8000`` or ``…/v1``) and an optional API key.
+    engine_url: str | None = None
+    engine_api_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -66,6 +72,9 @@ class Settings:
         base_url = env.get("OPENROUTER_BASE_URL") or OPENROUTER_DEFAULT_BASE_URL
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"environment variable OPENROUTER_BASE_URL={base_url!r}: not an http(s) URL")
+        engine_url = env.get("SPECFLEET_ENGINE_URL") or None
+        if engine_url and not engine_url.startswith(("http://", "https://")):
+            raise ConfigError(f"environment variable SPECFLEET_ENGINE_URL={engine_url!r}: not an http(s) URL")
         redis_url = env.get("REDIS_URL") or None
         if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(
@@ -81,10 +90,12 @@ class Settings:
             worker_concurrency=_int(env, "SPECFLEET_CONCURRENCY", 1000, minimum=1),
             visibility_timeout_s=_int(env, "SPECFLEET_VISIBILITY_TIMEOUT_S", 7200, minimum=10),
             queue_poll_s=_float(env, "SPECFLEET_QUEUE_POLL_S", 2.0, minimum=0.1),
-            metrics_port=_int(env, "SPECFLEET_METRICS_PORT", 9808),
+            metrics_port=_int(env, "SPECFLEET_METRICS_PORT", 9808, minimum=1, maximum=65535),
             log_level=level,
             app_url=env.get("SPECFLEET_APP_URL") or cls.app_url,
             app_title=env.get("SPECFLEET_APP_TITLE") or cls.app_title,
+            engine_url=engine_url.rstrip("/") if engine_url else None,
+            engine_api_key=env.get("SPECFLEET_ENGINE_API_KEY") or None,
         )
 
     def require_redis_url(self) -> str:

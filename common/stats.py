@@ -6,8 +6,9 @@ caller that already pipelined the HGETALL). Counters only ever grow, so any read
 enough for a progress bar.
 
 Fields: ``requests`` and ``billed_*``/``cost_micro_usd`` per answer received (billed whether kept
-or not), ``duplicates`` and ``skipped`` per outcome, ``err:<reason>`` per failed upstream attempt
-(``err:http_429`` …) and ``fail:<reason>`` per prompt that ended failed (``fail:token_mismatch`` …).
+or not), ``duplicates`` and ``skipped`` per outcome, ``engine_rows``/``engine_mismatch``/
+``engine_prompt_mismatch`` per kept row with an engine's ids, ``err:<reason>`` per failed upstream
+attempt (``err:http_429`` …) and ``fail:<reason>`` per prompt that ended failed (``fail:token_mismatch`` …).
 
 Also the fleet-wide misconfiguration streak (``keys.MISCONFIG_STREAK``): prompts that met a
 "wrong URL or model" answer since the last answer anywhere (``workers/retry.py`` halts on it).
@@ -29,6 +30,11 @@ BILLED_REASONING = "billed_reasoning_tokens"
 COST_MICRO_USD = "cost_micro_usd"
 DUPLICATES = "duplicates"
 SKIPPED = "skipped"
+#: Kept rows whose ids came from an engine; of those, rows the text rebuild got wrong, and rows
+#: whose prompt ids differ from the template-rendered prompt (``workers/engine_ids.py``).
+ENGINE_ROWS = "engine_rows"
+ENGINE_MISMATCH = "engine_mismatch"
+ENGINE_PROMPT_MISMATCH = "engine_prompt_mismatch"
 _ERROR = "err:"
 _FAILURE = "fail:"
 
@@ -45,6 +51,9 @@ class StatsSnapshot:
     cost_usd: float = 0.0
     duplicates: int = 0
     skipped: int = 0
+    engine_rows: int = 0
+    engine_mismatch: int = 0
+    engine_prompt_mismatch: int = 0
     #: Failed upstream attempts by reason (``http_429``, ``timeout`` …).
     errors: dict[str, int] = field(default_factory=dict)
     #: Prompts that ended failed, by reason (``retries_exhausted``, ``prompt_too_long`` …).
@@ -82,6 +91,15 @@ class DatasetStats:
     def record_skipped(self) -> None:
         self._client.hincrby(self.key, SKIPPED, 1)
 
+    def record_engine_check(self, match: bool, prompt_match: bool) -> None:
+        """One kept row with the engine's ids, and whether the text rebuild and the rendered prompt
+        agreed with them."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hincrby(self.key, ENGINE_ROWS, 1)
+        pipe.hincrby(self.key, ENGINE_MISMATCH, 0 if match else 1)
+        pipe.hincrby(self.key, ENGINE_PROMPT_MISMATCH, 0 if prompt_match else 1)
+        pipe.execute()
+
     def record_misconfigured(self, prompt_id: str) -> int:
         """Add ``prompt_id`` to the fleet's streak; returns how many distinct prompts it holds."""
         pipe = self._client.pipeline(transaction=True)
@@ -107,6 +125,9 @@ class DatasetStats:
             cost_usd=counts.get(COST_MICRO_USD, 0) / 1e6,
             duplicates=counts.get(DUPLICATES, 0),
             skipped=counts.get(SKIPPED, 0),
+            engine_rows=counts.get(ENGINE_ROWS, 0),
+            engine_mismatch=counts.get(ENGINE_MISMATCH, 0),
+            engine_prompt_mismatch=counts.get(ENGINE_PROMPT_MISMATCH, 0),
             errors={k.removeprefix(_ERROR): v for k, v in counts.items() if k.startswith(_ERROR)},
             failures={k.removeprefix(_FAILURE): v for k, v in counts.items() if k.startswith(_FAILURE)},
         )

@@ -16,25 +16,21 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import redis
 
 from common import logs
-from common.config import RunConfig, load_config
-from common.contract import IDLE_QUEUE
+from common.config import load_config
 from common.datasets import ReadStats, read_prompts
 from common.errors import DatasetRowError, SpecfleetError
 from common.settings import Settings
+from common.worker_cmd import worker_argv
+from producer.execute import execute
 
 log = logging.getLogger("specfleet")
-
-EXIT_INTERRUPTED = 130
-EXIT_HALTED = 3
 
 
 def _redis_for(settings: Settings, out_dir: Path) -> tuple[str, object | None]:
@@ -48,52 +44,6 @@ def _redis_for(settings: Settings, out_dir: Path) -> tuple[str, object | None]:
     log.warning("REDIS_URL is not set: using a private Valkey at %s; workers elsewhere need REDIS_URL=%s",
                 url, url)
     return url, server
-
-
-def execute(
-    cfg: RunConfig,
-    settings: Settings,
-    redis_url: str,
-    *,
-    progress: bool = True,
-    metrics_port: int | None = None,
-    stall_s: float | None = None,
-) -> int:
-    """Run a config to its end against ``redis_url`` and print the per-dataset report."""
-    from producer.celery_app import make_app
-    from producer.progress import ProgressView
-    from producer.report import write_report
-    from producer.run import Halted, Interrupted, Runner, Tuning, report_line
-    from producer.state import read_timeline
-
-    client = redis.Redis.from_url(redis_url)
-    if metrics_port:
-        from producer.metrics import start_metrics_server
-
-        start_metrics_server(client, metrics_port)
-        log.info("metrics on :%d/metrics", metrics_port)
-    names = [d.name for d in cfg.datasets]
-    runner = Runner(
-        cfg,
-        client,
-        make_app(settings, redis_url),
-        progress=ProgressView(names) if progress else None,
-        tuning=Tuning(stall_s=stall_s) if stall_s else Tuning(),
-    )
-    try:
-        summaries = runner.run()
-    except Interrupted:
-        print("interrupted: state is kept in Redis; run the same command again to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Halted as exc:
-        print(f"specfleet: halted: {exc}", file=sys.stderr)
-        return EXIT_HALTED
-    report = write_report(cfg.output.dir, summaries, {n: read_timeline(client, n) for n in names})
-    print()
-    for s in summaries:
-        print(report_line(s))
-    print(f"rows: {cfg.output.dir}/<dataset>/shard-*.jsonl · report: {report}")
-    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -113,15 +63,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     settings.require_redis_url()
-    celery = shutil.which("celery") or "celery"
-    argv = [
-        celery, "-A", "workers", "worker", "-P", "gevent",
-        "-c", str(settings.worker_concurrency),
-        "-Q", IDLE_QUEUE, "-E",
-        "-n", f"worker-{uuid.uuid4().hex[:6]}@%h",
-        "--without-mingle", "--without-gossip",
-        *args.celery_args,
-    ]
+    argv = worker_argv(settings.worker_concurrency, extra=args.celery_args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.execvp(argv[0], argv)
 
@@ -164,9 +106,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_exporter(args: argparse.Namespace) -> int:
     from producer.metrics import start_metrics_server
 
-    client = redis.Redis.from_url(Settings.from_env().require_redis_url())
-    start_metrics_server(client, args.port)
-    log.info("metrics on :%d/metrics", args.port)
+    settings = Settings.from_env()
+    client = redis.Redis.from_url(settings.require_redis_url())
+    port = settings.metrics_port if args.port is None else args.port
+    start_metrics_server(client, port)
+    log.info("metrics on :%d/metrics", port)
     while True:
         time.sleep(3600)
 
@@ -228,7 +172,9 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
     exporter = sub.add_parser("exporter", help="serve Prometheus metrics of the run in Redis")
-    exporter.add_argument("--port", type=int, default=Settings.from_env().metrics_port)
+    # The default is read when the command runs, inside main's error handling: a bad
+    # SPECFLEET_METRICS_PORT is then one `specfleet:` line, not a traceback from building the parser.
+    exporter.add_argument("--port", type=int, default=None, help="default: SPECFLEET_METRICS_PORT (9808)")
     exporter.set_defaults(func=cmd_exporter)
     check = sub.add_parser("check", help="validate a run file and its datasets")
     check.add_argument("config", type=Path)
@@ -263,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except SpecfleetError as exc:
         print(f"specfleet: {exc}", file=sys.stderr)
+        return 2
+    except redis.ConnectionError as exc:  # status/exporter/worker checks meet a Redis that is not there
+        print(f"specfleet: cannot reach Redis: {exc}", file=sys.stderr)
         return 2
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 import requests
 
 from common.config import load_config
-from common.contract import IDLE_QUEUE
 from common.settings import Settings
+from common.worker_cmd import worker_argv
+from producer.execute import execute
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,8 @@ def start_simulator(port: int, log_path: Path, *extra: str) -> subprocess.Popen[
     return proc
 
 
-def start_worker(name: str, env: dict[str, str], concurrency: int, log_path: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-P", "gevent", "-c", str(concurrency),
-           "-Q", IDLE_QUEUE, "-E", "-n", f"{name}@%h", "--without-mingle", "--without-gossip"]
+def start_worker(index: int | None, env: dict[str, str], concurrency: int, log_path: Path) -> subprocess.Popen[bytes]:
+    cmd = worker_argv(concurrency, index=index)
     return subprocess.Popen(cmd, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
 
 
@@ -87,7 +87,6 @@ def _wait_for_workers(settings: Settings, redis_url: str, count: int, timeout_s:
 
 
 def run_demo(out_dir: Path, workers: int, concurrency: int) -> int:
-    from producer.cli import execute
     from producer.embedded import EmbeddedValkey
 
     settings = Settings.from_env()
@@ -123,7 +122,8 @@ def run_demo(out_dir: Path, workers: int, concurrency: int) -> int:
             "TOKENIZERS_PARALLELISM": "false",
         }
         for i in range(workers):
-            procs.append(start_worker(f"demo{i + 1}", env, concurrency, out_dir / "logs" / f"worker{i + 1}.log"))
+            index = i + 1 if workers > 1 else None  # one worker keeps the plain specfleet@host name
+            procs.append(start_worker(index, env, concurrency, out_dir / "logs" / f"worker{i + 1}.log"))
         _wait_for_workers(settings, redis_url, workers)
         print(f"{workers} workers × {concurrency} greenlets, simulator on :{sim_port}, Redis {redis_url}")
         return execute(cfg, settings, redis_url)

@@ -1,8 +1,9 @@
 """Batched enqueue: a dataset's prompts become Celery task messages, pushed a thousand at a time.
 
 ``apply_async`` costs one Redis round trip per task (100k prompts ≈ a minute); here the messages
-are built with Celery's own ``as_task_v2`` (so workers see exactly what ``apply_async`` sends) and
-LPUSHed through a pipeline. kombu's Redis transport BRPOPs from the other end: FIFO.
+are built with Celery's own ``as_task_v2`` and LPUSHed in one command; ``tests/test_enqueue.py``
+proves they equal what ``generate_task.apply_async`` pushes, apart from per-message ids. kombu's
+Redis transport BRPOPs from the other end: FIFO.
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ _ORIGIN = f"specfleet-producer@{socket.gethostname()}:{os.getpid()}"
 
 
 def task_message(app: Celery, queue: str, payload: TaskPayload) -> bytes:
-    """One kombu/Redis envelope, byte for byte what ``apply_async(queue=queue)`` would push."""
+    """One kombu/Redis envelope: what ``generate_task.apply_async(queue=queue)`` would push."""
     task_id = str(uuid.uuid4())
+    # Celery would put repr(args) here: the whole prompt again. The id is enough for Flower.
+    argsrepr = f"({payload['dataset']}/{payload['id']})"
     msg = app.amqp.as_task_v2(
         task_id,
         TASK_NAME,
         args=(payload,),
         kwargs={},
-        # Celery would put repr(args) here: the whole prompt again. The id is enough for Flower.
-        argsrepr=f"({payload['dataset']}/{payload['id']})",
+        argsrepr=argsrepr,
         kwargsrepr="{}",
         origin=_ORIGIN,
+        # As the task is declared (workers/task.py): a False here would override it on the worker.
+        ignore_result=True,
     )
     content_type, content_encoding, body = dumps(msg.body, serializer="msgpack")
     envelope = {
@@ -43,6 +47,9 @@ def task_message(app: Celery, queue: str, payload: TaskPayload) -> bytes:
         "content-type": content_type,
         "headers": msg.headers,
         "properties": {
+            # apply_async(argsrepr=…) passes them on to kombu, which keeps them as properties.
+            "argsrepr": argsrepr,
+            "kwargsrepr": "{}",
             "correlation_id": task_id,
             "reply_to": "",
             "delivery_mode": 2,

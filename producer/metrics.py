@@ -22,6 +22,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from common.errors import ConfigError
 from common.throttle import FleetThrottle, ThrottleSnapshot
 from producer.progress import TokenRate
 from producer.state import DatasetState, current_run, read_state
@@ -38,6 +39,10 @@ _GAUGES: list[tuple[str, str, str]] = [
     ("specfleet_reserved_tokens", "Estimated tokens of admitted requests still in flight", "reserved_tokens"),
     ("specfleet_failed", "Prompts whose last outcome is a failure (cleared if later kept)", "failed"),
     ("specfleet_in_flight", "Admitted requests holding a budget lease", "in_flight"),
+    ("specfleet_budget_usd", "Dollar budget of the dataset (0: none)", "budget_usd"),
+    ("specfleet_held_usd", "Worst-case dollars held for requests in flight and reaped ones", "held_usd"),
+    ("specfleet_run_budget_usd", "Dollar budget of the whole run (0: none)", "run_budget_usd"),
+    ("specfleet_run_spent_usd", "Dollars the budget counted across the run's datasets", "run_spent_usd"),
 ]
 _COUNTERS: list[tuple[str, str, str]] = [
     ("specfleet_kept_tokens", "Tokens of kept rows (sum of loss_mask), what the budget counts", "kept_tokens"),
@@ -55,6 +60,7 @@ _COUNTERS: list[tuple[str, str, str]] = [
         "billed_reasoning_tokens",
     ),
     ("specfleet_cost_usd", "Cost reported by OpenRouter, USD", "cost_usd"),
+    ("specfleet_spent_usd", "Dollars the budget counted: every billed answer, kept or not", "spent_usd"),
     ("specfleet_duplicates", "Second deliveries of an already kept prompt, row dropped", "duplicates"),
     ("specfleet_skipped", "Tasks skipped by workers", "skipped_by_workers"),
 ]
@@ -181,5 +187,8 @@ def make_registry(client: redis.Redis) -> CollectorRegistry:
 
 def start_metrics_server(client: redis.Redis, port: int) -> None:
     """Serves ``/metrics`` on 0.0.0.0:``port`` from a daemon thread; returns at once."""
-    start_http_server(port, registry=make_registry(client))
+    try:
+        start_http_server(port, registry=make_registry(client))
+    except OSError as exc:  # port taken or not ours to bind: the user's setting, said in one line
+        raise ConfigError(f"cannot serve metrics on port {port}: {exc.strerror or exc}") from None
     log.info("metrics: serving http://0.0.0.0:%d/metrics", port)

@@ -159,13 +159,16 @@ def make_plan(cfg: RunConfig, base_url: str, *, exact_limit: int = EXACT_LIMIT) 
         info = fetch_model(base_url, cfg.model.name)
     except ModelsUnavailable as exc:
         unavailable = str(exc)
+    pricing = cfg.model.pricing or (info.pricing if info else None)
+    # A dollar budget with no price known cannot start: say so before the slow part (the tokenizer).
+    cfg.model_copy(update={"model": cfg.model.model_copy(update={"pricing": pricing})}).require_prices()
     tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code,
                                revision=cfg.model.revision)
     datasets = [plan_dataset(cfg, ds, tokenizer, info, exact_limit=exact_limit) for ds in cfg.datasets]
     return Plan(
         model=cfg.model.name, url=models_url(base_url),
         context_length=cfg.model.context_length or (info.context_length if info else None),
-        pricing=cfg.model.pricing or (info.pricing if info else None),
+        pricing=pricing,
         datasets=datasets, unavailable=unavailable,
     )
 

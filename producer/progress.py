@@ -70,6 +70,14 @@ def fmt_tokens(n: float) -> str:
     return f"{n:.0f}"
 
 
+def fmt_usd(st: DatasetState) -> str:
+    """Dollars spent (every billed answer) against the dataset's limit and the run's, if any."""
+    text = f"${st.spent_usd:,.2f}" + (f"/${st.budget_usd:,.2f}" if st.budget_usd else "")
+    if st.run_budget_usd:
+        text += f" run ${st.run_spent_usd:,.2f}/${st.run_budget_usd:,.2f}"
+    return text
+
+
 def fmt_duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -187,7 +195,8 @@ class ProgressView:
             task,
             total=max(st.limit, 1),
             completed=min(st.kept_tokens, max(st.limit, 1)),
-            used=f"{fmt_tokens(st.kept_tokens)}/{fmt_tokens(st.limit)} tok {100 * st.budget_fraction:5.1f}%",
+            used=f"{fmt_tokens(st.kept_tokens)}/{fmt_tokens(st.limit)} tok {100 * st.budget_fraction:5.1f}% "
+            + fmt_usd(st),
             rows=f"rows {st.rows:,}",
             failed=f"failed {st.failed:,}",
             rate=f"{fmt_tokens(rate)} tok/s" if rate is not None else "- tok/s",
@@ -234,7 +243,8 @@ class ProgressView:
         return (
             f"{stamp} progress dataset={st.dataset} state={_state_word(st)} "
             f"kept_tokens={st.kept_tokens}/{st.limit} ({100 * st.budget_fraction:.1f}%) "
-            f"rows={st.rows} failed={st.failed} in_flight={st.in_flight} queued={st.queued} "
+            f"spent_usd={st.spent_usd:.4f}/{st.budget_usd or '-'} run_spent_usd={st.run_spent_usd:.4f}/"
+            f"{st.run_budget_usd or '-'} rows={st.rows} failed={st.failed} in_flight={st.in_flight} queued={st.queued} "
             f"rate_tok_s={rate_text} eta={fmt_duration(eta_s(st, rate))}"
         )
 

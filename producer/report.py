@@ -1,8 +1,9 @@
 """The end-of-run report: ``OUT/report.md`` (one table row per dataset) and ``OUT/report.png``.
 
 Inputs are plain data so the report can be rebuilt offline: the per-dataset ``summary.json`` dicts
-and the progress timelines (``DatasetState.to_json()`` samples). Missing keys render as "-" rather
-than failing: a report of a crashed or partial run is still worth writing.
+(or the run's ``Summary`` records) and the progress timelines (``DatasetState.to_json()`` samples).
+Missing keys render as "-" rather than failing: a report of a crashed or partial run is still worth
+writing.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
 from producer.progress import fmt_duration, fmt_tokens
+from producer.summary import Summary
 
 REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
@@ -42,20 +44,24 @@ _COLUMNS = [
     "billed completion",
     "billed/kept",
     "cost (USD)",
+    "USD budget",
     "wall",
     "rows/s",
 ]
 
 
-def write_report(out_dir: Path, summaries: list[dict[str, Any]], timelines: dict[str, list[dict[str, Any]]]) -> Path:
+def write_report(
+    out_dir: Path, summaries: Sequence[Summary | dict[str, Any]], timelines: dict[str, list[dict[str, Any]]]
+) -> Path:
     """Writes report.md and report.png into ``out_dir``; returns the path of report.md."""
+    plain = [s.to_json() if isinstance(s, Summary) else s for s in summaries]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     png = out_dir / REPORT_PNG
-    _write_png(png, summaries, timelines)
+    _write_png(png, plain, timelines)
     md = out_dir / REPORT_MD
     tmp = md.with_suffix(".md.tmp")
-    tmp.write_text(render_markdown(summaries, timelines, png_name=png.name), encoding="utf-8")
+    tmp.write_text(render_markdown(plain, timelines, png_name=png.name), encoding="utf-8")
     tmp.replace(md)  # a reader never sees half a report
     return md
 
@@ -86,7 +92,8 @@ def table_row(summary: dict[str, Any]) -> list[str]:
     tokens = _num(summary, "tokens")
     budget = _num(summary, "budget_tokens")
     completion = _num(summary, "billed_completion_tokens")
-    cost = _num(summary, "cost_usd")
+    cost = _num(summary, "spent_usd")
+    cost = _num(summary, "cost_usd") if cost is None else cost
     wall = _num(summary, "wall_s")
     return [
         str(summary.get("dataset", "?")),
@@ -102,6 +109,7 @@ def table_row(summary: dict[str, Any]) -> list[str]:
         _int_cell(completion),
         _ratio(completion, tokens, ".2f"),
         "-" if cost is None else f"{cost:.4f}",
+        "-" if (usd := _num(summary, "budget_usd")) is None else f"{usd:.2f}",
         "-" if wall is None else fmt_duration(wall),
         _ratio(results, wall, ".2f"),
     ]
@@ -119,6 +127,8 @@ def _totals(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "billed_prompt_tokens",
         "billed_completion_tokens",
         "cost_usd",
+        "spent_usd",
+        "budget_usd",
         "wall_s",  # datasets run one after another: the run's wall time is the sum
     ):
         values = [v for s in summaries if (v := _num(s, key)) is not None]
@@ -165,6 +175,26 @@ def _throttle_section(summaries: list[dict[str, Any]]) -> list[str]:
     return ["## Upstream throttle (whole fleet)", "", *lines, ""] if lines else []
 
 
+def _engine_ids(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """Datasets whose rows carry an engine's ids: how often the text rebuild disagreed with them."""
+    lines = []
+    for s in summaries:
+        rows = _num(s, "engine_rows")
+        if not rows:
+            continue
+        wrong, prompts = _num(s, "engine_mismatch") or 0, _num(s, "engine_prompt_mismatch") or 0
+        lines.append(
+            f"- **{s.get('dataset', '?')}**: {int(rows):,} rows with the engine's ids; `engine_mismatch` "
+            f"{int(wrong):,} ({wrong / rows:.2%} of them: text-only rebuilding would have been wrong); "
+            f"prompt ids unlike the template-rendered prompt: {int(prompts):,} ({prompts / rows:.2%})"
+        )
+    if not lines:
+        return []
+    note = ("A prompt-ids difference means the engine serves another chat template than the run's "
+            "tokenizer: check the configuration.")
+    return ["## Engine ids", "", *lines, "", note, ""]
+
+
 def render_markdown(
     summaries: list[dict[str, Any]], timelines: dict[str, list[dict[str, Any]]], *, png_name: str = REPORT_PNG
 ) -> str:
@@ -186,6 +216,7 @@ def render_markdown(
         f"![budget consumption and throughput over time]({png_name})",
         "",
         *_throttle_section(summaries),
+        *_engine_ids(summaries),
         *_breakdown("Upstream errors by class", "errors", timelines),
         *_breakdown("Failures by reason", "failures", timelines),
     ]

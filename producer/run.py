@@ -22,16 +22,18 @@ import redis
 from celery import Celery
 
 from common import keys
-from common.budget import Budget
+from common.budget import Budget, open_run
 from common.config import DatasetConfig, RunConfig
 from common.contract import CONTRACT_VERSION, TaskPayload, halt_line
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
-from common.throttle import FleetThrottle, ThrottleSnapshot
+from common.throttle import FleetThrottle
 from producer.collector import Collector
 from producer.enqueue import push
 from producer.lock import ProducerLock
+from producer.rows import RowWriter, atomic_write, output_error
 from producer.state import DatasetState, read_state
+from producer.summary import Summary, report_line, throttle_summary
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,10 @@ ENQUEUE_BATCH = 1000
 TICK_S = 0.25
 SAMPLE_EVERY_S = 1.0
 REAP_EVERY_S = 5.0
+
+#: End reasons by the limit that exhausted a dataset (BudgetSnapshot.ended_by); these leave
+#: admitted requests to land, where other end reasons stop them.
+BUDGET_END_REASONS = {"tokens": "budget", "usd": "budget_usd", "run_usd": "run_budget"}
 
 
 @dataclass
@@ -77,7 +83,7 @@ class DatasetRun:
     idle_since_s: float | None = None
     switch_s: float | None = None
     enqueue_s: float | None = None
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: Summary | None = None
 
     @property
     def name(self) -> str:
@@ -120,14 +126,18 @@ class Runner:
 
     # --- the run ----------------------------------------------------------------------------
 
-    def run(self) -> list[dict[str, Any]]:
+    def run(self) -> list[Summary]:
         missing = [f"datasets[{i}] ({d.name}).path: {d.path}: no such file"
                    for i, d in enumerate(self.cfg.datasets) if not d.path.is_file()]
         if missing:  # before anything is enqueued: a typo in the third dataset must not wait hours
             raise ConfigError("dataset files missing\n  " + "\n  ".join(missing))
+        self.cfg.require_prices()
         self.lock.acquire()
         self._install_signal_handlers()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise output_error(self.out_dir, exc) from None
         self.client.set(keys.config(self.config_id), self.cfg.worker_view().model_dump_json())
         if self.client.delete(keys.HALT):
             log.warning("cleared the halt of an earlier run: resuming")
@@ -145,6 +155,9 @@ class Runner:
             ),
         )
         self.collector.start()
+        spent = open_run(self.client, self.cfg.run.budget_usd, [d.name for d in self.cfg.datasets])
+        if self.cfg.run.budget_usd:
+            log.info("run budget $%.2f, $%.4f spent so far", self.cfg.run.budget_usd, spent)
         try:
             self._warn_if_no_workers()
             for ds in self.cfg.datasets:
@@ -162,7 +175,7 @@ class Runner:
             if self.progress is not None:
                 self.progress.close()
             self.lock.release()
-        return [r.summary for r in self._runs]
+        return [r.summary for r in self._runs if r.summary is not None]
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -193,13 +206,20 @@ class Runner:
         self._runs.append(run)
         sink = self.collector.add(ds.name)
         k = budget.keys
-        self._restore_from_disk(budget, sink.cp.rows)
+        if budget.snapshot().run_exhausted:
+            # The run's dollars are spent: this dataset gets no request (finalized on the next tick).
+            run.end_reason, run.enqueue_done = "run_budget", True
+            run.admission_ended_s = run.first_stop_s = time.time()
+            log.warning("%s: skipped, the run's dollar budget is spent", ds.name)
+            return
+        self._restore_from_disk(budget, sink.writer)
         # Failures of an earlier run get another chance; the queue is rebuilt from the file below.
         self.client.delete(k.failed, k.queue)
-        kept, rows = budget.open(ds.budget_tokens)
+        kept, rows = budget.open(ds.budget_tokens, ds.budget_usd, self.cfg.run.budget_mode)
         run.resumed_rows = rows
         log.info(
-            "%s: start (%s, budget %s tokens%s)", ds.name, ds.length, f"{ds.budget_tokens:,}",
+            "%s: start (%s, %s budget %s tokens%s%s)", ds.name, ds.length, self.cfg.run.budget_mode,
+            f"{ds.budget_tokens:,}", f", ${ds.budget_usd:,.2f}" if ds.budget_usd else "",
             f", resuming with {kept:,} tokens in {rows:,} rows" if rows else "",
         )
         self.client.hset(keys.ACTIVE_QUEUES, k.queue, self.config_id)
@@ -229,28 +249,24 @@ class Runner:
             self._tick()
             time.sleep(TICK_S)
 
-    def _restore_from_disk(self, budget: Budget, rows_on_disk: int) -> None:
+    def _restore_from_disk(self, budget: Budget, writer: RowWriter) -> None:
         """Redis lost kept rows the shards hold (a server without persistence restarted): rebuild
         the exactly-once guard and the counter from the shards before anything is asked again."""
-        rows_in_redis = int(self.client.hget(budget.keys.budget, "rows") or 0)
+        rows_on_disk = writer.rows
+        rows_in_redis = budget.snapshot().rows
         if rows_in_redis >= rows_on_disk:
             return
-        log.warning("%s: Redis knows %d kept rows, the shards hold %d: restoring from the shards",
+        log.warning("%s: Redis knows %d kept rows, the shards hold %d: restoring from the shards (dollars "
+                    "from the rows' usage.cost: billed answers that were not kept are not on disk)",
                     budget.keys.dataset, rows_in_redis, rows_on_disk)
-        ids, tokens, squares = [], 0, 0
-        for shard in sorted((self.out_dir / budget.keys.dataset).glob("shard-*.jsonl")):
-            with shard.open("rb") as fh:
-                for line in fh:
-                    row = json.loads(line)
-                    ids.append(row["id"])
-                    tokens += int(row["num_tokens"])
-                    squares += int(row["num_tokens"]) ** 2
-        pipe = self.client.pipeline(transaction=True)
-        pipe.delete(budget.keys.done)
-        for start in range(0, len(ids), 10_000):
-            pipe.sadd(budget.keys.done, *ids[start:start + 10_000])
-        pipe.hset(budget.keys.budget, mapping={"kept": tokens, "rows": len(ids), "kept_sq": squares})
-        pipe.execute()
+        ids: list[str] = []
+        tokens: list[int] = []
+        costs: list[float] = []
+        for row in writer.iter_kept():
+            ids.append(row["id"])
+            tokens.append(int(row["num_tokens"]))
+            costs.append(float((row.get("usage") or {}).get("cost") or 0.0))
+        budget.restore(ids, tokens, costs)
 
     def _enqueue(self, run: DatasetRun, batch: list[Prompt]) -> int:
         done = self.client.smismember(run.budget.keys.done, [p.id for p in batch])
@@ -315,7 +331,7 @@ class Runner:
 
     def _check_admission(self, run: DatasetRun, st: DatasetState, now: float) -> None:
         if st.state == "exhausted":
-            self._end_admission(run, "budget")
+            self._end_admission(run, BUDGET_END_REASONS.get(st.ended_by, "budget"))
             return
         if not run.enqueue_done:
             return
@@ -357,12 +373,12 @@ class Runner:
         run.admission_ended_s = time.time()
         if run.first_stop_s is None:
             run.first_stop_s = run.admission_ended_s
-            run.rows_at_first_stop = int(self.client.hget(run.budget.keys.budget, "rows") or 0)
+            run.rows_at_first_stop = run.budget.snapshot().rows
         k = run.budget.keys
         # Order matters: workers stop following the queue, then what is left in it goes. Messages a
         # worker already reserved find the dataset not active and end without a request.
         self.client.hdel(keys.ACTIVE_QUEUES, k.queue)
-        if reason != "budget":
+        if reason not in BUDGET_END_REASONS.values():
             run.budget.close()
         purged = self.client.llen(k.queue)
         self.client.delete(k.queue)
@@ -391,16 +407,17 @@ class Runner:
     def _top_up(self, run: DatasetRun, st: DatasetState) -> bool:
         """Give the room a budget stop left another round, while the next dataset runs.
 
-        The stop projects in-flight requests with the length-biased mean, so it never overshoots
-        but can end a few percent short once they land. A round admits only what the room can
-        take, so each one leaves a fraction of the previous shortfall.
+        Projected rule only (BudgetPolicy.should_top_up): its stop projects in-flight requests with
+        the length-biased mean and can end a few percent short once they land; a round admits only
+        what the room can take, so each one leaves a fraction of the previous shortfall. The hard
+        rule stops only when less than one worst case is left, which no round could use.
         """
-        if run.end_reason != "budget" or run.top_ups >= self.tuning.max_top_ups or not st.rows:
+        if run.end_reason != "budget" or run.top_ups >= self.tuning.max_top_ups:
+            return False
+        if not run.budget.policy.should_top_up(run.budget.snapshot()):
             return False
         room = st.limit - st.kept_tokens
-        if room < st.kept_tokens / st.rows:  # not even one more mean-sized row
-            return False
-        run.budget.open(run.cfg.budget_tokens)
+        run.budget.open(run.cfg.budget_tokens, run.cfg.budget_usd, self.cfg.run.budget_mode)
         self.client.hset(keys.ACTIVE_QUEUES, run.budget.keys.queue, self.config_id)
         queued = self._sweep(run)
         if not queued:
@@ -425,67 +442,54 @@ class Runner:
         if len(errors) > 20:
             log.warning("%s: … and %d more malformed rows (see malformed.jsonl)", run.name, len(errors) - 20)
         lines = [json.dumps({"where": e.where, "reason": e.reason}, ensure_ascii=False) for e in errors]
-        _atomic_write(self._dataset_dir(run) / "malformed.jsonl", "".join(x + "\n" for x in lines))
+        atomic_write(self._dataset_dir(run) / "malformed.jsonl", "".join(x + "\n" for x in lines))
 
     def _finalize(self, run: DatasetRun, st: DatasetState) -> None:
         failures = run.budget.failures()
         lines = [json.dumps({"id": pid, **f}, ensure_ascii=False) for pid, f in sorted(failures.items())]
-        _atomic_write(self._dataset_dir(run) / "failed.jsonl", "".join(x + "\n" for x in lines))
+        atomic_write(self._dataset_dir(run) / "failed.jsonl", "".join(x + "\n" for x in lines))
         wall_s = (run.finished_s or time.time()) - run.started_s
         results = st.rows
-        summary = {
-            "dataset": run.name,
-            "end_reason": run.end_reason,
-            "prompts": run.prompts,
-            "results": results,
-            "results_this_run": results - run.resumed_rows,
-            "failed": len(failures),
-            "skipped": max(0, run.prompts - results - len(failures)),
-            "malformed": run.malformed,
-            "tokens": st.kept_tokens,
-            "budget_tokens": st.limit,
-            "billed_prompt_tokens": st.billed_prompt_tokens,
-            "billed_completion_tokens": st.billed_completion_tokens,
-            "billed_reasoning_tokens": st.billed_reasoning_tokens,
-            "cost_usd": round(st.cost_usd, 6),
-            "requests": st.requests,
-            "duplicates": st.duplicates,
-            "errors": st.errors,
-            "failures": st.failures,
-            "throttle": throttle_summary(self.throttle.snapshot()),
-            "wall_s": round(wall_s, 3),
-            "admission_s": round((run.first_stop_s or time.time()) - run.started_s, 3),
-            "switch_s": None if run.switch_s is None else round(run.switch_s, 3),
-            "top_ups": run.top_ups,
-            "rows_at_first_stop": run.rows_at_first_stop,
-            "enqueue_s": None if run.enqueue_s is None else round(run.enqueue_s, 3),
-            "shards": sorted(p.name for p in self._dataset_dir(run).glob("shard-*.jsonl")),
-        }
+        summary = Summary(
+            dataset=run.name,
+            end_reason=run.end_reason,
+            prompts=run.prompts,
+            results=results,
+            results_this_run=results - run.resumed_rows,
+            failed=len(failures),
+            skipped=max(0, run.prompts - results - len(failures)),
+            malformed=run.malformed,
+            tokens=st.kept_tokens,
+            budget_tokens=st.limit,
+            billed_prompt_tokens=st.billed_prompt_tokens,
+            billed_completion_tokens=st.billed_completion_tokens,
+            billed_reasoning_tokens=st.billed_reasoning_tokens,
+            cost_usd=round(st.cost_usd, 6),
+            budget_mode=st.budget_mode,
+            budget_usd=run.cfg.budget_usd,
+            spent_usd=round(st.spent_usd, 9),
+            unresolved_usd=round(st.orphaned_usd, 9),
+            run_budget_usd=self.cfg.run.budget_usd,
+            run_spent_usd=round(st.run_spent_usd, 9),
+            requests=st.requests,
+            duplicates=st.duplicates,
+            engine_rows=st.engine_rows,
+            engine_mismatch=st.engine_mismatch,
+            engine_prompt_mismatch=st.engine_prompt_mismatch,
+            errors=st.errors,
+            failures=st.failures,
+            throttle=throttle_summary(self.throttle.snapshot()),
+            wall_s=round(wall_s, 3),
+            admission_s=round((run.first_stop_s or time.time()) - run.started_s, 3),
+            switch_s=None if run.switch_s is None else round(run.switch_s, 3),
+            top_ups=run.top_ups,
+            rows_at_first_stop=run.rows_at_first_stop,
+            enqueue_s=None if run.enqueue_s is None else round(run.enqueue_s, 3),
+            shards=self.collector.add(run.name).writer.files(),
+        )
         run.summary = summary
-        _atomic_write(self._dataset_dir(run) / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write(self._dataset_dir(run) / "summary.json", summary.dumps())
         log.info("%s", report_line(summary))
-
-
-def report_line(s: dict[str, Any]) -> str:
-    if s["end_reason"] == "budget":
-        head = f"budget reached {s['tokens']:,} of {s['budget_tokens']:,} tokens"
-    elif s["end_reason"] == "complete":
-        head = f"all prompts done, {s['tokens']:,} of {s['budget_tokens']:,} tokens"
-    else:
-        head = f"{s['end_reason']}, {s['tokens']:,} of {s['budget_tokens']:,} tokens"
-    return (
-        f"{s['dataset']}: {head} · results {s['results']:,} · skipped {s['skipped']:,} · "
-        f"failed {s['failed']:,} · malformed {s['malformed']:,} · billed {s['billed_completion_tokens']:,} "
-        f"completion tokens · ${s['cost_usd']:.4f} · {s['wall_s']:.1f} s"
-        + (f" · 429s {100 * t['throttled_share']:.1f}%" if (t := s.get("throttle")) else "")
-    )
-
-
-def throttle_summary(t: ThrottleSnapshot) -> dict[str, Any]:
-    """The fleet's throttle when a dataset ends: its in-flight limit then, and the run's answers
-    so far by kind (the counters are the fleet's, reset when the run started)."""
-    return {"limit": None if t.limit is None else round(t.limit, 1), "ok": t.ok, "throttled": t.throttled,
-            "throttled_share": round(t.throttled_share, 4)}
 
 
 def _batches(items: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:
@@ -497,9 +501,3 @@ def _batches(items: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:
             batch = []
     if batch:
         yield batch
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)

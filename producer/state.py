@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from common.budget import NUSD_PER_USD, SNAPSHOT_COMMANDS, parse_snapshot, queue_snapshot
 from common.keys import CURRENT_RUN, DatasetKeys
 from common.stats import DatasetStats
 
@@ -35,6 +36,21 @@ class DatasetState:
     cost_usd: float
     duplicates: int
     skipped_by_workers: int
+    #: hard | projected; the limit that exhausted admission (tokens, usd, run_usd) or "".
+    budget_mode: str = ""
+    ended_by: str = ""
+    #: Dollars as the budget counts them (every billed answer, kept or not); limits 0 = none.
+    budget_usd: float = 0.0
+    spent_usd: float = 0.0
+    #: Worst-case dollars of requests in flight, and of reaped ones that may still be billed.
+    held_usd: float = 0.0
+    orphaned_usd: float = 0.0
+    run_budget_usd: float = 0.0
+    run_spent_usd: float = 0.0
+    #: Kept rows with an engine's ids; of those, rebuilt ids or prompt ids that differed.
+    engine_rows: int = 0
+    engine_mismatch: int = 0
+    engine_prompt_mismatch: int = 0
     #: Upstream errors by class (``http_429``, ``timeout`` …) and final failures by reason.
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
@@ -43,6 +59,10 @@ class DatasetState:
     def budget_fraction(self) -> float:
         return self.kept_tokens / self.limit if self.limit else 0.0
 
+    @property
+    def usd_fraction(self) -> float:
+        return self.spent_usd / self.budget_usd if self.budget_usd else 0.0
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -50,24 +70,33 @@ class DatasetState:
 def read_state(client: redis.Redis, dataset: str) -> DatasetState:
     k = DatasetKeys(dataset)
     pipe = client.pipeline(transaction=False)
-    pipe.hmget(k.budget, "limit", "kept", "reserved", "rows", "state")
+    queue_snapshot(pipe, dataset)
     pipe.hlen(k.failed)
-    pipe.hlen(k.leases)
     pipe.llen(k.queue)
     pipe.hgetall(k.stats)
-    (limit, kept, reserved, rows, state), failed, leases, queued, stats_raw = pipe.execute()
+    replies = pipe.execute()
+    b = parse_snapshot(replies)
+    failed, queued, stats_raw = replies[SNAPSHOT_COMMANDS:]
     stats = DatasetStats.parse(stats_raw)
     return DatasetState(
         dataset=dataset,
         t_s=time.time(),
-        limit=int(limit or 0),
-        kept_tokens=int(kept or 0),
-        reserved_tokens=int(reserved or 0),
-        rows=int(rows or 0),
+        limit=b.limit,
+        kept_tokens=b.kept,
+        reserved_tokens=b.held,
+        rows=b.rows,
         failed=int(failed),
-        in_flight=int(leases),
+        in_flight=b.in_flight,
         queued=int(queued),
-        state=(state or b"").decode(),
+        state=b.state,
+        budget_mode=b.rule,
+        ended_by=b.ended_by,
+        budget_usd=b.limit_nusd / NUSD_PER_USD,
+        spent_usd=b.spent_nusd / NUSD_PER_USD,
+        held_usd=b.held_nusd / NUSD_PER_USD,
+        orphaned_usd=b.orphaned_nusd / NUSD_PER_USD,
+        run_budget_usd=b.run_limit_nusd / NUSD_PER_USD,
+        run_spent_usd=b.run_spent_nusd / NUSD_PER_USD,
         requests=stats.requests,
         billed_prompt_tokens=stats.billed_prompt_tokens,
         billed_completion_tokens=stats.billed_completion_tokens,
@@ -75,6 +104,9 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
         cost_usd=stats.cost_usd,
         duplicates=stats.duplicates,
         skipped_by_workers=stats.skipped,
+        engine_rows=stats.engine_rows,
+        engine_mismatch=stats.engine_mismatch,
+        engine_prompt_mismatch=stats.engine_prompt_mismatch,
         errors=stats.errors,
         failures=stats.failures,
     )

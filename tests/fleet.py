@@ -19,6 +19,9 @@ from typing import Any
 
 import requests
 
+from common.budget import Budget
+from common.worker_cmd import worker_argv
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TOKENIZER = REPO / "demo" / "tokenizer"
 TEST_KEY = "sk-or-v1-" + "5ec7e7" * 10  # shaped like a real key, so redaction is tested for real
@@ -103,9 +106,11 @@ class Fleet:
     def sim_stats(self) -> dict[str, Any]:
         return requests.get(self.sim_url + "/_sim/stats", timeout=5).json()  # type: ignore[no-any-return]
 
-    def start_worker(self, name: str, *, concurrency: int = 50, **env: str) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "celery", "-A", "workers", "worker", "-P", "gevent", "-c", str(concurrency),
-               "-Q", "specfleet.idle", "-E", "-n", f"{name}@%h", "--without-mingle", "--without-gossip"]
+    def start_worker(self, name: str, *, concurrency: int = 50, celery_args: tuple[str, ...] | None = None,
+                     **env: str) -> subprocess.Popen[bytes]:
+        """A worker as ``specfleet worker`` starts it, named ``<name>@%h`` unless ``celery_args`` names it."""
+        extra = ("-n", f"{name}@%h") if celery_args is None else celery_args
+        cmd = worker_argv(concurrency, extra=extra)
         return self._spawn(name, cmd, self.env(SPECFLEET_CONCURRENCY=str(concurrency), **env))
 
     def producer_cmd(self, config: Path, *extra: str) -> list[str]:
@@ -128,7 +133,7 @@ class Fleet:
     def wait_rows(self, client: Any, dataset: str, n: int, timeout_s: float = 60) -> None:
         """Until ``n`` rows of ``dataset`` are kept: a point mid-run to break something at."""
         deadline = time.monotonic() + timeout_s
-        while int(client.hget(f"specfleet:ds:{dataset}:budget", "rows") or 0) < n:
+        while Budget(client, dataset).snapshot().rows < n:
             assert time.monotonic() < deadline, self.all_logs()
             time.sleep(0.1)
 
@@ -137,9 +142,9 @@ class Fleet:
         rows = read_rows(self.out, dataset)
         ids = Counter(r["id"] for r in rows)
         assert not [i for i, c in ids.items() if c > 1], "a prompt id appears twice across the shards"
-        budget = client.hgetall(f"specfleet:ds:{dataset}:budget")
-        assert int(budget[b"kept"]) == sum(r["num_tokens"] for r in rows), "budget and rows disagree"
-        assert int(budget[b"rows"]) == len(rows)
+        snap = Budget(client, dataset).snapshot()
+        assert snap.kept == sum(r["num_tokens"] for r in rows), "budget and rows disagree"
+        assert snap.rows == len(rows)
         for r in rows:
             assert sum(r["loss_mask"]) == r["num_tokens"]
             assert len(r["input_ids"]) == len(r["loss_mask"])

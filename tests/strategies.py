@@ -15,17 +15,25 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from tests.tokenizer_factory import CHATML_ADDED, CHATML_SPECIALS, KIMI_SPECIALS
+from tests.tokenizer_factory import CHATML_ADDED, CHATML_SPECIALS, DEEPSEEK_ADDED, DEEPSEEK_SPECIALS, KIMI_SPECIALS
 
-SPECIAL_STRINGS = tuple(dict.fromkeys(KIMI_SPECIALS + CHATML_SPECIALS + CHATML_ADDED))
-NEAR_MISSES = ("<|im_end", "im_end|>", "</think", "<think >", "<|tool_call_begin|", "<tool_call", "[EOS", "<|")
+SPECIAL_STRINGS = tuple(
+    dict.fromkeys(KIMI_SPECIALS + CHATML_SPECIALS + CHATML_ADDED + DEEPSEEK_SPECIALS + DEEPSEEK_ADDED)
+)
+NEAR_MISSES = (
+    "<|im_end", "im_end|>", "</think", "<think >", "<|tool_call_begin|", "<tool_call", "[EOS", "<|",
+    "<｜end▁of▁sentence", "<｜tool▁sep", "<｜",
+)
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
 # Tool-call text as the models emit it; inside reasoning (content empty) it is an implicit end.
 RAW_TOOL_TEXT = (
     "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
     "<|tool_call_end|><|tool_calls_section_end|>",
     '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
 )
+# The newlines a reasoning parser that keeps them leaves around Qwen3's think block.
+_KEPT_NEWLINES = (("", ""), ("\n", "\n"), ("\n", "\n\n"))
 
 _unicode = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=24)
 _emoji_and_scripts = st.sampled_from(
@@ -71,6 +79,11 @@ def answers_messages(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.integers(0, 7)) == 0:
         message["content"] = draw(st.sampled_from((None, "")))
         reasoning = (reasoning or "") + draw(st.sampled_from(RAW_TOOL_TEXT))
+    edges = draw(st.sampled_from(_KEPT_NEWLINES))
+    if reasoning is not None and edges[0]:
+        reasoning = edges[0] + reasoning + edges[0]
+    if message["content"] is not None and edges[1]:
+        message["content"] = edges[1] + message["content"]
     field = draw(st.sampled_from(("reasoning", "reasoning_content", "reasoning_details")))
     if field == "reasoning_details":
         if reasoning is not None:

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
 import msgpack
+import pytest
 import redis
 
-from common.budget import Budget
-from producer.collector import CHECKPOINT, Collector, shard_path
+from common.budget import Ask, Budget
+from common.errors import OutputError
+from producer.collector import Collector
+from producer.rows import CHECKPOINT, JsonlShards, open_writer, shard_path
 
 
 def _keep(b: Budget, n: int, start: int = 0) -> None:
     for i in range(start, start + n):
         pid = f"p{i}"
-        b.reserve(pid, "L", ttl_ms=60_000, prior_estimate=1)
-        b.settle(pid, "L", 3, msgpack.packb({"id": pid, "num_tokens": 3, "text": "héllo ✓"}))
+        b.reserve(pid, "L", ttl_ms=60_000, ask=Ask(3, 0, 3))
+        b.settle(pid, "L", 3, msgpack.packb({"id": pid, "num_tokens": 3, "text": "héllo ✓"}), cost_usd=0.0)
 
 
 def _ids(out: Path) -> list[str]:
@@ -62,11 +66,79 @@ def test_a_row_is_one_line_for_every_reader(tmp_path: Path, redis_client: redis.
     b = Budget(redis_client, "D")
     b.open(10_000)
     tricky = "line\u2028sep\u2029para\x85nel é ✓ 🙂"
-    b.reserve("p", "L", ttl_ms=60_000, prior_estimate=1)
-    b.settle("p", "L", 3, msgpack.packb({"id": "p", "content": tricky}))
+    b.reserve("p", "L", ttl_ms=60_000, ask=Ask(3, 0, 3))
+    b.settle("p", "L", 3, msgpack.packb({"id": "p", "content": tricky}), cost_usd=0.0)
     c = Collector(redis_client, tmp_path, shard_rows=10)
     c.add("D")
     c.drain_once(block_ms=10)
     text = shard_path(tmp_path / "D", 0).read_text(encoding="utf-8")
     assert len(text.splitlines()) == 1  # splitlines() breaks at U+2028/2029/0085 when they are raw
     assert json.loads(text)["content"] == tricky
+
+
+def _refuse_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(self: JsonlShards, cp: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(JsonlShards, "_save_checkpoint", full)
+
+
+def test_crash_during_a_shard_roll_loses_and_duplicates_nothing(
+    tmp_path: Path, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = Budget(redis_client, "D")
+    b.open(10_000)
+    _keep(b, 10)
+    c = Collector(redis_client, tmp_path, shard_rows=10)
+    c.add("D")
+    c.drain_once(block_ms=10)  # shard 0 is full and checkpointed
+    _keep(b, 5, start=10)
+    with monkeypatch.context() as m:
+        _refuse_checkpoints(m)  # the next batch opens shard 1 and writes to it; its checkpoint fails
+        with pytest.raises(OutputError, match="No space left"):
+            c.drain_once(block_ms=10)
+    assert shard_path(tmp_path / "D", 1).read_text().count("\n") == 5  # the crash point: rolled, not checkpointed
+    assert redis_client.xlen(b.keys.results) >= 5, "rows not checkpointed must still be in Redis"
+
+    restarted = Collector(redis_client, tmp_path, shard_rows=10)
+    restarted.add("D")
+    # Recovery removes the shard the crashed roll opened; appending to it again would write p10-p14 twice.
+    assert not shard_path(tmp_path / "D", 1).exists()
+    while restarted.drain_once(block_ms=10):
+        pass
+    assert _ids(tmp_path) == [f"p{i}" for i in range(15)]
+    assert [json.loads(x)["id"] for x in shard_path(tmp_path / "D", 1).read_text().splitlines()] == [
+        f"p{i}" for i in range(10, 15)]
+
+
+def test_recovery_removes_shards_opened_after_the_checkpoint(tmp_path: Path) -> None:
+    """Every shard beyond the checkpoint's goes, and the checkpointed ones stay as they were."""
+    writer = JsonlShards(tmp_path / "D", shard_rows=2)
+    writer.write([{"id": f"p{i}", "num_tokens": 1} for i in range(3)], "5-0")  # shards 0 (full) and 1
+    kept = shard_path(tmp_path / "D", 0).read_bytes(), shard_path(tmp_path / "D", 1).read_bytes()
+    for stale in (2, 3, 11):
+        shard_path(tmp_path / "D", stale).write_bytes(b'{"id":"ghost","num_tokens":1}\n')
+    reopened = open_writer(tmp_path / "D", shard_rows=2)
+    assert sorted(p.name for p in (tmp_path / "D").glob("shard-*")) == ["shard-00000.jsonl", "shard-00001.jsonl"]
+    assert (shard_path(tmp_path / "D", 0).read_bytes(), shard_path(tmp_path / "D", 1).read_bytes()) == kept
+    assert [r["id"] for r in reopened.iter_kept()] == ["p0", "p1", "p2"]
+    assert reopened.files() == ["shard-00000.jsonl", "shard-00001.jsonl"]
+
+
+def test_a_refused_write_keeps_the_writer_at_its_last_durable_position(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = JsonlShards(tmp_path / "D", shard_rows=2)
+    writer.write([{"id": "p0", "num_tokens": 1}], "1-0")
+    with monkeypatch.context() as m:
+        _refuse_checkpoints(m)
+        with pytest.raises(OutputError):
+            writer.write([{"id": f"p{i}", "num_tokens": 1} for i in range(1, 4)], "4-0")
+    assert (writer.last_id, writer.rows) == ("1-0", 1)
+    # The rows the failed batch got onto disk are not "kept": only the checkpointed one is.
+    assert [r["id"] for r in JsonlShards(tmp_path / "D", shard_rows=2).iter_kept()] == ["p0"]
+    # Writing the batch again (the folder has room now) writes it once, over what the failure left.
+    writer.write([{"id": f"p{i}", "num_tokens": 1} for i in range(1, 4)], "4-0")
+    assert [r["id"] for r in writer.iter_kept()] == ["p0", "p1", "p2", "p3"]
+    assert [r["id"] for r in open_writer(tmp_path / "D", shard_rows=2).iter_kept()] == ["p0", "p1", "p2", "p3"]
+    assert writer.files() == ["shard-00000.jsonl", "shard-00001.jsonl"]

@@ -10,6 +10,7 @@ import time
 import pytest
 import redis
 
+from common.budget import POLICY
 from tests.fleet import TEST_KEY, Fleet, prompts, read_rows, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
@@ -32,11 +33,10 @@ def test_budget_stop_then_next_dataset_runs_to_its_end(fleet: Fleet, redis_clien
     assert sa["end_reason"] == "budget"
     rows_a = fleet.assert_exactly_once(redis_client, "A_small")
     mean = sa["tokens"] / len(rows_a)
-    # Admission stops before the budget; what lands is close to it from below or barely above: the
-    # stop itself leaves some room (in-flight work is projected conservatively), top-up rounds
-    # fill it while the next dataset runs.
-    print(f"A_small kept {sa['tokens']} of {budget} ({sa['tokens'] / budget:.1%}), top-ups {sa['top_ups']}")
-    assert budget - 2 * mean <= sa["tokens"] <= budget + 0.05 * budget, sa
+    # The hard cap (the default): never over, and short by less than one worst-case answer
+    # (max_tokens 1024 plus the turn's own tokens).
+    print(f"A_small kept {sa['tokens']} of {budget} ({sa['tokens'] / budget:.1%}), mean row {mean:.0f}")
+    assert budget - POLICY.worst_tokens(1024) < sa["tokens"] <= budget, sa
     assert sa["results"] + sa["skipped"] + sa["failed"] == 600
     assert sa["skipped"] > 0
     assert sb["end_reason"] == "complete" and sb["results"] == 40

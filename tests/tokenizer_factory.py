@@ -7,7 +7,12 @@ above the trained vocabulary, and a chat template written after the family's rea
 
 * ``KIMI_K25``: Kimi K2.5 — the generation prompt ends ``<|im_assistant|>assistant<|im_middle|><think>``.
 * ``KIMI_K2_THINKING``: Kimi K2-Thinking — the generation prompt stops at ``<|im_middle|>``.
-* ``CHATML``: Qwen3-style ChatML — ``<|im_start|>``, ``<think>\\n…\\n</think>\\n\\n``, ``<tool_call>`` JSON.
+* ``CHATML``: Qwen3-style ChatML — ``<|im_start|>``, ``<think>\\n…\\n</think>\\n\\n``, ``<tool_call>`` JSON,
+  a simplified template that writes reasoning and content as given (strips nothing).
+* ``QWEN3``: the same tokens with Qwen3's own template, which strips the newlines at the edges of
+  reasoning and content and writes its own.
+* ``DEEPSEEK``: DeepSeek-V3.1-style — ``<｜User｜>``, ``<｜Assistant｜><think>``, ``</think>``,
+  ``<｜end▁of▁sentence｜>``, ``<｜tool▁calls▁begin｜>`` tool calls naming the function (no id).
 
 Both Kimi templates keep the real ones' history/suffix split: every turn up to the last assistant
 turn without tool calls is history, rendered with ``<think></think>`` (its reasoning dropped).
@@ -177,6 +182,170 @@ _CHATML_TEMPLATE = r"""
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
 """
 
+# Qwen3's own chat template (hybrid thinking), verbatim: reasoning from ``reasoning_content`` or
+# split out of ``content`` at ``</think>``, written as ``<think>\n{reasoning.strip('\n')}\n</think>\n\n``
+# then ``content.lstrip('\n')`` on turns after the last user query; ``enable_thinking=False`` puts
+# the empty block in the generation prompt.
+_QWEN3_TEMPLATE = "\n".join([
+    r'''{%- if tools %}''',
+    r'''    {{- '<|im_start|>system\n' }}''',
+    r'''    {%- if messages[0].role == 'system' %}''',
+    r'''        {{- messages[0].content + '\n\n' }}''',
+    r'''    {%- endif %}''',
+    r'''    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou'''
+    r''' are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}''',
+    r'''    {%- for tool in tools %}''',
+    r'''        {{- "\n" }}''',
+    r'''        {{- tool | tojson }}''',
+    r'''    {%- endfor %}''',
+    r'''    {{- "\n</tools>\n\nFor each function call, return a json object with function name and'''
+    r''' arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>,'''
+    r''' \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}''',
+    r'''{%- else %}''',
+    r'''    {%- if messages[0].role == 'system' %}''',
+    r'''        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}''',
+    r'''    {%- endif %}''',
+    r'''{%- endif %}''',
+    r'''{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}''',
+    r'''{%- for message in messages[::-1] %}''',
+    r'''    {%- set index = (messages|length - 1) - loop.index0 %}''',
+    r'''    {%- if ns.multi_step_tool and message.role == "user" and'''
+    r''' not(message.content.startswith('<tool_response>') and'''
+    r''' message.content.endswith('</tool_response>')) %}''',
+    r'''        {%- set ns.multi_step_tool = false %}''',
+    r'''        {%- set ns.last_query_index = index %}''',
+    r'''    {%- endif %}''',
+    r'''{%- endfor %}''',
+    r'''{%- for message in messages %}''',
+    r'''    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}''',
+    r'''        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}''',
+    r'''    {%- elif message.role == "assistant" %}''',
+    r'''        {%- set content = message.content %}''',
+    r'''        {%- set reasoning_content = '' %}''',
+    r'''        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}''',
+    r'''            {%- set reasoning_content = message.reasoning_content %}''',
+    r'''        {%- else %}''',
+    r'''            {%- if '</think>' in message.content %}''',
+    r'''                {%- set content = message.content.split('</think>')[-1].lstrip('\n') %}''',
+    r'''                {%- set reasoning_content ='''
+    r''' message.content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}''',
+    r'''            {%- endif %}''',
+    r'''        {%- endif %}''',
+    r'''        {%- if loop.index0 > ns.last_query_index %}''',
+    r'''            {%- if loop.last or (not loop.last and reasoning_content) %}''',
+    r'''                {{- '<|im_start|>' + message.role + '\n<think>\n' +'''
+    r''' reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}''',
+    r'''            {%- else %}''',
+    r'''                {{- '<|im_start|>' + message.role + '\n' + content }}''',
+    r'''            {%- endif %}''',
+    r'''        {%- else %}''',
+    r'''            {{- '<|im_start|>' + message.role + '\n' + content }}''',
+    r'''        {%- endif %}''',
+    r'''        {%- if message.tool_calls %}''',
+    r'''            {%- for tool_call in message.tool_calls %}''',
+    r'''                {%- if (loop.first and content) or (not loop.first) %}''',
+    r'''                    {{- '\n' }}''',
+    r'''                {%- endif %}''',
+    r'''                {%- if tool_call.function %}''',
+    r'''                    {%- set tool_call = tool_call.function %}''',
+    r'''                {%- endif %}''',
+    r'''                {{- '<tool_call>\n{"name": "' }}''',
+    r'''                {{- tool_call.name }}''',
+    r'''                {{- '", "arguments": ' }}''',
+    r'''                {%- if tool_call.arguments is string %}''',
+    r'''                    {{- tool_call.arguments }}''',
+    r'''                {%- else %}''',
+    r'''                    {{- tool_call.arguments | tojson }}''',
+    r'''                {%- endif %}''',
+    r'''                {{- '}\n</tool_call>' }}''',
+    r'''            {%- endfor %}''',
+    r'''        {%- endif %}''',
+    r'''        {{- '<|im_end|>\n' }}''',
+    r'''    {%- elif message.role == "tool" %}''',
+    r'''        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}''',
+    r'''            {{- '<|im_start|>user' }}''',
+    r'''        {%- endif %}''',
+    r'''        {{- '\n<tool_response>\n' }}''',
+    r'''        {{- message.content }}''',
+    r'''        {{- '\n</tool_response>' }}''',
+    r'''        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}''',
+    r'''            {{- '<|im_end|>\n' }}''',
+    r'''        {%- endif %}''',
+    r'''    {%- endif %}''',
+    r'''{%- endfor %}''',
+    r'''{%- if add_generation_prompt %}''',
+    r'''    {{- '<|im_start|>assistant\n' }}''',
+    r'''    {%- if enable_thinking is defined and enable_thinking is false %}''',
+    r'''        {{- '<think>\n\n</think>\n\n' }}''',
+    r'''    {%- endif %}''',
+    r'''{%- endif %}''',
+])
+
+DEEPSEEK_SPECIALS = (
+    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜▁pad▁｜>",
+)
+DEEPSEEK_ADDED = ("<think>", "</think>")
+
+# DeepSeek-V3.1-style, thinking on: BOS + system prompt, ``<｜User｜>…``, the generation prompt
+# ``<｜Assistant｜><think>``, the model emits ``reasoning</think>content`` and tool calls as
+# ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>…
+# <｜tool▁calls▁end｜>``, then ``<｜end▁of▁sentence｜>`` (also the EOS). Turns before the last user
+# message are history: ``</think>`` and the content after any ``</think>`` in it, reasoning dropped.
+# Two departures from the real templates, which would leave nothing to rebuild against: they never
+# render ``reasoning_content`` (so no template says where reasoning goes), and after a tool result
+# they add no ``<｜Assistant｜>`` (the model's turn would start mid-sequence); here every assistant turn
+# has its header and turns after the last user message keep their reasoning.
+_DEEPSEEK_TEMPLATE = r"""
+{%- if thinking is not defined -%}{%- set thinking = true -%}{%- endif -%}
+{%- set ns = namespace(system_prompt='', is_first_sp=true, last_user=-1) -%}
+{%- for message in messages -%}
+  {%- if message['role'] == 'system' -%}
+    {%- if ns.is_first_sp -%}{%- set ns.system_prompt = ns.system_prompt + message['content'] -%}
+    {%- else -%}{%- set ns.system_prompt = ns.system_prompt + '\n\n' + message['content'] -%}
+    {%- endif -%}
+    {%- set ns.is_first_sp = false -%}
+  {%- elif message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- if tools -%}
+  {%- set ns.system_prompt = ns.system_prompt + '\n\n## Tools\nYou have access to the following tools:\n' -%}
+  {%- for tool in tools -%}
+    {%- set ns.system_prompt = ns.system_prompt + '\n### ' + tool.function.name + '\nDescription: '
+        + (tool.function.description or '') + '\n\nParameters: ' + (tool.function.parameters | tojson) + '\n' -%}
+  {%- endfor -%}
+{%- endif -%}
+{{- bos_token }}{{ ns.system_prompt -}}
+{%- for message in messages -%}
+  {%- if message['role'] == 'user' -%}{{- '<｜User｜>' + message['content'] -}}
+  {%- elif message['role'] == 'assistant' -%}
+    {%- set content = message['content'] if message['content'] is string else '' -%}
+    {{- '<｜Assistant｜>' -}}
+    {%- if thinking and loop.index0 > ns.last_user -%}
+      {{- '<think>' + (message.get('reasoning_content') or '') + '</think>' -}}
+    {%- else -%}
+      {%- if '</think>' in content -%}{%- set content = content.split('</think>', 1)[1] -%}{%- endif -%}
+      {{- '</think>' -}}
+    {%- endif -%}
+    {{- content -}}
+    {%- if message.get('tool_calls') -%}
+      {{- '<｜tool▁calls▁begin｜>' -}}
+      {%- for tool in message['tool_calls'] -%}
+        {%- set args = tool['function']['arguments'] -%}
+        {{- '<｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>'
+            + (args if args is string else args | tojson) + '<｜tool▁call▁end｜>' -}}
+      {%- endfor -%}
+      {{- '<｜tool▁calls▁end｜>' -}}
+    {%- endif -%}
+    {{- '<｜end▁of▁sentence｜>' -}}
+  {%- elif message['role'] == 'tool' -%}
+    {{- '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<｜Assistant｜>' + ('<think>' if thinking else '</think>') -}}{%- endif -%}
+"""
+
 # Enough text for merges of everyday English, code, JSON and a few scripts; everything else falls
 # back to single bytes, which is all the tests need (exact, just longer).
 _CORPUS = (
@@ -224,7 +393,25 @@ CHATML = Family(
     chat_template=_CHATML_TEMPLATE,
     config_tokens={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
 )
-FAMILIES = (KIMI_K25, KIMI_K2_THINKING, CHATML)
+QWEN3 = Family(
+    name="qwen3",
+    specials=CHATML_SPECIALS,
+    added=CHATML_ADDED,
+    chat_template=_QWEN3_TEMPLATE,
+    config_tokens={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+)
+# The real tokenizer adds BOS on a plain encode and the template writes it too: the rebuild must
+# encode the rendered prompt without adding another.
+DEEPSEEK = Family(
+    name="deepseek-v3.1",
+    specials=DEEPSEEK_SPECIALS,
+    added=DEEPSEEK_ADDED,
+    chat_template=_DEEPSEEK_TEMPLATE,
+    config_tokens={"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
+                   "pad_token": "<｜▁pad▁｜>"},
+    bos_prefix="<｜begin▁of▁sentence｜>",
+)
+FAMILIES = (KIMI_K25, KIMI_K2_THINKING, CHATML, QWEN3, DEEPSEEK)
 
 
 def build_backend(family: Family) -> Tokenizer:
@@ -279,6 +466,23 @@ class ChattyTokenizer(TokenizersBackend):
             logger.warning(f"Calling super().encode with {kwargs}")
             print(f"Calling super().encode with {kwargs}")
         return super().encode(text, **kwargs)
+
+
+class PlainTextSpecialsTokenizer(ChattyTokenizer):
+    # Lists as added tokens only the special tokens its config names (as Kimi's remote code does)
+    # and encodes every special token's text as ordinary tokens.
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.split_special_tokens = True
+        self._named_only = True
+
+    @property
+    def added_tokens_decoder(self):
+        tokens = super().added_tokens_decoder
+        if not getattr(self, "_named_only", False):  # still initialising
+            return tokens
+        named = set(self.all_special_tokens)
+        return {i: t for i, t in tokens.items() if t.content in named}
 
 
 class BuggyDecodeTokenizer(ChattyTokenizer):

@@ -20,6 +20,7 @@ from workers.gate import Gate
 from workers.openrouter import OpenRouterClient
 from workers.target import TargetTokenizer
 from workers.upstream import Upstream
+from workers.vllm import EngineClient, EngineKind
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class WorkerContext:
         self._upstream = upstream
         self._runs: dict[str, WorkerView] = {}
         self._tokenizers: dict[tuple[str, str | None], TargetTokenizer] = {}
+        self._engines: dict[str, EngineClient] = {}
         self._lock = threading.Lock()
 
     @cached_property
@@ -58,6 +60,27 @@ class WorkerContext:
         if self._upstream is None:
             self._upstream = self._openrouter()
         return self._upstream
+
+    def upstream(self, view: WorkerView) -> Upstream:
+        """The upstream of this run: the one given to the context (tests), OpenRouter, or the
+        self-hosted engine the run file's ``model.upstream`` names (one per kind and process)."""
+        kind = view.model.upstream
+        if self._upstream is not None or kind == "openrouter":
+            return self.client
+        engine = self._engines.get(kind)
+        if engine is None:
+            with self._lock:
+                engine = self._engines.get(kind)
+                if engine is None:
+                    engine = self._engines[kind] = self._engine(kind)
+        return engine
+
+    def _engine(self, kind: EngineKind) -> EngineClient:
+        url = self.settings.engine_url
+        if not url:
+            raise ConfigError(
+                f"the run's model.upstream is {kind!r} but SPECFLEET_ENGINE_URL is not set on this worker")
+        return EngineClient(kind, url, self.settings.engine_api_key, pool_size=self.settings.worker_concurrency)
 
     def _openrouter(self) -> OpenRouterClient:
         key = self.settings.openrouter_api_key
@@ -100,7 +123,9 @@ class WorkerContext:
         """Everything a run needs before its first request; raises on a broken tokenizer."""
         view = self.run(config_id)
         self.tokenizer(view)
-        if not self.settings.openrouter_api_key:
+        if view.model.upstream != "openrouter":
+            self.upstream(view)  # refuses a missing SPECFLEET_ENGINE_URL before the first task
+        elif not self.settings.openrouter_api_key:
             raise ConfigError("environment variable OPENROUTER_API_KEY is not set on this worker")
 
 

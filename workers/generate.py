@@ -3,13 +3,16 @@
 - **prepare**: render the prompt with the target's template and count its ids; a prompt over the
   length class's ``max_prompt_tokens`` or the model's context length is failed
   (``prompt_too_long``) before any money is spent. The ids are reused by the rebuild.
-- **reserve**: ask the budget (``common/budget.py``) for admission; parked while it is full.
+- **reserve**: ask the budget (``common/budget.py``) for admission with the request's worst case
+  (``max_tokens``, and its dollars from the model's price and the prompt's tokens); parked while
+  the budget is committed to requests that may land smaller.
 - **call**: one ``Upstream.complete`` per attempt, each inside a slot of the fleet-wide throttle
   (``workers/gate.py``); after a failed one ``workers/retry.py`` decides (retry after a backoff,
   fail the prompt, halt the fleet); the lease is renewed before a retry and while waiting for a
   slot, so a stopped dataset makes no further calls.
 - **rebuild**: the answer as token-exact ids, self-checked (``workers/rebuild.py``).
-- **settle**: count the row and hand it to the collector, exactly once.
+- **settle**: count the row and hand it to the collector, exactly once; the answer's cost is
+  counted whatever becomes of the row (money spent is spent).
 
 Every way out leaves the prompt kept, failed-with-reason, skipped (budget or stop), halted (no
 outcome: the next run asks again) or handed back for a later delivery; one log line per step.
@@ -30,7 +33,7 @@ import gevent
 import msgpack
 import redis
 
-from common.budget import Budget, Reservation
+from common.budget import POLICY, Budget, Price, Reservation
 from common.config import LengthClass, WorkerView
 from common.contract import (
     CONTRACT_VERSION,
@@ -43,17 +46,15 @@ from common.contract import (
 from common.errors import MisconfiguredError, TokenMismatch, UpstreamError
 from common.stats import DatasetStats
 from workers.context import WorkerContext
+from workers.engine_ids import rebuild_from_engine
 from workers.rebuild import Prompt, RebuiltRow, rebuild, render_prompt
 from workers.retry import RetryPolicy
 from workers.target import TargetTokenizer
-from workers.upstream import Answer, Request
+from workers.upstream import Answer, Request, Upstream
 
 log = logging.getLogger(__name__)
 
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
-
-#: How often a request parked by a full budget asks again.
-ADMISSION_POLL_S = 1.0
 
 #: Slack on a lease beyond one attempt and one backoff: connect time, rebuild, a Redis blip.
 LEASE_SLACK_S = 10.0
@@ -92,6 +93,8 @@ class _Job:
         self.stats = DatasetStats(ctx.redis, self.dataset)
         self.lease = uuid.uuid4().hex
         self.attempts = 0
+        #: What the upstream billed for this prompt so far: every way out passes it to the budget.
+        self.billed_usd = 0.0
         self.started = time.monotonic()
 
     @property
@@ -101,7 +104,8 @@ class _Job:
         return int((self.policy.attempt_window_s(self.length.timeout_s) + LEASE_SLACK_S) * 1000)
 
     def fail(self, reason: str, detail: str) -> str:
-        self.budget.fail(self.pid, self.lease, reason, self.attempts, detail, where=self.where)
+        self.budget.fail(self.pid, self.lease, reason, self.attempts, detail, where=self.where,
+                         cost_usd=self.billed_usd)
         self.stats.record_failure(reason)
         log.warning("%s/%s failed: %s after %d attempts: %s", self.dataset, self.pid, reason, self.attempts, detail)
         return "failed"
@@ -129,6 +133,8 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
 
     try:
         answer = call(job, prepared)
+        if answer == "lost":
+            return Busy(wait_s=1.0)  # our lease was reaped meanwhile: a fresh delivery asks the budget again
         if isinstance(answer, str):
             return answer
         rebuilt = rebuild_row(job, prepared, answer)
@@ -140,7 +146,7 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
         # Not the prompt's fault (Redis gone, worker shutting down): give the admission back so the
         # next delivery can take it at once instead of waiting for the lease to expire.
         with contextlib.suppress(Exception):
-            job.budget.release(job.pid, job.lease)
+            job.budget.release(job.pid, job.lease, cost_usd=job.billed_usd)
         raise
     except Exception as exc:
         # A bug or an answer nobody foresaw: the prompt gets an outcome with the evidence, instead
@@ -182,15 +188,15 @@ def prepare(job: _Job) -> Prepared:
 
 
 def reserve(job: _Job, prepared: Prepared) -> str | Busy | None:
-    """Admission; None when admitted, else the outcome. ``prepared.prompt_tokens`` is what a
-    dollar budget would add to the reservation."""
-    prior = job.length.prior_estimate_tokens
-    admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, prior_estimate=prior)
+    """Admission; None when admitted, else the outcome."""
+    ask = POLICY.ask(max_tokens=job.length.max_tokens, estimate_tokens=job.length.estimate_tokens,
+                     prompt_tokens=prepared.prompt_tokens, price=Price.of(job.view.model.pricing))
+    admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask)
     while admission.status == "wait":
-        # The budget is committed to requests in flight whose size is still a guess: a greenlet
-        # costs nothing to park, and re-asking is one Lua call.
-        gevent.sleep(ADMISSION_POLL_S * random.uniform(0.5, 1.5))
-        admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, prior_estimate=prior)
+        # The budget is committed to requests in flight that may land smaller: a greenlet costs
+        # nothing to park, and re-asking is one Lua call.
+        gevent.sleep(POLICY.wait_poll_s * random.uniform(0.5, 1.5))
+        admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask)
     log.info("%s/%s reserve: %s %d", job.dataset, job.pid, admission.status, admission.value)
     return _admission_outcome(job, admission)
 
@@ -221,10 +227,11 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
         timeout_s=job.length.timeout_s,
         prompt_ids=prepared.prompt.ids,
     )
+    upstream = job.ctx.upstream(job.view)
     while True:
         t0 = time.monotonic()
         try:
-            answer = _attempt(job, request)
+            answer = _attempt(job, upstream, request)
         except _Ended as ended:
             return ended.outcome
         except UpstreamError as exc:
@@ -241,6 +248,7 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
             if (outcome := _renew(job)) is not None:
                 return outcome
             continue
+        job.billed_usd = answer.usage["cost"]
         job.stats.record_answer(answer.usage)
         log.info("%s/%s call %d: %s completion_tokens=%s (%.1fs)", job.dataset, job.pid, job.attempts,
                  answer.finish_reason, answer.usage["completion_tokens"], time.monotonic() - t0)
@@ -255,7 +263,7 @@ class _Ended(Exception):
         self.outcome = outcome
 
 
-def _attempt(job: _Job, request: Request) -> Answer:
+def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
     """One attempt through the fleet-wide throttle (``workers/gate.py``): wait for a slot of the
     fleet's in-flight limit, renewing the lease meanwhile, and give it back with the outcome (a
     429/503 cuts the fleet's limit and its Retry-After pauses every worker)."""
@@ -267,7 +275,7 @@ def _attempt(job: _Job, request: Request) -> Answer:
     ttl_ms = int((job.length.timeout_s + LEASE_SLACK_S) * 1000)
     with job.ctx.gate.slot(ttl_ms=ttl_ms, limits=job.view.throttle, keepalive=keepalive):
         job.attempts += 1
-        return job.ctx.client.complete(request)
+        return upstream.complete(request)
 
 
 def _renew(job: _Job) -> str | None:
@@ -275,12 +283,12 @@ def _renew(job: _Job) -> str | None:
 
     A stopped dataset makes no further upstream calls; an exhausted one still finishes what it
     admitted (the admission was within budget)."""
-    renewal = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, prior_estimate=0)
-    if renewal.status == "stopped":
+    renewal = job.budget.renew(job.pid, job.lease, ttl_ms=job.ttl_ms)
+    if renewal in ("stopped", "lost"):
         job.budget.release(job.pid, job.lease)
-        return "skipped:stopped"
-    if renewal.status != "ok":  # halted, done elsewhere, or our lease expired and was taken over
-        return renewal.status
+        return "skipped:stopped" if renewal == "stopped" else "lost"
+    if renewal != "ok":  # halted, or done by another delivery
+        return renewal
     return None
 
 
@@ -301,7 +309,9 @@ def rebuild_row(job: _Job, prepared: Prepared, answer: Answer) -> RebuiltRow:
     """The answer as token-exact ids after the prepared prompt; raises ``TokenMismatch``."""
     # Tokenizing a 32k-token answer is CPU work: a real thread keeps the hub serving others.
     args = (prepared.target, job.payload["messages"], job.payload.get("tools"), answer)
-    rebuilt: RebuiltRow = gevent.get_hub().threadpool.apply(rebuild, args, {"prompt": prepared.prompt})
+    # An engine's ids are the row; the text rebuild becomes their cross-check (engine_ids.py).
+    step = rebuild if answer.completion_ids is None else rebuild_from_engine
+    rebuilt: RebuiltRow = gevent.get_hub().threadpool.apply(step, args, {"prompt": prepared.prompt})
     return rebuilt
 
 
@@ -309,16 +319,23 @@ def rebuild_row(job: _Job, prepared: Prepared, answer: Answer) -> RebuiltRow:
 
 
 def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> str:
+    """Keep the row, unless another delivery did ("duplicate") or the hard cap has no room left
+    for it ("discarded": its lease was reaped meanwhile; billed, failed as over_budget)."""
     row = _row(job.payload, rebuilt, answer, job.attempts)
-    kept = job.budget.settle(job.pid, job.lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True))
-    if not kept:
+    settled = job.budget.settle(job.pid, job.lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True),
+                                cost_usd=job.billed_usd, attempts=job.attempts)
+    if settled == "duplicate":
         job.stats.record_duplicate()
+    elif settled == "discarded":
+        job.stats.record_failure("over_budget")
+    elif rebuilt.engine_check is not None:
+        job.stats.record_engine_check(rebuilt.engine_check["match"], rebuilt.engine_check["prompt_match"])
     log.info(
         "%s/%s settle: %s tokens=%d attempts=%d finish=%s %.1fs",
-        job.dataset, job.pid, "kept" if kept else "duplicate", rebuilt.completion_tokens, job.attempts,
+        job.dataset, job.pid, settled, rebuilt.completion_tokens, job.attempts,
         answer.finish_reason, time.monotonic() - job.started,
     )
-    return "kept" if kept else "duplicate"
+    return "failed" if settled == "discarded" else settled
 
 
 def _row(payload: TaskPayload, rebuilt: RebuiltRow, answer: Answer, attempts: int) -> ResultRow:
@@ -339,4 +356,6 @@ def _row(payload: TaskPayload, rebuilt: RebuiltRow, answer: Answer, attempts: in
     }
     if tools := payload.get("tools"):
         row["tools"] = tools
+    if rebuilt.engine_check is not None:
+        row["engine_check"] = rebuilt.engine_check
     return row

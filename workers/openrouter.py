@@ -168,7 +168,7 @@ class OpenRouterClient:
     def complete(self, request: Request) -> Answer:
         timeout_s = request.timeout_s
         try:
-            resp = self._session.post(self.url, data=json.dumps(request_body(request)), timeout=(10.0, timeout_s))
+            resp = self._session.post(self.url, data=json.dumps(self._body(request)), timeout=(10.0, timeout_s))
         except requests.Timeout:
             raise RetryableUpstreamError("timeout", f"no answer within {timeout_s:g} s") from None
         except requests.ConnectionError as exc:
@@ -176,6 +176,9 @@ class OpenRouterClient:
         except requests.RequestException as exc:
             raise RetryableUpstreamError("transport", type(exc).__name__) from None
         return self._parse(resp, request.model)
+
+    def _body(self, request: Request) -> dict[str, Any]:
+        return request_body(request)
 
     def _parse(self, resp: requests.Response, model: str) -> Answer:
         status = resp.status_code
@@ -223,15 +226,18 @@ class OpenRouterClient:
             # Nothing to learn from and nothing a rebuild could check; seen when a provider drops
             # the connection after "200 OK" or ends a stream early.
             raise RetryableUpstreamError("empty_answer", f"no content, reasoning or tool calls ({finish})", status=200)
-        return answer_from_message(
-            message_obj,
-            finish,
-            native_finish_reason=choice.get("native_finish_reason"),
-            usage=_usage(body.get("usage")),
-            provider=str(body.get("provider") or ""),
-            model=str(body.get("model") or ""),
-            generation_id=str(body.get("id") or resp.headers.get("X-Generation-Id") or ""),
-        )
+        meta: dict[str, Any] = {
+            "native_finish_reason": choice.get("native_finish_reason"),
+            "usage": _usage(body.get("usage")),
+            "provider": str(body.get("provider") or ""),
+            "model": str(body.get("model") or ""),
+            "generation_id": str(body.get("id") or resp.headers.get("X-Generation-Id") or ""),
+        }
+        return answer_from_message(message_obj, finish, **{**meta, **self._extra_fields(body, choice, model)})
+
+    def _extra_fields(self, body: dict[str, Any], choice: dict[str, Any], model: str) -> dict[str, Any]:
+        """More ``Answer`` fields from the reply; a subclass's hook (``workers/vllm.py``'s ids)."""
+        return {}
 
 
 __all__ = ["OpenRouterClient", "UpstreamError", "answer_from_message", "chat_url", "parse_retry_after_s"]

@@ -2,7 +2,8 @@
 
 ``add_consumer``/``cancel_consumer`` broadcasts are lost when a worker restarts or a replica starts
 later, so instead each worker polls ``keys.ACTIVE_QUEUES`` (queue -> run-config id) and adjusts
-its own consumers. Before consuming a run's queue it loads and checks that run's tokenizer, so a
+its own consumers (the ``specfleet.q.*`` ones only: other queues the worker was given are left
+alone). Before consuming a run's queue it loads and checks that run's tokenizer, so a
 broken tokenizer stops the worker before it sends a single paid request.
 """
 
@@ -16,7 +17,6 @@ from typing import Any
 from celery import bootsteps
 
 from common import keys
-from common.contract import IDLE_QUEUE
 from common.errors import SpecfleetError
 from workers.context import context
 
@@ -61,6 +61,8 @@ class FollowActiveQueues(bootsteps.StartStopStep):
                 return
             c.add_task_queue(queue)
             log.info("following %s (run %s)", queue, config_id)
-        for queue in consuming - active.keys() - {IDLE_QUEUE}:
+        # Only dataset queues a run has left: a queue the user added (``-Q other``, an
+        # ``add_consumer`` broadcast) is theirs, not ours to undo.
+        for queue in sorted(q for q in consuming - active.keys() if q.startswith(keys.QUEUE_PREFIX)):
             c.cancel_task_queue(queue)
             log.info("left %s", queue)

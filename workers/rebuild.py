@@ -5,8 +5,11 @@ knows only the target's template and tokenizer.
 
 ``input_ids = prompt ids + completion ids``: the prompt is the template rendered with the generation
 prompt (what the model saw); the completion is the assistant turn rebuilt from the answer's parts in
-the template's own layout (``TurnFormat``). Never render the finished conversation and cut it: Kimi's
-templates render a final turn without tool calls as history and drop its reasoning.
+the template's own layout (``TurnFormat``), with the edges the template strips from reasoning and
+content stripped (whether the provider kept the newlines around them or not, the model emitted the
+template's glue once), encoded as generated text (no normalizer). Never render the finished
+conversation and cut it: Kimi's templates render a final turn without tool calls as history and
+drop its reasoning.
 
 Every row passes three self-checks or raises ``TokenMismatch``: the completion ids decode back to
 the rebuilt text; every special-token string in that text became its single id; and, where the
@@ -67,6 +70,8 @@ class RebuiltRow:
     completion_text: str
     assistant_message: dict[str, Any]
     reasoning_end: ReasoningEnd
+    #: With an engine's ids (``workers/engine_ids.py``): how the text rebuild compared with them.
+    engine_check: dict[str, Any] | None = None
 
 
 def rebuild(
@@ -84,7 +89,7 @@ def rebuild(
         prompt = render_prompt(target, messages, tools)
     prompt_text, prompt_ids = prompt.text, prompt.ids
     turn = _assemble(target, messages, answer)
-    completion_ids = target.encode(turn.text)
+    completion_ids = target.encode_generated(turn.text)
 
     _check_round_trip(target, turn.text, completion_ids)
     _check_special_ids(target, turn.text, completion_ids)
@@ -127,6 +132,8 @@ def _assemble(target: TargetTokenizer, messages: list[dict[str, Any]], answer: A
         # does not know that hands the whole section over as reasoning. Keep it as emitted.
         at = reasoning.index(fmt.tool_call_open)
         reasoning, raw_tool_text = reasoning[:at], _strip_end(reasoning[at:], ends)
+        # No think-close follows, so the template's glue after the reasoning was never emitted.
+        reasoning = fmt.reasoning_edges.apply(reasoning, trail=False)
     elif reasoning and not content and not calls:
         reasoning = _strip_end(reasoning, ends)
 
@@ -142,14 +149,22 @@ def _assemble(target: TargetTokenizer, messages: list[dict[str, Any]], answer: A
         reasoning_end = "implicit"
     elif not content and not calls and not ended:
         # Cut off before any content: the model was still reasoning (hidden reasoning reads as "").
+        # Its end is text the model emitted, not glue before a think-close.
+        reasoning = fmt.reasoning_edges.apply(reasoning, trail=False) if reasoning else reasoning
         parts += [fmt.reasoning_prefix, reasoning or ""]
         reasoning_end = "truncated" if fmt.think_close is not None else "none"
     else:
+        # The template writes its own glue around reasoning and content and strips theirs: a
+        # provider that kept the newlines the model emitted as glue hands them over as text.
+        content_edges = fmt.plain_content_edges if reasoning is None else fmt.content_edges
+        if content is not None:
+            content = content_edges.apply(content, trail=ended or bool(calls))
         if reasoning is None:
             parts.append(fmt.no_reasoning_prefix)
             has_close = fmt.think_close is not None and fmt.think_close in fmt.no_reasoning_prefix
             reasoning_end = "explicit" if has_close else "none"
         else:
+            reasoning = fmt.reasoning_edges.apply(reasoning)
             parts += [fmt.reasoning_prefix, reasoning, fmt.reasoning_suffix]
             reasoning_end = "explicit"
         parts.append(content or "")
@@ -251,7 +266,7 @@ def _check_special_ids(target: TargetTokenizer, text: str, ids: list[int]) -> No
         if want == got:
             continue
         # Where it went wrong: the token at which the k-th special should have started.
-        position = len(target.encode(text[: wanted[k][0]])) if k < len(wanted) else found[k][0]
+        position = len(target.encode_generated(text[: wanted[k][0]])) if k < len(wanted) else found[k][0]
         raise TokenMismatch(
             "special",
             position,
@@ -270,6 +285,14 @@ def _check_template(
 ) -> None:
     fmt = target.turn_format
     message = dict(assistant)
+    # The rebuilt text reads an absent content as "", and an absent reasoning as the empty block
+    # where the template writes one for it; say so to the template too (Qwen3's reads reasoning
+    # out of the content when none is given, and fails on a null content).
+    if message.get("content") is None:
+        message["content"] = ""
+    empty_block = fmt.reasoning_prefix + fmt.reasoning_suffix
+    if fmt.reasoning_key and "reasoning_content" not in message and fmt.no_reasoning_prefix == empty_block:
+        message["reasoning_content"] = ""
     if "reasoning_content" in message and fmt.reasoning_key and fmt.reasoning_key != "reasoning_content":
         message[fmt.reasoning_key] = message.pop("reasoning_content")
     full = target.render([*messages, message], tools, add_generation_prompt=False)
@@ -287,7 +310,7 @@ def _check_template(
         turn = full[cut + len(fmt.generation_prompt) :] if cut >= 0 else full
     if fmt.end_of_turn_tail and turn.endswith(fmt.end_of_turn_tail):
         turn = turn[: -len(fmt.end_of_turn_tail)]
-    position = _first_difference(target.encode(turn), completion_ids)
+    position = _first_difference(target.encode_generated(turn), completion_ids)
     raise TokenMismatch(
         "template", position, f"template renders the turn as {_clip(turn)}, rebuilt {_clip(completion_text)}"
     )

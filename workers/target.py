@@ -16,12 +16,13 @@ import logging
 import re
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from common.errors import TokenizerError
+from common.hf import auto_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,26 @@ _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 ToolCallStyle = Literal["kimi", "hermes", "none"]
 
+# Whitespace a template may strip from the edges of reasoning or content before writing its own
+# glue (Qwen3: ``reasoning_content.strip('\n')``, ``content.lstrip('\n')``); probed one at a time,
+# since ``strip('\n')`` stops at a space and ``trim`` does not.
+_EDGE_PROBE_CHARS = ("\n", " ", "\t")
+
+
+@dataclass(frozen=True)
+class StrippedEdges:
+    """Characters the template strips from the start (``lead``) and end (``trail``) of a text."""
+
+    lead: str = ""
+    trail: str = ""
+
+    def apply(self, text: str, *, lead: bool = True, trail: bool = True) -> str:
+        if lead and self.lead:
+            text = text.lstrip(self.lead)
+        if trail and self.trail:
+            text = text.rstrip(self.trail)
+        return text
+
 
 @dataclass(frozen=True)
 class TurnFormat:
@@ -48,6 +69,10 @@ class TurnFormat:
     ``reasoning_prefix + reasoning + reasoning_suffix + content + tool text + end_of_turn`` is the
     text the model generates. ``end_of_turn_tail`` is what the template writes after the
     end-of-turn token (ChatML's "\\n"): the model stops at the end token and never generates it.
+
+    ``reasoning_edges`` / ``content_edges`` (after a reasoning block) / ``plain_content_edges`` (no
+    reasoning) are what the template strips from those texts before writing its own glue: the model
+    emitted the glue once, so whatever a provider kept of it must not be written twice.
     """
 
     generation_prompt: str
@@ -65,6 +90,9 @@ class TurnFormat:
     tool_call_ids_rendered: bool
     keeps_final_reasoning: bool
     keeps_final_reasoning_with_tool_calls: bool
+    reasoning_edges: StrippedEdges = StrippedEdges()
+    content_edges: StrippedEdges = StrippedEdges()
+    plain_content_edges: StrippedEdges = StrippedEdges()
 
 
 class _DropEncodeChatter(logging.Filter):
@@ -113,6 +141,7 @@ class TargetTokenizer:
         self.name = name
         self._tok = tokenizer
         self._backend = _plain_backend(tokenizer)
+        self._generated_backend = _without_normalizer(self._backend)
         self._encode_kwargs: dict[str, Any] = {}
         self.special_ids_by_string: dict[str, int] = {
             str(added.content): int(token_id) for token_id, added in tokenizer.added_tokens_decoder.items()
@@ -136,9 +165,7 @@ class TargetTokenizer:
     ) -> TargetTokenizer:
         """Load a HF tokenizer (hub id or local dir), derive its turn format, run the start-up check."""
         try:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(
+            tokenizer = auto_tokenizer().from_pretrained(
                 name_or_path, trust_remote_code=trust_remote_code, revision=revision
             )
         except Exception as exc:  # any loader failure (hub, files, remote code) is one kind for us
@@ -187,6 +214,17 @@ class TargetTokenizer:
             return list(self._tok.encode(text))
         with _quiet_stdout():
             return list(self._tok.encode(text, **self._encode_kwargs))
+
+    def encode_generated(self, text: str) -> list[int]:
+        """Token ids of text the model generated. Like ``encode`` but without the tokenizer's
+        normalizer (Qwen's NFC): the server normalizes the prompt it encodes, never the tokens the
+        model samples, so generated "e\u0301" is the ids of those two characters, which decode back
+        to them, not the ids of "é"."""
+        if self._generated_backend is None or self._generated_backend is self._backend:
+            return self.encode(text)
+        if not text:
+            return []
+        return list(self._generated_backend.encode_batch_fast([text], add_special_tokens=False)[0].ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens kept and no clean-up of spaces."""
@@ -298,14 +336,32 @@ class TargetTokenizer:
             at_c = turn.index(_PROBE_CONTENT)
             reasoning_prefix = turn[:at_r]
             reasoning_suffix = turn[at_r + len(_PROBE_REASONING) : at_c]
-            before = [m.group() for m in self.specials_in(prompt + reasoning_prefix)]
-            after = [m.group() for m in self.specials_in(reasoning_suffix)]
-            if not before or not after:
-                raise TokenizerError(
-                    f"tokenizer {self.name!r}: the template's reasoning block is not delimited by special tokens"
+            # The delimiters are the special tokens right next to the reasoning (whitespace apart):
+            # a special token further out (Kimi's <|im_middle|>) is not what opens it.
+            open_text = prompt + reasoning_prefix
+            before = list(self.specials_in(open_text))
+            after = list(self.specials_in(reasoning_suffix))
+            opener = before[-1] if before and not open_text[before[-1].end() :].strip() else None
+            closer = after[0] if after and not reasoning_suffix[: after[0].start()].strip() else None
+            if opener is None or closer is None:
+                raise self._refuse_unmarked(
+                    "the template's reasoning block is not delimited by special tokens",
+                    ([] if opener else open_text[before[-1].end() if before else 0 :].split()[-1:])
+                    + ([] if closer else reasoning_suffix[: after[0].start() if after else None].split()[:1]),
                 )
-            think_open, think_close = before[-1], after[0]
+            think_open, think_close = opener.group(), closer.group()
             prompt_opens_think = think_open not in reasoning_prefix
+
+        reasoning_edges = content_edges = StrippedEdges()
+        if reasoning_key is not None:
+            key = reasoning_key
+            extra: dict[str, Any] = {} if keeps_plain else {"tool_calls": [probe_call]}
+            reasoning_edges, content_edges = self._probe_edges(
+                prompt, lambda r, c: {"role": "assistant", key: r, "content": c, **extra}, with_reasoning=True
+            )
+        _, plain_content_edges = self._probe_edges(
+            prompt, lambda r, c: {"role": "assistant", "content": c}, with_reasoning=False
+        )
 
         # Tool calls: which special token opens them, whether the call id is part of the text.
         tools_turn = self._turn_after_prompt(
@@ -336,18 +392,83 @@ class TargetTokenizer:
             tool_call_ids_rendered=ids_rendered,
             keeps_final_reasoning=keeps_plain,
             keeps_final_reasoning_with_tool_calls=keeps_tools,
+            reasoning_edges=reasoning_edges,
+            content_edges=content_edges,
+            plain_content_edges=plain_content_edges,
         )
+
+    def _probe_edges(
+        self, prompt: str, message: Callable[[str, str], dict[str, Any]], *, with_reasoning: bool
+    ) -> tuple[StrippedEdges, StrippedEdges]:
+        """(reasoning, content) edges the template strips, read off the probe turn rendered again
+        with each whitespace character doubled around the probe texts: a copy that is gone was
+        stripped. Anything else the template does with them counts as kept (the template check
+        has the last word on every row anyway)."""
+        base = _gaps(self._turn_after_prompt(prompt, message(_PROBE_REASONING, _PROBE_CONTENT)), with_reasoning)
+        r_lead = r_trail = c_lead = c_trail = ""
+        for ch in _EDGE_PROBE_CHARS:
+            pad = ch * 2
+            turn = self._turn_after_prompt(prompt, message(pad + _PROBE_REASONING + pad, pad + _PROBE_CONTENT + pad))
+            gaps = _gaps(turn, with_reasoning)
+            if base is None or gaps is None:
+                continue
+            if gaps[0] == base[0]:
+                if with_reasoning:
+                    r_lead += ch
+                else:
+                    c_lead += ch
+            if gaps[-1] == base[-1]:
+                c_trail += ch
+            if with_reasoning:
+                # Reasoning's end and content's start meet in one gap: which copies are left?
+                for kept_r, kept_c in ((False, False), (True, False), (False, True), (True, True)):
+                    if (pad if kept_r else "") + base[1] + (pad if kept_c else "") == gaps[1]:
+                        r_trail += "" if kept_r else ch
+                        c_lead += "" if kept_c else ch
+                        break
+        return StrippedEdges(r_lead, r_trail), StrippedEdges(c_lead, c_trail)
 
     def _split_end(self, after_content: str) -> tuple[str, str]:
         """Split what follows a turn's content into the end-of-turn text the model generates (up to
         and including the first special token) and the template's tail after it."""
         first = next(iter(self.specials_in(after_content)), None)
         if first is None:
-            raise TokenizerError(
-                f"tokenizer {self.name!r}: the template ends an assistant turn with {after_content!r}, "
-                "which holds no special token the model could stop on"
+            raise self._refuse_unmarked(
+                f"the template ends an assistant turn with {after_content!r}, which holds no special token "
+                "the model could stop on",
+                after_content.split()[:1],
             )
         return after_content[: first.end()], after_content[first.end() :]
+
+    def _refuse_unmarked(self, problem: str, words: Sequence[str]) -> TokenizerError:
+        """The refusal for a template whose structure should be marked by special tokens and is not,
+        naming why: usually the tokenizer encodes the special-token text the template writes as
+        ordinary tokens (remote code that does not map it to its id, a vocabulary without it)."""
+        causes, plain = [], False
+        for word in words:
+            ids = self.encode(word)
+            if len(ids) > 1:
+                plain = True
+                causes.append(f"{word!r} encodes as {len(ids)} ordinary tokens {[self.decode([i]) for i in ids]}")
+            elif ids:
+                causes.append(f"{word!r} encodes to id {ids[0]}, which the tokenizer does not list as an added token")
+        message = f"tokenizer {self.name!r}: {problem}, refusing to start"
+        if causes:
+            message += ": " + "; ".join(causes)
+        if plain:
+            message += (
+                " (this tokenizer encodes special-token text as plain text, so rows would train on its "
+                "characters instead of the token the model emits)"
+            )
+        spelled = [
+            f"{token!r} encodes to {ids}, not [{token_id}]"
+            for token, token_id in self.special_ids_by_string.items()
+            if (ids := self.encode(token)) != [token_id]
+        ]
+        if spelled:
+            message += f"; the special tokens it does list are spelled out too: {'; '.join(spelled[:4])}"
+            message += f" (and {len(spelled) - 4} more)" if len(spelled) > 4 else ""
+        return TokenizerError(message)
 
     # --- start-up check -----------------------------------------------------------------------
 
@@ -401,6 +522,30 @@ class TargetTokenizer:
                 f"tokenizer {self.name!r} fails the special-token round trip, refusing to start: "
                 + "; ".join(problems)
             )
+
+
+def _gaps(turn: str, with_reasoning: bool) -> list[str] | None:
+    """The template's text before, between and after the probe texts of a rendered turn (None if
+    a probe is missing or repeated, so the positions are not clear)."""
+    probes = [_PROBE_REASONING, _PROBE_CONTENT] if with_reasoning else [_PROBE_CONTENT]
+    gaps, rest = [], turn
+    for probe in probes:
+        if rest.count(probe) != 1:
+            return None
+        before, rest = rest.split(probe)
+        gaps.append(before)
+    return [*gaps, rest]
+
+
+def _without_normalizer(backend: Any) -> Any:
+    """A copy of a Rust tokenizer without its normalizer (the same object if it has none)."""
+    if backend is None or backend.normalizer is None:
+        return backend
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.normalizer = None
+    return copy
 
 
 def _plain_backend(tokenizer: Any) -> Any:

@@ -1,0 +1,68 @@
+"""One run from start to report: what ``specfleet run`` and ``specfleet demo`` both do once they
+have a config and a Redis. Exit codes live here, next to the only code that chooses them."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import redis
+
+from common.config import RunConfig
+from common.errors import OutputError
+from common.settings import Settings
+
+log = logging.getLogger("specfleet")
+
+EXIT_INTERRUPTED = 130
+EXIT_HALTED = 3
+
+
+def execute(
+    cfg: RunConfig,
+    settings: Settings,
+    redis_url: str,
+    *,
+    progress: bool = True,
+    metrics_port: int | None = None,
+    stall_s: float | None = None,
+) -> int:
+    """Run a config to its end against ``redis_url`` and print the per-dataset report."""
+    from producer.celery_app import make_app
+    from producer.progress import ProgressView
+    from producer.report import write_report
+    from producer.run import Halted, Interrupted, Runner, Tuning
+    from producer.state import read_timeline
+    from producer.summary import report_line
+
+    client = redis.Redis.from_url(redis_url)
+    if metrics_port:
+        from producer.metrics import start_metrics_server
+
+        start_metrics_server(client, metrics_port)
+        log.info("metrics on :%d/metrics", metrics_port)
+    names = [d.name for d in cfg.datasets]
+    runner = Runner(
+        cfg,
+        client,
+        make_app(settings, redis_url),
+        progress=ProgressView(names) if progress else None,
+        tuning=Tuning(stall_s=stall_s) if stall_s else Tuning(),
+    )
+    try:
+        summaries = runner.run()
+    except Interrupted:
+        print("interrupted: state is kept in Redis; run the same command again to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Halted as exc:
+        print(f"specfleet: halted: {exc}", file=sys.stderr)
+        return EXIT_HALTED
+    try:
+        report = write_report(cfg.output.dir, summaries, {n: read_timeline(client, n) for n in names})
+    except OSError as exc:  # the rows and summaries are written; only the report is missing
+        raise OutputError(f"cannot write the report in {cfg.output.dir}: {exc.strerror or exc}") from None
+    print()
+    for s in summaries:
+        print(report_line(s))
+    print(f"rows: {cfg.output.dir}/<dataset>/shard-*.jsonl · report: {report}")
+    return 0

@@ -1,0 +1,104 @@
+"""What a finished dataset reports: the ``Summary`` record (``OUT/<dataset>/summary.json``) and its
+one-line form printed at the end of a run.
+
+A field added here reaches summary.json, the CLI's line (if ``report_line`` shows it) and the
+report (``producer/report.py`` reads summary.json's keys, so it can be rebuilt offline).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from common.throttle import ThrottleSnapshot
+
+
+@dataclass
+class Summary:
+    dataset: str
+    #: budget (tokens) | budget_usd | run_budget | complete | stalled
+    end_reason: str
+    #: Good prompts in the file (up to max_prompts).
+    prompts: int
+    #: Rows kept in all runs of this dataset, and in this run alone.
+    results: int
+    results_this_run: int
+    failed: int
+    #: Prompts with neither a row nor a failure (the budget ended first).
+    skipped: int
+    malformed: int
+    #: Kept tokens (the loss-mask ones) against the budget.
+    tokens: int
+    budget_tokens: int
+    billed_prompt_tokens: int
+    billed_completion_tokens: int
+    billed_reasoning_tokens: int
+    cost_usd: float
+    requests: int
+    duplicates: int
+    #: hard: never over a budget; projected: tokens admitted on an estimate (see common/budget.py).
+    budget_mode: str = "hard"
+    #: Dollars: the dataset's limit (None: none) and what it spent, kept or not; dollars still held
+    #: for requests whose worker vanished (they may have been billed); the run's limit and spend.
+    budget_usd: float | None = None
+    spent_usd: float = 0.0
+    unresolved_usd: float = 0.0
+    run_budget_usd: float | None = None
+    run_spent_usd: float = 0.0
+    #: Rows with an engine's ids (``model.upstream`` an engine); of those, rows whose text rebuild
+    #: differed from them, and rows whose prompt ids differed from the template-rendered prompt.
+    engine_rows: int = 0
+    engine_mismatch: int = 0
+    engine_prompt_mismatch: int = 0
+    #: Attempts that failed, by reason, and prompts that failed for good, by reason.
+    errors: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    #: The fleet-wide upstream throttle when the dataset ended (``throttle_summary``).
+    throttle: dict[str, Any] | None = None
+    wall_s: float = 0.0
+    #: From the start to the first end of admission (top-up rounds come later).
+    admission_s: float = 0.0
+    #: From the end of admission to the next dataset's first enqueue.
+    switch_s: float | None = None
+    top_ups: int = 0
+    rows_at_first_stop: int | None = None
+    enqueue_s: float | None = None
+    #: The files holding the rows (for JSONL, the shards).
+    shards: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Summary:
+        """A summary.json read back; keys this version does not know are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+_HEADS = {"budget": "budget reached", "budget_usd": "dollar budget reached",
+          "run_budget": "run dollar budget reached", "complete": "all prompts done"}
+
+
+def report_line(s: Summary) -> str:
+    head = f"{_HEADS.get(s.end_reason, s.end_reason)}, {s.tokens:,} of {s.budget_tokens:,} tokens"
+    dollars = f"${s.spent_usd or s.cost_usd:.4f}" + (f" of ${s.budget_usd:.2f}" if s.budget_usd else "")
+    if s.run_budget_usd:
+        dollars += f" (run ${s.run_spent_usd:.4f} of ${s.run_budget_usd:.2f})"
+    return (
+        f"{s.dataset}: {head} · {dollars} · results {s.results:,} · skipped {s.skipped:,} · "
+        f"failed {s.failed:,} · malformed {s.malformed:,} · billed {s.billed_completion_tokens:,} "
+        f"completion tokens · {s.wall_s:.1f} s"
+        + (f" · 429s {100 * s.throttle['throttled_share']:.1f}%" if s.throttle else "")
+    )
+
+
+def throttle_summary(t: ThrottleSnapshot) -> dict[str, Any]:
+    """The fleet's throttle when a dataset ends: its in-flight limit then (None: unbounded), and the
+    upstream answers so far by kind (the fleet's counters, reset when the run started)."""
+    return {"limit": None if t.limit is None else round(t.limit, 1), "ok": t.ok, "throttled": t.throttled,
+            "throttled_share": round(t.throttled_share, 4)}

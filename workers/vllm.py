@@ -1,0 +1,83 @@
+"""A self-hosted OpenAI-compatible engine as an ``Upstream``: vLLM, or SGLang, with the token ids.
+
+The request is OpenRouter's chat body plus ``return_token_ids: true``; the answer is parsed and its
+failures classified exactly as ``workers/openrouter.py`` does (the statuses mean the same on an
+OpenAI-compatible server: 401 a wrong ``--api-key``, 404 or "model … does not exist" a wrong
+served model name, 5xx/timeouts retryable), plus the ids the engine sampled:
+
+- **vLLM** (``return_token_ids``, vLLM ≥ 0.10.2): top-level ``prompt_token_ids`` (its chat template
+  rendered with the generation prompt) and ``choices[0].token_ids`` (the completion, with the stop
+  token it sampled). Reasoning comes as ``reasoning_content`` or, in later versions, ``reasoning``
+  when the server runs a ``--reasoning-parser``.
+- **SGLang** (``return_token_ids`` on ``/v1/chat/completions``, non-streaming only): both lists in
+  the choice, ``choices[0].prompt_token_ids`` and ``choices[0].token_ids`` (its ``output_ids``);
+  reasoning as ``reasoning_content``. SGLang may trim a matched stop token from ``output_ids``
+  (``no_stop_trim`` false); the row step puts the end-of-turn token back where the turn ended.
+
+An engine that answers without ids (too old, or a proxy that drops unknown fields) is the run's
+misconfiguration, not the prompt's: every answer would be alike, so it halts like a wrong model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from common.errors import MisconfiguredError, RetryableUpstreamError
+from workers.openrouter import OpenRouterClient, request_body
+from workers.upstream import Request
+
+EngineKind = Literal["vllm", "sglang"]
+CHAT_PATH = "/v1/chat/completions"
+
+
+def engine_chat_url(base_url: str) -> str:
+    """``http://host:8000``, ``http://host:8000/v1`` or the full ``…/chat/completions``."""
+    base = base_url.rstrip("/")
+    if base.endswith("/chat/completions"):
+        return base
+    if base.endswith("/v1"):
+        return base + "/chat/completions"
+    return base + CHAT_PATH
+
+
+def _ids(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise RetryableUpstreamError("bad_token_ids", "token ids that are not a list of integers", status=200)
+    return value
+
+
+class EngineClient(OpenRouterClient):
+    """One per worker process. ``kind`` says where the prompt ids are (vLLM: top level, SGLang:
+    in the choice) and names the upstream in rows (``provider``) and halt messages."""
+
+    def __init__(self, kind: EngineKind, base_url: str, api_key: str | None, *, pool_size: int) -> None:
+        super().__init__(base_url, api_key or "", pool_size=pool_size, app_url="", app_title="")
+        self.kind = kind
+        self.url = self.where = engine_chat_url(base_url)
+        for header in ("HTTP-Referer", "X-Title", "X-OpenRouter-Title"):
+            self._session.headers.pop(header, None)
+        if not api_key:  # a server started without --api-key takes requests without one
+            self._session.headers.pop("Authorization", None)
+
+    def _body(self, request: Request) -> dict[str, Any]:
+        return {**request_body(request), "return_token_ids": True}
+
+    def _extra_fields(self, body: dict[str, Any], choice: dict[str, Any], model: str) -> dict[str, Any]:
+        # vLLM puts the prompt ids beside the choices, SGLang inside the choice.
+        prompt = _ids((body if self.kind == "vllm" else choice).get("prompt_token_ids"))
+        completion = _ids(choice.get("token_ids"))
+        if prompt is None or completion is None:
+            missing = " and ".join(n for n, v in (("prompt ids", prompt), ("completion ids", completion)) if v is None)
+            raise MisconfiguredError(
+                "no_token_ids",
+                f"the {self.kind} server answered without {missing}: it ignores return_token_ids "
+                "(vLLM >= 0.10.2 and a recent SGLang return them)",
+                target=f"{self.url} with model {model!r}",
+                status=200,
+            )
+        return {"prompt_ids": prompt, "completion_ids": completion, "provider": body.get("provider") or self.kind}
+
+
+__all__ = ["EngineClient", "EngineKind", "engine_chat_url"]
