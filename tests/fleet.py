@@ -114,7 +114,10 @@ class Fleet:
         return self._spawn(name, cmd, self.env(SPECFLEET_CONCURRENCY=str(concurrency), **env))
 
     def producer_cmd(self, config: Path, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "5", *extra]
+        # --yes: a small dollar budget is what tests use, and the plan would ask to confirm it
+        # (tests/test_plan.py tests that question on its own).
+        return [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "5", "--yes",
+                *extra]
 
     def start_producer(self, config: Path, name: str = "producer", *extra: str) -> subprocess.Popen[bytes]:
         return self._spawn(name, self.producer_cmd(config, *extra), self.env())
