@@ -99,6 +99,8 @@ class Gate:
             while not waiter.woken.wait(timeout=KEEPALIVE_EVERY_S):
                 if keepalive is not None:
                     keepalive()
+                if self._pump is None:  # it died of something unforeseen: the queue needs one
+                    self._pump = gevent.spawn(self._run_pump)
         except BaseException:
             if waiter.granted:  # the slot came as we gave up: hand it back
                 self.release(waiter.slot, "other", limits=limits)
