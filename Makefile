@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint check bench clean
+.PHONY: install demo test lint check bench soak clean
 
 install: $(STAMP)
 
@@ -40,6 +40,9 @@ bench: install  ## benchmark scripts that print figures
 	$(BIN)/python bench/fleet_run.py --prompts 10000 --in-flight 2000
 	$(BIN)/python bench/mismatch_run.py --prompts 10000
 	$(BIN)/python bench/throttle_run.py --prompts 12000 --workers 3 --greenlets 500 --capacity 300
+
+soak: install  ## chaos soak (not part of test): 10k prompts, faults, worker and Redis SIGKILLs
+	$(BIN)/python bench/soak.py --prompts 10000
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache

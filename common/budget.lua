@@ -51,7 +51,7 @@
 --
 -- ARGV[1] is the operation; the rest depends on it:
 --   reserve id lease now_ms ttl_ms worst_tokens worst_nusd prior prior_weight trust_rows
---           -> {"ok", hold} | {"done"} | {"stopped"} | {"busy", ms_left} | {"over", hold}
+--           -> {"ok", hold} | {"done"} (kept, or failed in this run) | {"stopped"} | {"busy", ms_left} | {"over", hold}
 --              | {"wait", hold} | {"halted"}
 --   renew   id lease now_ms ttl_ms -> {"ok"} | {"done"} | {"stopped"} | {"halted"} | {"lost"}
 --           Extends a live lease before a retry (works while exhausted; "stopped" ends it). "lost":
@@ -160,6 +160,9 @@ if op == "reserve" then
   local worst_tok, worst_usd = tonumber(ARGV[6]), tonumber(ARGV[7])
   local prior, prior_weight, trust_rows = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
   if redis.call("SISMEMBER", done, id) == 1 then return {"done"} end
+  -- A failure is final for this run (the next run clears `failed` and asks again): a stray second
+  -- delivery (a restored message after a Redis restart) must not pay for the prompt again.
+  if redis.call("HEXISTS", failed, id) == 1 then return {"done"} end
   if redis.call("EXISTS", halt) == 1 then
     finish(id, lease)
     return {"halted"}

@@ -17,9 +17,11 @@ from importlib.resources import files
 from typing import Any, Literal
 
 import redis
+from redis.exceptions import NoScriptError, ResponseError
 
 from common.config import Pricing
 from common.keys import HALT, RUN_BUDGET, DatasetKeys
+from common.redis_client import WAITAOF_TIMEOUT_MS, fence_failed
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +215,31 @@ class Budget:
         self._script = client.register_script(_SCRIPT)
 
     def _call(self, *args: Any) -> list[Any]:
-        reply = self._script(keys=self.keys.budget_keys, args=list(args))
-        return [x.decode() if isinstance(x, bytes) else x for x in reply]
+        """Run the script and wait until its writes are in the AOF (WAITAOF), on one connection.
+
+        An answer the caller acts on (a request admitted, a row counted) must survive the Redis
+        host crashing a moment later: with ``appendfsync everysec`` the last second of writes can
+        be lost (a killed process loses nothing it acknowledged; a lost machine does), and a lease
+        or a settle lost that way makes a prompt asked twice. Both commands travel in
+        one pipeline, so when the connection breaks the retry runs both again on the restarted
+        server (every operation is safe to repeat). Without AOF the fence answers an error and the
+        reply stands as it is.
+        """
+        script = self._script
+        for _ in range(3):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.evalsha(script.sha, len(self.keys.budget_keys), *self.keys.budget_keys, *args)
+            pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
+            reply, fence = pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError):  # a restarted server: load the script again
+                script.sha = self._client.script_load(script.script)
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            if fence_failed(fence):
+                raise fence
+            return [x.decode() if isinstance(x, bytes) else x for x in reply]
+        raise ResponseError("budget.lua: the server keeps forgetting the script")
 
     # --- workers ---------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:ds:<ds>:timeline      LIST    JSON samples of progress over time, for the run report's plot
     specfleet:producer:lock         STRING  one producer per Redis at a time
     specfleet:run:current           STRING  JSON {config_id, datasets, started_s, out_dir} of the run in progress
+    specfleet:collector:fence       STRING  a counter the collector bumps so WAITAOF covers the rows it read
     specfleet:run:budget            HASH    the run's dollars across all its datasets (spent, held, limit; see
                                             budget.lua): one counter so a run-wide cap is atomic
     specfleet:halt                  STRING  JSON {reason, message, worker}: the account was refused (401, 402)
@@ -35,6 +36,7 @@ ACTIVE_QUEUES = f"{PREFIX}:active"
 PRODUCER_LOCK = f"{PREFIX}:producer:lock"
 CURRENT_RUN = f"{PREFIX}:run:current"
 HALT = f"{PREFIX}:halt"
+COLLECTOR_FENCE = f"{PREFIX}:collector:fence"
 MISCONFIG_STREAK = f"{PREFIX}:misconfig"
 #: One throttle per Redis: rate limits belong to the account and model, not to a dataset or a run.
 THROTTLE = f"{PREFIX}:throttle"

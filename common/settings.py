@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from common.errors import ConfigError
 
@@ -57,6 +58,15 @@ class Settings:
     visibility_timeout_s: int = 7200
     #: How often a worker re-reads which dataset queue is active.
     queue_poll_s: float = 2.0
+    #: How often a worker puts unacked messages older than the visibility timeout back in their
+    #: queue (kombu does it with gevent only when a poll comes back empty; workers/redelivery.py).
+    #: A SIGKILLed worker's tasks come back within visibility_timeout_s + this.
+    unacked_restore_s: float = 5.0
+    #: How long the producer (every Redis call) and a worker (everything but a settle, which waits
+    #: only while its lease lives) keep retrying while Redis is unreachable before giving up.
+    redis_retry_window_s: float = 300.0
+    #: Where a worker keeps answers it could not settle because Redis was away (workers/spool.py).
+    spool_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "specfleet" / "spool")
     metrics_port: int = 9808
     log_level: str = "INFO"
     app_url: str = "https://github.com/specfleet/specfleet"
@@ -90,6 +100,10 @@ class Settings:
             worker_concurrency=_int(env, "SPECFLEET_CONCURRENCY", 1000, minimum=1),
             visibility_timeout_s=_int(env, "SPECFLEET_VISIBILITY_TIMEOUT_S", 7200, minimum=10),
             queue_poll_s=_float(env, "SPECFLEET_QUEUE_POLL_S", 2.0, minimum=0.1),
+            unacked_restore_s=_float(env, "SPECFLEET_UNACKED_RESTORE_S", 5.0, minimum=0.1),
+            redis_retry_window_s=_float(env, "SPECFLEET_REDIS_RETRY_WINDOW_S", 300.0, minimum=0.0),
+            spool_dir=Path(env["SPECFLEET_SPOOL_DIR"]).expanduser() if env.get("SPECFLEET_SPOOL_DIR")
+            else Path.home() / ".cache" / "specfleet" / "spool",
             metrics_port=_int(env, "SPECFLEET_METRICS_PORT", 9808, minimum=1, maximum=65535),
             log_level=level,
             app_url=env.get("SPECFLEET_APP_URL") or cls.app_url,

@@ -26,9 +26,10 @@ from common import logs
 from common.config import load_config
 from common.datasets import ReadStats, read_prompts
 from common.errors import DatasetRowError, SpecfleetError
+from common.redis_client import connect
 from common.settings import Settings
 from common.worker_cmd import worker_argv
-from producer.execute import execute
+from producer.execute import SCRAPE_REDIS_WINDOW_S, execute
 
 log = logging.getLogger("specfleet")
 
@@ -107,7 +108,7 @@ def cmd_exporter(args: argparse.Namespace) -> int:
     from producer.metrics import start_metrics_server
 
     settings = Settings.from_env()
-    client = redis.Redis.from_url(settings.require_redis_url())
+    client = connect(settings.require_redis_url(), SCRAPE_REDIS_WINDOW_S)
     port = settings.metrics_port if args.port is None else args.port
     start_metrics_server(client, port)
     log.info("metrics on :%d/metrics", port)

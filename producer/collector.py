@@ -18,7 +18,8 @@ import msgpack
 import redis
 
 from common.errors import OutputError
-from common.keys import DatasetKeys
+from common.keys import COLLECTOR_FENCE, DatasetKeys
+from common.redis_client import WAITAOF_TIMEOUT_MS, fence_failed
 from producer.rows import RowWriter, open_writer
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,21 @@ class Collector:
         if not sinks:
             return 0
         streams = {s.keys.results: s.writer.last_id for s in sinks}
-        reply = self._client.xread(streams, count=BATCH_ROWS, block=block_ms) or []
+        # Rows go to disk only once they are fsynced in Redis' AOF: a row read just before the Redis
+        # host crashed and lost it would be settled again by its worker and land in the shard
+        # twice. WAITAOF waits for this client's own writes, so the INCR puts the rows just read
+        # behind the fence; one pipeline, so a retry after a broken connection reads again from the
+        # restarted server.
+        pipe = self._client.pipeline(transaction=False)
+        pipe.xread(streams, count=BATCH_ROWS, block=block_ms)
+        pipe.incr(COLLECTOR_FENCE)
+        pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
+        read, _, synced = pipe.execute(raise_on_error=False)
+        if isinstance(read, Exception):
+            raise read
+        if fence_failed(synced):
+            raise synced
+        reply = read or []
         by_stream = {s.keys.results: s for s in sinks}
         total = 0
         for stream, entries in reply:
@@ -97,6 +112,9 @@ class Collector:
                 self.drain_once()
         except OutputError as exc:  # the run stops with this one line; the rows wait in Redis
             self.error = exc
+        except redis.ConnectionError as exc:  # past the retry window: one line, the run loop says it
+            self.error = exc
+            log.error("collector stopped: %s", exc)
         except BaseException as exc:  # surfaced to the run loop, which stops the run
             self.error = exc
             log.exception("collector stopped")

@@ -6,16 +6,19 @@ from __future__ import annotations
 import logging
 import sys
 
-import redis
-
 from common.config import RunConfig
 from common.errors import OutputError
+from common.redis_client import RedisOutage, connect, describe
 from common.settings import Settings
 
 log = logging.getLogger("specfleet")
 
 EXIT_INTERRUPTED = 130
 EXIT_HALTED = 3
+EXIT_REDIS_UNREACHABLE = 4
+#: A scrape must answer within Prometheus' timeout: the exporter waits this long for Redis per
+#: scrape, then reports specfleet_redis_up 0 (and keeps serving).
+SCRAPE_REDIS_WINDOW_S = 3.0
 
 
 def execute(
@@ -35,11 +38,11 @@ def execute(
     from producer.state import read_timeline
     from producer.summary import report_line
 
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_url, settings.redis_retry_window_s)
     if metrics_port:
         from producer.metrics import start_metrics_server
 
-        start_metrics_server(client, metrics_port)
+        start_metrics_server(connect(redis_url, SCRAPE_REDIS_WINDOW_S), metrics_port)
         log.info("metrics on :%d/metrics", metrics_port)
     names = [d.name for d in cfg.datasets]
     runner = Runner(
@@ -57,6 +60,11 @@ def execute(
     except Halted as exc:
         print(f"specfleet: halted: {exc}", file=sys.stderr)
         return EXIT_HALTED
+    except RedisOutage as exc:
+        print(f"specfleet: stopped: {exc} at {describe(redis_url)}; the state is kept in Redis and "
+              f"{cfg.output.dir}: run the same command again once Redis is back "
+              "(SPECFLEET_REDIS_RETRY_WINDOW_S sets how long to wait)", file=sys.stderr)
+        return EXIT_REDIS_UNREACHABLE
     try:
         report = write_report(cfg.output.dir, summaries, {n: read_timeline(client, n) for n in names})
     except OSError as exc:  # the rows and summaries are written; only the report is missing

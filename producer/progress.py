@@ -151,6 +151,15 @@ class ProgressView:
         else:
             self._plain(states, rates, throttle)
 
+    def notice(self, text: str) -> None:
+        """A one-off line between the bars (or the plain lines), e.g. "Redis unreachable, retrying"."""
+        if self._closed:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text)
+            return
+        self._write([f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}"])
+
     def close(self) -> None:
         if self._closed:
             return

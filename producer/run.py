@@ -27,6 +27,7 @@ from common.config import DatasetConfig, RunConfig
 from common.contract import CONTRACT_VERSION, TaskPayload, halt_line
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
+from common.redis_client import CLOCK, RedisOutage
 from common.throttle import FleetThrottle
 from producer.collector import Collector
 from producer.enqueue import push
@@ -41,6 +42,8 @@ ENQUEUE_BATCH = 1000
 TICK_S = 0.25
 SAMPLE_EVERY_S = 1.0
 REAP_EVERY_S = 5.0
+#: How often "Redis unreachable, retrying (n s)" is shown while Redis is away.
+OUTAGE_NOTICE_EVERY_S = 5.0
 
 #: End reasons by the limit that exhausted a dataset (BudgetSnapshot.ended_by); these leave
 #: admitted requests to land, where other end reasons stop them.
@@ -123,6 +126,9 @@ class Runner:
         self._interrupted = threading.Event()
         self._last_sample_s = 0.0
         self._last_reap_s = 0.0
+        self._outages_seen = 0
+        self._outage_shown: tuple[int, float | None] = (-1, None)
+        self._outage_shown_s = 0.0
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -155,6 +161,7 @@ class Runner:
             ),
         )
         self.collector.start()
+        CLOCK.observe(self._outage_notice)
         spent = open_run(self.client, self.cfg.run.budget_usd, [d.name for d in self.cfg.datasets])
         if self.cfg.run.budget_usd:
             log.info("run budget $%.2f, $%.4f spent so far", self.cfg.run.budget_usd, spent)
@@ -171,11 +178,33 @@ class Runner:
                 self.client.hdel(keys.ACTIVE_QUEUES, r.budget.keys.queue)
             raise
         finally:
-            self.collector.stop()
-            if self.progress is not None:
-                self.progress.close()
-            self.lock.release()
+            CLOCK.unobserve(self._outage_notice)
+            try:
+                self.collector.stop()
+            finally:
+                if self.progress is not None:
+                    self.progress.close()
+                self.lock.release()
         return [r.summary for r in self._runs if r.summary is not None]
+
+    def _outage_notice(self, elapsed_s: float) -> None:
+        """Called by every failed Redis attempt of any thread while Redis is away: shown every few s."""
+        outage = (CLOCK.outages, CLOCK.down_since)
+        if outage == self._outage_shown and elapsed_s - self._outage_shown_s < OUTAGE_NOTICE_EVERY_S:
+            return
+        self._outage_shown, self._outage_shown_s = outage, elapsed_s
+        text = f"Redis unreachable, retrying ({elapsed_s:.0f} s)"
+        if self.progress is not None and hasattr(self.progress, "notice"):
+            self.progress.notice(text)
+        else:
+            log.warning("%s", text)
+
+    def _check_collector(self) -> None:
+        error = self.collector.error
+        if isinstance(error, RedisOutage):
+            raise error
+        if error is not None:
+            raise SpecfleetError(f"collector failed: {error}")
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -288,8 +317,7 @@ class Runner:
     def _admission_over(self, run: DatasetRun) -> bool:
         if self._interrupted.is_set():
             raise Interrupted("interrupted")
-        if self.collector.error is not None:
-            raise SpecfleetError(f"collector failed: {self.collector.error}")
+        self._check_collector()
         return bool(run.end_reason)
 
     # --- watching ---------------------------------------------------------------------------
@@ -301,9 +329,12 @@ class Runner:
         if halt is not None:
             info = json.loads(halt)
             raise Halted(halt_line(info["reason"], info["message"]))
-        if self.collector.error is not None:
-            raise SpecfleetError(f"collector failed: {self.collector.error}")
+        self._check_collector()
         now = time.time()
+        if CLOCK.outages != self._outages_seen:
+            # Redis was away: make sure the lock is still ours before anything else is written.
+            self._outages_seen = CLOCK.outages
+            self.lock.refresh()
         if now - self._last_reap_s >= REAP_EVERY_S:
             self._last_reap_s = now
             self.lock.refresh()
@@ -365,7 +396,11 @@ class Runner:
         for batch in _batches(read_prompts(run.cfg.path, errors, ReadStats(), limit=run.cfg.max_prompts,
                                              max_line_bytes=run.cfg.max_line_bytes),
                               ENQUEUE_BATCH):
-            n += self._enqueue(run, [p for p in batch if p.id not in failed])
+            todo = [p for p in batch if p.id not in failed]
+            if n < 10 and todo:  # which ones, so a lost message can be traced
+                done = self.client.smismember(run.budget.keys.done, [p.id for p in todo])
+                log.info("%s: sweeping %s", run.name, ", ".join(p.id for p, d in zip(todo, done, strict=True) if not d))
+            n += self._enqueue(run, todo)
         return n
 
     def _end_admission(self, run: DatasetRun, reason: str) -> None:

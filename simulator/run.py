@@ -21,6 +21,7 @@ import gevent
 from gevent import pywsgi
 from gevent import socket as gsocket
 
+from simulator.requestlog import RequestLog
 from simulator.server import CONNECTION_KEY, SimApp, SimState
 from simulator.settings import Settings
 
@@ -72,7 +73,7 @@ def _listen(host: str, port: int) -> Any:
 def make_server(state: SimState, listener: Any) -> pywsgi.WSGIServer:
     return pywsgi.WSGIServer(
         listener,
-        SimApp(state),
+        RequestLog(SimApp(state)),
         handler_class=_Handler,
         log=None,  # our own one line per request replaces the access log
         error_log=pywsgi.LoggingLogAdapter(logging.getLogger(__name__ + ".wsgi")),

@@ -16,6 +16,7 @@ from common.celeryconf import celery_config
 from common.settings import Settings
 from workers.events import BatchedTaskEvents
 from workers.queues import FollowActiveQueues
+from workers.recovery import ReplaySpool, RestoreUnacked
 
 _settings = Settings.from_env()
 
@@ -23,6 +24,8 @@ app = Celery("specfleet", set_as_current=True, include=["workers.task"])
 app.conf.update(celery_config(_settings, _settings.require_redis_url()))
 app.steps["consumer"].add(FollowActiveQueues)
 app.steps["consumer"].add(BatchedTaskEvents)
+app.steps["consumer"].add(RestoreUnacked)
+app.steps["consumer"].add(ReplaySpool)
 
 
 @setup_logging.connect

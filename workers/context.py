@@ -14,6 +14,7 @@ import redis
 from common import keys
 from common.config import WorkerView
 from common.errors import ConfigError, TokenizerError
+from common.redis_client import UNREACHABLE, WindowRetry
 from common.settings import Settings
 from common.throttle import FleetThrottle
 from workers.gate import Gate
@@ -46,6 +47,10 @@ class WorkerContext:
             socket_timeout=30,
             socket_connect_timeout=10,
             health_check_interval=25,
+            # Redis restarting must not cost a paid answer: commands wait for it (a settle only
+            # while its lease lives, then it is spooled: workers/spool.py).
+            retry=WindowRetry(self.settings.redis_retry_window_s),
+            retry_on_error=list(UNREACHABLE),
         )
         return redis.Redis(connection_pool=pool)
 

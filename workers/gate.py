@@ -27,6 +27,7 @@ import gevent.event
 
 from common.config import ThrottleLimits
 from common.errors import UpstreamError
+from common.redis_client import deadline
 from common.throttle import NO_CAPS, FleetThrottle, Outcome
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ POLL_S = 0.05
 KEEPALIVE_EVERY_S = 5.0
 #: Most slots one call asks for: bounds the script's time in Redis (a ZADD each).
 MAX_BATCH = 200
+#: A release waits at most this long for an unreachable Redis: the slot expires by its TTL, and the
+#: paid answer has its settle (and the spool) to reach, within the lease's slack.
+RELEASE_WAIT_S = 2.0
 #: "Too many requests" and "overloaded": the provider's capacity speaking, whoever said it.
 THROTTLED_STATUSES = frozenset({429, 503})
 
@@ -153,7 +157,8 @@ class Gate:
                 limits: ThrottleLimits = NO_CAPS) -> None:
         """Never raises (a paid answer must not be lost to a Redis blip): the slot expires by its TTL."""
         try:
-            self._throttle.release(slot, outcome, retry_after_s=retry_after_s, limits=limits)
+            with deadline(RELEASE_WAIT_S):
+                self._throttle.release(slot, outcome, retry_after_s=retry_after_s, limits=limits)
         except Exception as exc:
             log.warning("throttle release failed (%s: %s); the slot expires by itself", type(exc).__name__, exc)
         self._freed.set()

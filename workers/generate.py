@@ -12,7 +12,8 @@
   slot, so a stopped dataset makes no further calls.
 - **rebuild**: the answer as token-exact ids, self-checked (``workers/rebuild.py``).
 - **settle**: count the row and hand it to the collector, exactly once; the answer's cost is
-  counted whatever becomes of the row (money spent is spent).
+  counted whatever becomes of the row (money spent is spent). While Redis is away, settle (and
+  fail) retry within the lease's slack, then go to the local spool, replayed when Redis returns.
 
 Every way out leaves the prompt kept, failed-with-reason, skipped (budget or stop), halted (no
 outcome: the next run asks again) or handed back for a later delivery; one log line per step.
@@ -44,11 +45,13 @@ from common.contract import (
     TaskPayload,
 )
 from common.errors import MisconfiguredError, TokenMismatch, UpstreamError
+from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
 from workers.context import WorkerContext
 from workers.engine_ids import rebuild_from_engine
 from workers.rebuild import Prompt, RebuiltRow, rebuild, render_prompt
 from workers.retry import RetryPolicy
+from workers.spool import USAGE_WAIT_S, fail_or_spool, settle_or_spool
 from workers.target import TargetTokenizer
 from workers.upstream import Answer, Request, Upstream
 
@@ -104,9 +107,12 @@ class _Job:
         return int((self.policy.attempt_window_s(self.length.timeout_s) + LEASE_SLACK_S) * 1000)
 
     def fail(self, reason: str, detail: str) -> str:
-        self.budget.fail(self.pid, self.lease, reason, self.attempts, detail, where=self.where,
-                         cost_usd=self.billed_usd)
-        self.stats.record_failure(reason)
+        """Record the failure; while Redis is away it waits in the spool (workers/spool.py)."""
+        recorded = fail_or_spool(self.ctx.redis, self.ctx.settings.spool_dir, self.budget, self.pid, self.lease,
+                                 reason, self.attempts, detail, where=self.where, cost_usd=self.billed_usd,
+                                 within_s=LEASE_SLACK_S)
+        if recorded != "spooled":
+            self.stats.record_failure(reason)
         log.warning("%s/%s failed: %s after %d attempts: %s", self.dataset, self.pid, reason, self.attempts, detail)
         return "failed"
 
@@ -249,7 +255,7 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
                 return outcome
             continue
         job.billed_usd = answer.usage["cost"]
-        job.stats.record_answer(answer.usage)
+        _record_usage(job, answer)
         log.info("%s/%s call %d: %s completion_tokens=%s (%.1fs)", job.dataset, job.pid, job.attempts,
                  answer.finish_reason, answer.usage["completion_tokens"], time.monotonic() - t0)
         return answer
@@ -292,6 +298,17 @@ def _renew(job: _Job) -> str | None:
     return None
 
 
+def _record_usage(job: _Job, answer: Answer) -> None:
+    # Report counters are not worth the paid answer: while Redis is away they give way to the
+    # settle, which has the lease's slack to land or be spooled (workers/spool.py).
+    try:
+        with deadline(USAGE_WAIT_S):
+            job.stats.record_answer(answer.usage)
+    except UNREACHABLE as exc:
+        log.warning("%s/%s usage of %s not counted, Redis unreachable: %s", job.dataset, job.pid,
+                    answer.generation_id, exc)
+
+
 def _halt(job: _Job, reason: str, exc: UpstreamError) -> str:
     """Every prompt would fail alike: marking them all failed would burn the dataset. Halt the
     fleet instead; this prompt keeps no outcome and the next run asks it again."""
@@ -322,8 +339,9 @@ def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> str:
     """Keep the row, unless another delivery did ("duplicate") or the hard cap has no room left
     for it ("discarded": its lease was reaped meanwhile; billed, failed as over_budget)."""
     row = _row(job.payload, rebuilt, answer, job.attempts)
-    settled = job.budget.settle(job.pid, job.lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True),
-                                cost_usd=job.billed_usd, attempts=job.attempts)
+    settled = settle_or_spool(job.ctx.redis, job.ctx.settings.spool_dir, job.budget, job.pid, job.lease,
+                              rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True),
+                              cost_usd=job.billed_usd, attempts=job.attempts, within_s=LEASE_SLACK_S)
     if settled == "duplicate":
         job.stats.record_duplicate()
     elif settled == "discarded":

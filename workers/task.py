@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gevent
 from celery import Task
 
 from common.contract import TASK_NAME, TaskPayload
@@ -10,13 +11,18 @@ from workers.context import context
 from workers.generate import Busy, generate
 
 
-@app.task(name=TASK_NAME, bind=True, acks_late=True, max_retries=None, ignore_result=True)
+# acks_late comes from common/celeryconf.py (task_acks_late): one place says it, and tests flip it there.
+@app.task(name=TASK_NAME, bind=True, max_retries=None, ignore_result=True)
 def generate_task(self: Task, payload: TaskPayload) -> str:
     outcome = generate(context(), payload)
-    if isinstance(outcome, Busy):
-        # Another delivery of this prompt is live (a visibility-timeout redelivery of a slow
-        # task): come back after its lease, short of the visibility timeout so the ETA never loops.
-        raise self.retry(countdown=outcome.wait_s)
+    while isinstance(outcome, Busy):
+        # Another delivery of this prompt holds a live lease (a copy kombu put back when a Redis
+        # restart closed a channel, or a visibility-timeout redelivery of a slow task). Wait it
+        # out here, keeping this message unacked: a Celery retry would go to the back of the
+        # queue, and if the holder then died its prompt would wait for the whole queue instead of
+        # the visibility timeout. A greenlet costs nothing to park.
+        gevent.sleep(outcome.wait_s)
+        outcome = generate(context(), payload)
     return outcome
 
 

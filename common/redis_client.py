@@ -1,0 +1,163 @@
+"""Redis clients that ride out Redis being away, and the durability fence (WAITAOF).
+
+Every client specfleet builds comes from ``connect``: redis-py's own retry machinery
+(``Retry`` + ``ExponentialWithJitterBackoff``) retries a command that met a connection error or a
+timeout, but for a time window instead of a count. The window is measured from the moment Redis
+went away (one clock per process, shared by every connection and thread), so a caller blocked in
+a retry and another that starts later give up together, once, when ``window_s`` has passed.
+Past it the command raises ``RedisOutage`` (a ``redis.ConnectionError``).
+
+A thread (a greenlet in a gevent worker) can shorten the window for what it calls next with
+``deadline(seconds)``: a worker settling a paid answer waits for Redis only while its lease lives,
+then spools the row instead (workers/spool.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Errors that mean "Redis is not there right now", as opposed to a wrong command.
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, socket.timeout, ConnectionResetError)
+BACKOFF_BASE_S = 0.05
+BACKOFF_CAP_S = 2.0
+#: How long a WAITAOF may wait for the AOF fsync (appendfsync everysec: about a second at most).
+WAITAOF_TIMEOUT_MS = 5000
+
+
+class RedisOutage(RedisConnectionError):
+    """Redis stayed unreachable longer than the retry window."""
+
+    def __init__(self, window_s: float, cause: BaseException) -> None:
+        super().__init__(f"Redis unreachable for {window_s:.0f} s ({cause})")
+        self.window_s = window_s
+
+
+class OutageClock:
+    """When Redis went away (None while it answers); observers hear of every failed attempt."""
+
+    def __init__(self) -> None:
+        self.down_since: float | None = None
+        self.outages = 0  # finished outages, so a caller can notice one happened since it looked
+        self._observers: list[Callable[[float], None]] = []
+        self._local = threading.local()  # gevent patches it to be greenlet-local in workers
+
+    def failed(self) -> float:
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = now
+        elapsed = now - self.down_since
+        for observer in list(self._observers):
+            with contextlib.suppress(Exception):  # a display problem must not break a retry
+                observer(elapsed)
+        return elapsed
+
+    def answered(self) -> None:
+        if self.down_since is not None:
+            away_s = time.monotonic() - self.down_since
+            if away_s >= 1.0:  # shorter: a reply that was already on its way when Redis went
+                log.warning("Redis is reachable again after %.1f s", away_s)
+            self.down_since = None
+            self.outages += 1
+
+    def observe(self, observer: Callable[[float], None]) -> None:
+        self._observers.append(observer)
+
+    def unobserve(self, observer: Callable[[float], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._observers.remove(observer)
+
+    def local_deadline(self) -> float | None:
+        return getattr(self._local, "deadline", None)
+
+    @contextlib.contextmanager
+    def deadline(self, seconds: float) -> Iterator[None]:
+        """Calls in this block give up ``seconds`` from now at the latest."""
+        previous = self.local_deadline()
+        self._local.deadline = time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            self._local.deadline = previous
+
+
+#: One per process: every connection of every client shares it (redis-py deep-copies Retry objects,
+#: so the clock cannot live on them).
+CLOCK = OutageClock()
+deadline = CLOCK.deadline
+
+
+class WindowRetry(Retry):
+    """redis-py's Retry, bounded by time since Redis went away instead of by a count."""
+
+    def __init__(self, window_s: float) -> None:
+        super().__init__(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), 10**9, UNREACHABLE)
+        self.window_s = window_s
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        failures = 0
+        while True:
+            try:
+                result = do()
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
+                elapsed = CLOCK.failed()
+                local = CLOCK.local_deadline()
+                if elapsed >= self.window_s:
+                    raise RedisOutage(self.window_s, error) from error
+                if local is not None and time.monotonic() >= local:
+                    raise
+                time.sleep(self._backoff.compute(failures))
+                continue
+            CLOCK.answered()
+            return result
+
+
+def connect(url: str, window_s: float, **kwargs: Any) -> redis.Redis:
+    """A client whose commands retry for ``window_s`` while Redis is unreachable."""
+    kwargs.setdefault("socket_timeout", 30)
+    kwargs.setdefault("socket_connect_timeout", 5)
+    kwargs.setdefault("health_check_interval", 25)
+    return redis.Redis.from_url(url, retry=WindowRetry(window_s), retry_on_error=list(UNREACHABLE), **kwargs)
+
+
+def fence_failed(answer: object) -> bool:
+    """Whether a WAITAOF reply is an error worth raising. A server without AOF, or one older than
+    Redis 7.2 (no WAITAOF), cannot fence: the caller goes on as without the fence."""
+    if not isinstance(answer, Exception):
+        return False
+    text = str(answer).lower()
+    return "appendonly" not in text and "unknown command" not in text
+
+
+def describe(url: str) -> str:
+    """``host:port/db`` of a Redis URL, without a password."""
+    tail = url.split("@", 1)[-1]
+    return tail.split("://", 1)[-1]

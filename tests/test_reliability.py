@@ -1,0 +1,215 @@
+"""What a long run meets: Redis SIGKILLed and restarted, Redis gone for good, workers SIGKILLed.
+
+Real Valkey (AOF, appendfsync everysec), real gevent workers, the simulator over HTTP. Tests that
+kill Redis run their own server (tests/chaos.py), never the session one.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from common.budget import Budget
+from tests.chaos import RestartableValkey
+from tests.fleet import Fleet, read_summary
+
+pytestmark = pytest.mark.fleet
+
+VISIBILITY_S = 20
+RESTORE_S = 2.0
+
+
+@pytest.fixture
+def chaos(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Fleet, RestartableValkey]]:
+    valkey = RestartableValkey(tmp_path / "valkey")
+    valkey.start()
+    fleet = Fleet(tmp_path, valkey.url)
+    try:
+        yield fleet, valkey
+    finally:
+        fleet.stop_all()
+        valkey.stop()
+        report = getattr(request.node, "rep_call", None)
+        if report is not None and report.failed:
+            print(fleet.all_logs())
+
+
+def _client(valkey: RestartableValkey) -> redis.Redis:
+    return redis.Redis.from_url(valkey.url, socket_timeout=10)
+
+
+def _wait(predicate, timeout_s: float, what: str, fleet: Fleet) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{fleet.all_logs()}"
+        time.sleep(0.1)
+
+
+def _rows(client: redis.Redis, dataset: str) -> int:
+    try:
+        return Budget(client, dataset).snapshot().rows
+    except redis.ConnectionError:
+        return 0
+
+
+def test_the_producer_rides_out_a_redis_sigkill_and_no_prompt_is_asked_twice(
+    chaos: tuple[Fleet, RestartableValkey],
+) -> None:
+    fleet, valkey = chaos
+    fleet.start_simulator("--latency-median-ms", "400")
+    config = fleet.one_dataset("R", 400)
+    fleet.start_worker("w1", concurrency=25)
+    fleet.start_worker("w2", concurrency=25)
+    producer = fleet.start_producer(config)
+    client = _client(valkey)
+    _wait(lambda: _rows(client, "R") >= 60, 60, "rows before the kill", fleet)
+    valkey.kill()
+    time.sleep(3)
+    assert producer.poll() is None, "the producer died while Redis was away\n" + fleet.log("producer")
+    valkey.start()
+    assert producer.wait(timeout=120) == 0, fleet.all_logs()
+    log = fleet.log("producer")
+    assert "Redis unreachable, retrying" in log
+    assert "Traceback" not in log
+    fleet.assert_exactly_once(client, "R", 400)
+    assert read_summary(fleet.out, "R")["failed"] == 0
+    # No fault is switched on and no worker was killed: every prompt is asked exactly once.
+    stats = fleet.sim_stats()
+    assert stats["requests"] == 400, stats
+    assert stats["billed_requests"] == 400, stats
+
+
+def test_past_the_retry_window_the_producer_exits_with_one_line_and_the_same_command_resumes(
+    chaos: tuple[Fleet, RestartableValkey],
+) -> None:
+    fleet, valkey = chaos
+    fleet.start_simulator("--latency-median-ms", "300")
+    config = fleet.one_dataset("W", 200)
+    fleet.start_worker("w1", concurrency=40)
+    proc = subprocess.Popen(fleet.producer_cmd(config), env=fleet.env(SPECFLEET_REDIS_RETRY_WINDOW_S="4"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=fleet.tmp)
+    client = _client(valkey)
+    _wait(lambda: _rows(client, "W") >= 20, 60, "rows before the kill", fleet)
+    valkey.kill()
+    killed = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    gone_s = time.monotonic() - killed
+    text = err.decode()
+    assert proc.returncode == 4, text
+    assert 4 <= gone_s < 15, gone_s
+    assert "Traceback" not in text, text
+    lines = [ln for ln in text.splitlines() if ln.startswith("specfleet:")]
+    assert len(lines) == 1, text
+    assert "Redis unreachable for 4 s" in lines[0] and "run the same command again" in lines[0], text
+    valkey.start()
+    fleet.run_producer(config, name="resumed")
+    fleet.assert_exactly_once(client, "W", 200)
+    assert fleet.sim_stats()["billed_requests"] == 200
+
+
+def test_a_worker_spools_what_it_cannot_settle_and_replays_it_exactly_once(
+    chaos: tuple[Fleet, RestartableValkey],
+) -> None:
+    fleet, valkey = chaos
+    spool = fleet.tmp / "spool"
+    fleet.start_simulator("--latency-median-ms", "2500", "--latency-p99-ms", "2500")
+    config = fleet.one_dataset("S", 20)
+    fleet.start_worker("w1", concurrency=20, SPECFLEET_SPOOL_DIR=str(spool))
+    producer = fleet.start_producer(config)
+    client = _client(valkey)
+    _wait(lambda: client.hlen("specfleet:ds:S:leases") == 20, 30, "20 requests in flight", fleet)
+    valkey.kill()
+    # Answers land ~2.5 s later; each settle waits while its lease lives (10 s slack), then spools.
+    _wait(lambda: len(list(spool.glob("*.spool"))) == 20, 40, "20 spooled answers", fleet)
+    assert fleet.sim_stats()["billed_requests"] == 20
+    valkey.start()
+    _wait(lambda: not list(spool.glob("*.spool")), 20, "the spool to be replayed", fleet)
+    assert producer.wait(timeout=60) == 0, fleet.all_logs()
+    fleet.assert_exactly_once(client, "S", 20)
+    assert fleet.log("w1").count("replayed from the spool: kept") == 20
+    assert fleet.sim_stats()["requests"] == 20  # nobody asked again
+
+
+def test_a_killed_workers_tasks_come_back_within_the_visibility_timeout_while_the_queue_is_busy(
+    fleet: Fleet, redis_client: redis.Redis,
+) -> None:
+    fleet.start_simulator("--latency-median-ms", "3000", "--latency-p99-ms", "3000")
+    config = fleet.one_dataset("V", 400, timeout_s=5)  # lease 16.5 s < visibility timeout 20 s
+    restore = {"SPECFLEET_UNACKED_RESTORE_S": str(RESTORE_S)}
+    victim = fleet.start_worker("victim", concurrency=10, **restore)
+    # The idle-queue sweep must not be what brings them back: it never runs here.
+    producer = fleet._spawn("producer", [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress",
+                                         "--stall-s", "100000"], fleet.env())
+    _wait(lambda: redis_client.hlen("specfleet:ds:V:leases") == 10, 60, "the victim's 10 requests", fleet)
+    lost = {k.decode() for k in redis_client.hkeys("specfleet:ds:V:leases")}
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    killed = time.monotonic()
+    fleet.start_worker("survivor", concurrency=10, **restore)
+    # Each is asked again once its message is back (≤ VISIBILITY_S + RESTORE_S after the kill), taken
+    # at the next free slot (≤ 3 s: restored messages go to the head of the queue) and answered (3 s).
+    bound_s = VISIBILITY_S + RESTORE_S + 3 + 3 + 2
+    back: dict[str, float] = {}
+    while len(back) < len(lost) and time.monotonic() - killed < bound_s + 10:
+        done = redis_client.smismember("specfleet:ds:V:done", sorted(lost))
+        for pid, is_done in zip(sorted(lost), done, strict=True):
+            if is_done and pid not in back:
+                back[pid] = time.monotonic() - killed
+        time.sleep(0.2)
+    assert redis_client.llen("specfleet.q.V") > 100, "the queue ran dry: this test needs it busy"
+    print(f"kept again after the kill: {sorted(round(s, 1) for s in back.values())} s")
+    assert set(back) == lost, f"never came back: {sorted(lost - set(back))}\n{fleet.all_logs()}"
+    assert max(back.values()) <= bound_s, back
+    assert min(back.values()) >= VISIBILITY_S - 6, back  # came back by the visibility timeout, not sooner
+    producer.send_signal(signal.SIGTERM)
+    producer.wait(timeout=30)
+
+
+def test_a_worker_killed_with_a_full_spool_is_replaced_by_one_that_replays_it_on_start(
+    chaos: tuple[Fleet, RestartableValkey],
+) -> None:
+    fleet, valkey = chaos
+    spool = fleet.tmp / "spool"
+    fleet.start_simulator("--latency-median-ms", "2500", "--latency-p99-ms", "2500")
+    config = fleet.one_dataset("K", 12)
+    first = fleet.start_worker("first", concurrency=12, SPECFLEET_SPOOL_DIR=str(spool))
+    producer = fleet.start_producer(config)
+    client = _client(valkey)
+    _wait(lambda: client.hlen("specfleet:ds:K:leases") == 12, 30, "12 requests in flight", fleet)
+    valkey.kill()
+    _wait(lambda: len(list(spool.glob("*.spool"))) == 12, 40, "12 spooled answers", fleet)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    valkey.start()
+    fleet.start_worker("second", concurrency=12, SPECFLEET_SPOOL_DIR=str(spool))
+    assert producer.wait(timeout=60) == 0, fleet.all_logs()
+    assert not list(spool.glob("*.spool"))
+    fleet.assert_exactly_once(client, "K", 12)
+    assert fleet.log("second").count("replayed from the spool: kept") == 12
+    # The killed worker's messages come back after the visibility timeout and find the prompts done.
+    assert fleet.sim_stats()["requests"] == 12
+
+
+def test_the_producer_lock_is_kept_taken_back_or_given_up_after_an_outage(redis_client: redis.Redis) -> None:
+    from producer.lock import LOCK_TTL_S, LockLost, ProducerLock
+
+    lock = ProducerLock(redis_client)
+    lock.acquire()
+    redis_client.pexpire("specfleet:producer:lock", 2000)
+    lock.refresh()  # still ours: extended to the full TTL
+    assert redis_client.ttl("specfleet:producer:lock") > LOCK_TTL_S - 2
+    redis_client.delete("specfleet:producer:lock")  # Redis lost it (or it expired while Redis was away)
+    lock.refresh()
+    assert redis_client.get("specfleet:producer:lock") == lock.owner.encode()
+    redis_client.set("specfleet:producer:lock", "otherhost:1", ex=LOCK_TTL_S)  # another producer took it
+    with pytest.raises(LockLost):
+        lock.refresh()
+    lock.release()  # not ours: left alone
+    assert redis_client.get("specfleet:producer:lock") == b"otherhost:1"

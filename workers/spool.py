@@ -1,0 +1,135 @@
+"""A paid answer is never dropped: settle (or fail) while Redis is away, else keep it on local disk.
+
+``settle_or_spool`` / ``fail_or_spool`` retry while the prompt's lease lives (Redis restarting in a
+few seconds costs nothing); if Redis is still away when the lease would end, the outcome goes to
+the spool: one file per prompt under ``SPECFLEET_SPOOL_DIR``, written atomically (tmp + fsync +
+rename). Every worker replays the spool on start and every few seconds while it runs
+(workers/recovery.py), through the same ``budget.lua`` operations: a settle replayed twice, or
+after another delivery kept the prompt, is a ``duplicate`` (the done set), so a row counts once.
+Workers on one host may share the folder; replaying a file twice is harmless for the same reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import msgpack
+
+from common.budget import Budget
+from common.redis_client import UNREACHABLE, deadline
+from common.stats import DatasetStats
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["kept", "duplicate", "discarded", "failed", "spooled"]
+SUFFIX = ".spool"
+#: How long the usage counters of a paid answer may wait for Redis before the settle's turn.
+USAGE_WAIT_S = 2.0
+
+
+def _path(spool_dir: Path, dataset: str, prompt_id: str, kind: str) -> Path:
+    digest = hashlib.sha256(f"{dataset}\0{prompt_id}".encode()).hexdigest()[:32]
+    return spool_dir / f"{kind}-{digest}{SUFFIX}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_entry(spool_dir: Path, entry: dict[str, Any]) -> Path:
+    spool_dir.mkdir(parents=True, exist_ok=True)
+    path = _path(spool_dir, entry["dataset"], entry["id"], entry["op"])
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as fh:
+        fh.write(msgpack.packb(entry, use_bin_type=True))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(spool_dir)
+    return path
+
+
+def _apply(client: Any, entry: dict[str, Any]) -> str:
+    """The budget script's word for the entry: kept | duplicate | discarded (settle), failed |
+    duplicate (fail). The billed cost travels with it, so a replay counts the dollars too."""
+    budget = Budget(client, entry["dataset"])
+    cost_usd = float(entry.get("cost_usd", 0.0))
+    if entry["op"] == "settle":
+        return budget.settle(entry["id"], entry["lease"], int(entry["tokens"]), entry["row"], cost_usd=cost_usd,
+                             attempts=int(entry.get("attempts", 0)))
+    failed = budget.fail(entry["id"], entry["lease"], entry["reason"], int(entry["attempts"]), entry["detail"],
+                         where=entry.get("where", ""), cost_usd=cost_usd)
+    return "failed" if failed else "duplicate"
+
+
+def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> str | None:
+    """The script's word; None: Redis stayed away for ``within_s``, spooled."""
+    try:
+        with deadline(within_s):
+            return _apply(client, entry)
+    except UNREACHABLE as exc:
+        path = write_entry(spool_dir, entry)
+        log.warning("%s/%s %s: Redis unreachable for %.0f s (%s): spooled to %s", entry["dataset"], entry["id"],
+                    entry["op"], within_s, exc, path)
+        return None
+
+
+def settle_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str, lease: str, tokens: int,
+                    row: bytes, *, cost_usd: float, attempts: int, within_s: float) -> Outcome:
+    entry = {"op": "settle", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease, "tokens": tokens,
+             "row": row, "cost_usd": cost_usd, "attempts": attempts, "t_s": time.time()}
+    word = _or_spool(client, spool_dir, entry, within_s)
+    return "spooled" if word is None else word  # type: ignore[return-value]
+
+
+def fail_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str, lease: str, reason: str,
+                  attempts: int, detail: str, *, where: str, cost_usd: float, within_s: float) -> Outcome:
+    entry = {"op": "fail", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease, "reason": reason,
+             "attempts": attempts, "detail": detail, "where": where, "cost_usd": cost_usd, "t_s": time.time()}
+    word = _or_spool(client, spool_dir, entry, within_s)
+    return "spooled" if word is None else word  # type: ignore[return-value]
+
+
+def pending(spool_dir: Path) -> list[Path]:
+    try:
+        return sorted(spool_dir.glob(f"*{SUFFIX}"))
+    except OSError:
+        return []
+
+
+def replay(client: Any, spool_dir: Path, *, within_s: float = 2.0) -> int:
+    """Settle (or fail) every spooled outcome; stops at the first sign Redis is still away.
+    Returns how many entries were replayed."""
+    done = 0
+    for path in pending(spool_dir):
+        try:
+            entry = msgpack.unpackb(path.read_bytes(), raw=False)
+        except FileNotFoundError:  # another worker on this host replayed it
+            continue
+        except (ValueError, msgpack.UnpackException) as exc:  # a torn file cannot come from write_entry
+            log.error("spool: unreadable %s (%s): left in place", path, exc)
+            continue
+        try:
+            with deadline(within_s):
+                answer = _apply(client, entry)
+        except UNREACHABLE:
+            return done
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        done += 1
+        if answer in ("failed", "discarded"):  # counted where it lands, as generate counts the others
+            reason = entry["reason"] if answer == "failed" else "over_budget"
+            with contextlib.suppress(*UNREACHABLE):
+                DatasetStats(client, entry["dataset"]).record_failure(reason)
+        log.info("%s/%s %s replayed from the spool: %s", entry["dataset"], entry["id"], entry["op"], answer)
+    return done
