@@ -84,8 +84,17 @@ def _default_lengths() -> dict[LengthName, LengthClass]:
     }
 
 
+class ThrottleLimits(_Strict):
+    """Fleet-wide caps on upstream requests (``common/throttle.py``), held in Redis for every worker
+    of every host. None: no fixed cap; the adaptive limit that 429s cut applies either way."""
+
+    max_in_flight: int | None = Field(default=None, gt=0)
+    max_requests_per_s: float | None = Field(default=None, gt=0)
+
+
 class RequestConfig(_Strict):
-    """Passed through to OpenRouter's chat completions body (see shared openrouter.md)."""
+    """Passed through to OpenRouter's chat completions body (see shared openrouter.md), except the
+    fleet's throttle caps ``max_in_flight`` and ``max_requests_per_s``, which stay in specfleet."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -98,11 +107,18 @@ class RequestConfig(_Strict):
     provider: dict[str, Any] | None = None
     #: Any other body keys, sent as they are (e.g. ``transforms``).
     extra: dict[str, Any] = Field(default_factory=dict)
+    #: Requests the whole fleet may have in flight / start per second (``ThrottleLimits``).
+    max_in_flight: int | None = Field(default=None, gt=0)
+    max_requests_per_s: float | None = Field(default=None, gt=0)
 
     def body(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.model_dump(exclude={"extra"}).items() if v is not None}
+        exclude = {"extra", *ThrottleLimits.model_fields}
+        out = {k: v for k, v in self.model_dump(exclude=exclude).items() if v is not None}
         out.update(self.extra)
         return out
+
+    def throttle(self) -> ThrottleLimits:
+        return ThrottleLimits(max_in_flight=self.max_in_flight, max_requests_per_s=self.max_requests_per_s)
 
 
 class RetryConfig(_Strict):
@@ -167,6 +183,8 @@ class WorkerView(_Strict):
     retry: RetryConfig
     #: Dataset name -> its length class.
     datasets: dict[str, LengthName]
+    #: ``[request] max_in_flight`` / ``max_requests_per_s``: the fleet-wide caps of the throttle.
+    throttle: ThrottleLimits = ThrottleLimits()
     #: Datasets whose every assistant turn is regenerated (``regenerate = "all"``); absent: "last".
     regenerate: dict[str, Regenerate] = Field(default_factory=dict)
 
@@ -206,6 +224,7 @@ class RunConfig(_Strict):
             retry=self.retry,
             datasets={d.name: d.length for d in self.datasets},
             regenerate={d.name: d.regenerate for d in self.datasets if d.regenerate != "last"},
+            throttle=self.request.throttle(),
         )
 
     def require_prices(self) -> None:

@@ -156,6 +156,25 @@ def _breakdown(title: str, key: str, timelines: dict[str, list[dict[str, Any]]])
     return [f"## {title}", "", *lines, ""] if lines else []
 
 
+def _throttle_section(summaries: list[dict[str, Any]]) -> list[str]:
+    """The fleet-wide throttle as each dataset ended: its in-flight limit and the share of upstream
+    answers that were 429/503 (``summary["throttle"]``, the run's counts up to then)."""
+    lines = []
+    for s in summaries:
+        t = s.get("throttle")
+        if not isinstance(t, dict):
+            continue
+        limit = t.get("limit")
+        answers = int(t.get("ok") or 0) + int(t.get("throttled") or 0)
+        lines.append(
+            f"- **{s.get('dataset', '?')}**: in-flight limit "
+            f"{'unbounded (no 429 yet, no cap)' if limit is None else f'{limit:,.0f}'} · "
+            f"429s {100 * float(t.get('throttled_share') or 0):.2f}% "
+            f"({int(t.get('throttled') or 0):,} of {answers:,} upstream answers)"
+        )
+    return ["## Upstream throttle (whole fleet)", "", *lines, ""] if lines else []
+
+
 def _engine_ids(summaries: Sequence[dict[str, Any]]) -> list[str]:
     """Datasets whose rows carry an engine's ids: how often the text rebuild disagreed with them."""
     lines = []
@@ -216,6 +235,7 @@ def render_markdown(
         f"![budget consumption and throughput over time]({png_name})",
         "",
         *_conversations(summaries),
+        *_throttle_section(summaries),
         *_engine_ids(summaries),
         *_breakdown("Upstream errors by class", "errors", timelines),
         *_breakdown("Failures by reason", "failures", timelines),

@@ -30,12 +30,13 @@ from common.contract import CONTRACT_VERSION, TaskPayload, conversation_of, halt
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
 from common.redis_client import CLOCK, RedisOutage
+from common.throttle import FleetThrottle
 from producer.collector import Collector
 from producer.enqueue import push
 from producer.lock import ProducerLock
 from producer.rows import RowWriter, atomic_write, output_error
 from producer.state import DatasetState, read_state
-from producer.summary import Summary, report_line
+from producer.summary import Summary, report_line, throttle_summary
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class Runner:
         self.out_dir = cfg.output.dir
         self.collector = Collector(client, self.out_dir, cfg.output.shard_rows)
         self.lock = ProducerLock(client)
+        self.throttle = FleetThrottle(client)
         self._runs: list[DatasetRun] = []
         self._interrupted = threading.Event()
         self._last_sample_s = 0.0
@@ -148,6 +150,7 @@ class Runner:
         if self.client.delete(keys.HALT):
             log.warning("cleared the halt of an earlier run: resuming")
         self.client.delete(keys.MISCONFIG_STREAK)  # a fresh start: only this run's misses count
+        self.throttle.reset(self.cfg.request.throttle())  # this run's provider, this run's 429s
         self.client.set(
             keys.CURRENT_RUN,
             json.dumps(
@@ -367,7 +370,7 @@ class Runner:
             pipe.execute()
             if self.progress is not None:
                 shown = [states.get(r.name) or r.final_state for r in self._runs]
-                self.progress.update([st for st in shown if st is not None])
+                self.progress.update([st for st in shown if st is not None], self.throttle.snapshot())
 
     def _check_admission(self, run: DatasetRun, st: DatasetState, now: float) -> None:
         if st.state == "exhausted":
@@ -524,6 +527,7 @@ class Runner:
             engine_prompt_mismatch=st.engine_prompt_mismatch,
             errors=st.errors,
             failures=st.failures,
+            throttle=throttle_summary(self.throttle.snapshot()),
             wall_s=round(wall_s, 3),
             admission_s=round((run.first_stop_s or time.time()) - run.started_s, 3),
             switch_s=None if run.switch_s is None else round(run.switch_s, 3),

@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from common.throttle import ThrottleSnapshot
+
 
 @dataclass
 class Summary:
@@ -52,6 +54,8 @@ class Summary:
     #: Attempts that failed, by reason, and prompts that failed for good, by reason.
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
+    #: The fleet-wide upstream throttle when the dataset ended (``throttle_summary``).
+    throttle: dict[str, Any] | None = None
     wall_s: float = 0.0
     #: From the start to the first end of admission (top-up rounds come later).
     admission_s: float = 0.0
@@ -106,4 +110,12 @@ def report_line(s: Summary) -> str:
         f"{s.dataset}: {head} · {dollars} · results {s.results:,} · skipped {s.skipped:,} · "
         f"failed {s.failed:,} · malformed {s.malformed:,} · billed {s.billed_completion_tokens:,} "
         f"completion tokens · {s.wall_s:.1f} s"
+        + (f" · 429s {100 * s.throttle['throttled_share']:.1f}%" if s.throttle else "")
     )
+
+
+def throttle_summary(t: ThrottleSnapshot) -> dict[str, Any]:
+    """The fleet's throttle when a dataset ends: its in-flight limit then (None: unbounded), and the
+    upstream answers so far by kind (the fleet's counters, reset when the run started)."""
+    return {"limit": None if t.limit is None else round(t.limit, 1), "ok": t.ok, "throttled": t.throttled,
+            "throttled_share": round(t.throttled_share, 4)}
