@@ -100,8 +100,8 @@ def world(redis_server: ValkeyServer, redis_client: redis.Redis) -> World:
 
 @pytest.fixture
 def sim() -> Iterator[SimHandle]:
-    with start_in_thread(SimSettings(tokenizer=str(DEMO_TOKENIZER), latency_median_ms=1, error_latency_ms=1,
-                                     retry_after_s=None, tool_call_rate=0.0, port=0)) as handle_:
+    with start_in_thread(SimSettings(port=0, tokenizer=str(DEMO_TOKENIZER), latency_median_ms=1, error_latency_ms=1,
+                                     retry_after_s=None, tool_call_rate=0.0)) as handle_:
         yield handle_
 
 
