@@ -298,12 +298,14 @@ def test_max_prompts_caps_what_is_asked_and_kept(fleet: Fleet, redis_client: red
 def test_top_up_rounds_fill_the_room_a_budget_stop_left(fleet: Fleet, redis_client: redis.Redis) -> None:
     """Projected rule: the stop projects in-flight work conservatively, so what lands leaves room
     (≈ 1.5% here); top-up rounds refill it until less than one mean-sized row of room is left."""
-    fleet.start_simulator("--latency-median-ms", "50")
+    # Many requests in flight at the stop (200 greenlets, 400 ms answers): the projection leaves a few
+    # percent of room, more than a mean row even when a loaded box lands them in an odd order.
+    fleet.start_simulator("--latency-median-ms", "400")
     budget = 60_000
     config = fleet.one_dataset("T", 1000, budget_tokens=budget)
     config.write_text(config.read_text() + '\n[run]\nbudget_mode = "projected"\n')  # top-ups are its rule's
-    fleet.start_worker("w1", concurrency=40)
-    fleet.start_worker("w2", concurrency=40)
+    fleet.start_worker("w1", concurrency=100)
+    fleet.start_worker("w2", concurrency=100)
     fleet.run_producer(config)
     s = read_summary(fleet.out, "T")
     rows = fleet.assert_exactly_once(redis_client, "T")

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from common import keys
 from common.budget import Budget
+from common.contract import CONTRACT_VERSION
+from common.settings import Settings
+from producer.celery_app import make_app
+from producer.enqueue import push
 from tests.chaos import RestartableValkey
 from tests.fleet import Fleet, read_summary
 
@@ -24,6 +29,8 @@ pytestmark = pytest.mark.fleet
 
 VISIBILITY_S = 20
 RESTORE_S = 2.0
+#: Messages in flight with the worker that is killed.
+LOST = 10
 
 
 @pytest.fixture
@@ -145,18 +152,29 @@ def test_a_killed_workers_tasks_come_back_within_the_visibility_timeout_while_th
     fleet.start_simulator("--latency-median-ms", "3000", "--latency-p99-ms", "3000")
     config = fleet.one_dataset("V", 400, timeout_s=5)  # lease 16.5 s < visibility timeout 20 s
     restore = {"SPECFLEET_UNACKED_RESTORE_S": str(RESTORE_S)}
-    victim = fleet.start_worker("victim", concurrency=10, **restore)
+    victim = fleet.start_worker("victim", concurrency=LOST, **restore)
     # The idle-queue sweep must not be what brings them back: it never runs here.
     producer = fleet._spawn("producer", [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress",
-                                         "--stall-s", "100000"], fleet.env())
-    _wait(lambda: redis_client.hlen("specfleet:ds:V:leases") == 10, 60, "the victim's 10 requests", fleet)
+                                         "--stall-s", "100000", "--no-plan"], fleet.env())
+    _wait(lambda: redis_client.hlen("specfleet:ds:V:leases") == LOST, 60, "the victim's requests", fleet)
     lost = {k.decode() for k in redis_client.hkeys("specfleet:ds:V:leases")}
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     killed = time.monotonic()
-    fleet.start_worker("survivor", concurrency=10, **restore)
+    # A big worker on a queue that never runs dry, as in a long real run: its prefetch never fills
+    # (these tasks end at once: their dataset was never opened) and its polls never come back empty,
+    # so kombu's own restore (after an empty poll) never runs. Only the worker's timer brings the
+    # victim's messages back.
+    busy = keys.queue("Z")
+    config_id = redis_client.hget(keys.ACTIVE_QUEUES, keys.queue("V"))
+    app = make_app(Settings.from_env(), fleet.redis_url)
+    payload = {"v": CONTRACT_VERSION, "run": config_id.decode(), "dataset": "Z", "where": "z:1",
+               "messages": [{"role": "user", "content": "z"}], "tools": None}
+    push(redis_client, app, busy, [{**payload, "id": f"z{i}"} for i in range(40_000)])  # type: ignore[misc]
+    redis_client.hset(keys.ACTIVE_QUEUES, busy, config_id)
+    fleet.start_worker("survivor", concurrency=200, **restore)
     # Each is asked again once its message is back (≤ VISIBILITY_S + RESTORE_S after the kill), taken
-    # at the next free slot (≤ 3 s: restored messages go to the head of the queue) and answered (3 s).
+    # at once (restored messages go to the head of the queue) and answered (3 s).
     bound_s = VISIBILITY_S + RESTORE_S + 3 + 3 + 2
     back: dict[str, float] = {}
     while len(back) < len(lost) and time.monotonic() - killed < bound_s + 10:
@@ -165,11 +183,12 @@ def test_a_killed_workers_tasks_come_back_within_the_visibility_timeout_while_th
             if is_done and pid not in back:
                 back[pid] = time.monotonic() - killed
         time.sleep(0.2)
-    assert redis_client.llen("specfleet.q.V") > 100, "the queue ran dry: this test needs it busy"
+    assert redis_client.llen(busy) > 1000, "the busy queue ran dry: this test needs it busy"
     print(f"kept again after the kill: {sorted(round(s, 1) for s in back.values())} s")
     assert set(back) == lost, f"never came back: {sorted(lost - set(back))}\n{fleet.all_logs()}"
     assert max(back.values()) <= bound_s, back
     assert min(back.values()) >= VISIBILITY_S - 6, back  # came back by the visibility timeout, not sooner
+    redis_client.hdel(keys.ACTIVE_QUEUES, busy)
     producer.send_signal(signal.SIGTERM)
     producer.wait(timeout=30)
 
