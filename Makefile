@@ -42,6 +42,9 @@ bench: install  ## benchmark scripts that print figures
 	$(BIN)/python bench/fleet_run.py --prompts 10000 --in-flight 2000
 	$(BIN)/python bench/mismatch_run.py --prompts 10000
 	$(BIN)/python bench/throttle_run.py --prompts 12000 --workers 3 --greenlets 500 --capacity 300
+	$(BIN)/python bench/budget_fill.py --prompts 10000 --with-projected
+	$(BIN)/python bench/engine_ids_run.py --prompts 10000 --noncanonical-rate 0.02
+	$(BIN)/python bench/conversations_run.py --conversations 1000
 
 soak: install  ## chaos soak (not part of test): 10k prompts, faults, worker and Redis SIGKILLs
 	$(BIN)/python bench/soak.py --prompts 10000
