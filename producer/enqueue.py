@@ -11,9 +11,11 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import socket
 import uuid
 from collections.abc import Iterable
+from typing import Any
 
 import redis
 from celery import Celery
@@ -24,15 +26,17 @@ from common.contract import TASK_NAME, TaskPayload
 _ORIGIN = f"specfleet-producer@{socket.gethostname()}:{os.getpid()}"
 
 
-def task_message(app: Celery, queue: str, payload: TaskPayload) -> bytes:
-    """One kombu/Redis envelope: what ``generate_task.apply_async(queue=queue)`` would push."""
-    task_id = str(uuid.uuid4())
-    # Celery would put repr(args) here: the whole prompt again. The id is enough for Flower.
-    argsrepr = f"({payload['dataset']}/{payload['id']})"
+#: Stand-ins for what differs between messages, replaced in a JSON template built once per batch.
+_ID, _ARGSREPR, _TAG, _BODY = "\x00id\x00", "\x00argsrepr\x00", "\x00tag\x00", "\x00body\x00"
+_MARKER = re.compile(r'"\\u0000(id|argsrepr|tag|body)\\u0000"')
+
+
+def _envelope(app: Celery, queue: str, task_id: str, argsrepr: str, body: str, tag: str,
+              args: tuple[Any, ...]) -> dict[str, Any]:
     msg = app.amqp.as_task_v2(
         task_id,
         TASK_NAME,
-        args=(payload,),
+        args=args,
         kwargs={},
         argsrepr=argsrepr,
         kwargsrepr="{}",
@@ -40,11 +44,10 @@ def task_message(app: Celery, queue: str, payload: TaskPayload) -> bytes:
         # As the task is declared (workers/task.py): a False here would override it on the worker.
         ignore_result=True,
     )
-    content_type, content_encoding, body = dumps(msg.body, serializer="msgpack")
-    envelope = {
-        "body": base64.b64encode(body).decode("ascii"),
-        "content-encoding": content_encoding,
-        "content-type": content_type,
+    return {
+        "body": body,
+        "content-encoding": "binary",
+        "content-type": "application/x-msgpack",
         "headers": msg.headers,
         "properties": {
             # apply_async(argsrepr=…) passes them on to kombu, which keeps them as properties.
@@ -56,15 +59,52 @@ def task_message(app: Celery, queue: str, payload: TaskPayload) -> bytes:
             "delivery_info": {"exchange": "", "routing_key": queue},
             "priority": 0,
             "body_encoding": "base64",
-            "delivery_tag": str(uuid.uuid4()),
+            "delivery_tag": tag,
         },
     }
-    return json.dumps(envelope, separators=(",", ":")).encode()
+
+
+class MessageTemplate:
+    """The kombu/Redis envelope ``generate_task.apply_async(queue=queue)`` would push, as a JSON
+    template: Celery builds the headers once, and each message only fills in its task id, argsrepr,
+    delivery tag and body (a third of the cost of building every envelope with ``as_task_v2``)."""
+
+    def __init__(self, app: Celery, queue: str) -> None:
+        content_type, content_encoding, _ = dumps(((), {}, {}), serializer="msgpack")
+        envelope = _envelope(app, queue, _ID, _ARGSREPR, _BODY, _TAG, ())
+        envelope["content-type"], envelope["content-encoding"] = content_type, content_encoding
+        text = json.dumps(envelope, separators=(",", ":"))
+        self._parts = _MARKER.split(text)  # literal, name, literal, name, …, literal
+        _, _, embed = app.amqp.as_task_v2(_ID, TASK_NAME, args=(), kwargs={}).body
+        self._embed = embed
+
+    def render(self, payload: TaskPayload, task_id: str, tag: str) -> bytes:
+        # Celery would put repr(args) here: the whole prompt again. The id is enough for Flower.
+        argsrepr = f"({payload['dataset']}/{payload['id']})"
+        _, _, body = dumps(((payload,), {}, self._embed), serializer="msgpack")
+        values = {"id": json.dumps(task_id), "argsrepr": json.dumps(argsrepr, ensure_ascii=True),
+                  "tag": json.dumps(tag), "body": '"' + base64.b64encode(body).decode("ascii") + '"'}
+        parts = self._parts
+        out = [parts[0]]
+        for i in range(1, len(parts), 2):
+            out.append(values[parts[i]])
+            out.append(parts[i + 1])
+        return "".join(out).encode()
+
+
+def _uuids(n: int) -> list[str]:
+    """``n`` random (version 4) UUIDs from one read of the OS's randomness."""
+    raw = os.urandom(16 * n)
+    return [str(uuid.UUID(bytes=raw[16 * i:16 * i + 16], version=4)) for i in range(n)]
 
 
 def push(client: redis.Redis, app: Celery, queue: str, payloads: Iterable[TaskPayload]) -> int:
     """LPUSH one batch of task messages in one round trip; returns how many were pushed."""
-    messages = [task_message(app, queue, p) for p in payloads]
-    if messages:
-        client.lpush(queue, *messages)
+    batch = list(payloads)
+    if not batch:
+        return 0
+    template = MessageTemplate(app, queue)
+    ids = _uuids(2 * len(batch))
+    messages = [template.render(p, ids[2 * i], ids[2 * i + 1]) for i, p in enumerate(batch)]
+    client.lpush(queue, *messages)
     return len(messages)
