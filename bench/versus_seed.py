@@ -117,6 +117,8 @@ class Side:
     ramp_s: float | None = None
     ramp_target: int = 0
     peak_rss_mb: list[float] = field(default_factory=list)
+    #: CPU seconds by process (fleet: producer, then each worker).
+    cpu_parts_s: list[float] = field(default_factory=list)
 
     @property
     def rows_per_s(self) -> float:
@@ -131,9 +133,13 @@ class Side:
         first = "-" if self.first_request_t is None else f"{self.first_request_t - self.start_t:.2f}"
         tail = "-" if self.last_answer_t is None else f"{self.exit_t - self.last_answer_t:.2f}"
         rss = ", ".join(f"{x:.0f}" for x in self.peak_rss_mb)
+        parts = ""
+        if self.cpu_parts_s:
+            per_row = [f"{1000 * x / max(self.rows, 1):.2f}" for x in self.cpu_parts_s]
+            parts = f" (producer {per_row[0]} + workers {' + '.join(per_row[1:])})"
         ramp = "never" if self.ramp_s is None else f"{self.ramp_s:.2f} s"
         return (f"  {self.name:<6} rows {self.rows:>6,} · {self.rows_per_s:7.1f} rows/s · "
-                f"{self.cpu_ms_per_row:5.2f} CPU ms/row · max in flight {self.max_in_flight:>5,} · "
+                f"{self.cpu_ms_per_row:5.2f} CPU ms/row{parts} · max in flight {self.max_in_flight:>5,} · "
                 f"first request {first} s · ≥{self.ramp_target:,} in flight after {ramp} · "
                 f"last answer → exit {tail} s · peak RSS {rss} MB")
 
@@ -190,7 +196,8 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
     sampler.stop()
     if producer.returncode != 0:
         raise SystemExit(f"producer failed ({producer.returncode}):\n{fleet.all_logs()}")
-    side.cpu_s = usage.ru_utime + usage.ru_stime + sum(proc_cpu_s(p.pid) - cpu_before[p.pid] for p in procs)
+    side.cpu_parts_s = [usage.ru_utime + usage.ru_stime] + [proc_cpu_s(p.pid) - cpu_before[p.pid] for p in procs]
+    side.cpu_s = sum(side.cpu_parts_s)
     side.peak_rss_mb = [proc_peak_rss_mb(p.pid) for p in procs]
     side.rows = len(read_rows(fleet.out, "V"))
     side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
