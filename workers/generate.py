@@ -44,6 +44,7 @@ from common.contract import (
     FAIL_TOKEN_MISMATCH,
     ResultRow,
     TaskPayload,
+    Usage,
 )
 from common.errors import MisconfiguredError, TokenMismatch, UpstreamError
 from common.redis_client import UNREACHABLE, deadline
@@ -101,6 +102,9 @@ class _Job:
         self.attempts = 0
         #: What the upstream billed for this prompt so far: every way out passes it to the budget.
         self.billed_usd = 0.0
+        #: The last answer's counters, not yet in the dataset's stats: they travel with the settle
+        #: or fail (one round trip less per row), or are recorded on their own on any other way out.
+        self.usage: Usage | None = None
         self.started = time.monotonic()
 
     @property
@@ -111,9 +115,10 @@ class _Job:
 
     def fail(self, reason: str, detail: str) -> str:
         """Record the failure; while Redis is away it waits in the spool (workers/spool.py)."""
+        usage, self.usage = self.usage, None
         recorded = fail_or_spool(self.ctx.redis, self.ctx.settings.spool_dir, self.budget, self.pid, self.lease,
                                  reason, self.attempts, detail, where=self.where, cost_usd=self.billed_usd,
-                                 within_s=LEASE_SLACK_S)
+                                 within_s=LEASE_SLACK_S, usage=usage)
         if recorded != "spooled":
             self.stats.record_failure(reason)
         log.warning("%s/%s failed: %s after %d attempts: %s", self.dataset, self.pid, reason, self.attempts, detail)
@@ -155,6 +160,7 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
         # Not the prompt's fault (Redis gone, worker shutting down): give the admission back so the
         # next delivery can take it at once instead of waiting for the lease to expire.
         with contextlib.suppress(Exception):
+            _record_usage(job)
             job.budget.release(job.pid, job.lease, cost_usd=job.billed_usd)
         raise
     except Exception as exc:
@@ -262,21 +268,23 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
                 return renewal
             continue
         job.billed_usd = answer.usage["cost"]
-        _record_usage(job, answer)
+        job.usage = answer.usage  # counted with the settle or fail that follows
         log.info("%s/%s call %d: %s completion_tokens=%s (%.1fs)", job.dataset, job.pid, job.attempts,
                  answer.finish_reason, answer.usage["completion_tokens"], time.monotonic() - t0)
         return answer
 
 
-def _record_usage(job: _Job, answer: Answer) -> None:
-    # Report counters are not worth the paid answer: while Redis is away they give way to the
-    # settle, which has the lease's slack to land or be spooled (workers/spool.py).
+def _record_usage(job: _Job) -> None:
+    """Count an answer whose prompt leaves without a settle or fail (Redis gone, shutdown)."""
+    usage, job.usage = job.usage, None
+    if usage is None:
+        return
+    # Report counters are not worth the paid answer: while Redis is away they give way.
     try:
         with deadline(USAGE_WAIT_S):
-            job.stats.record_answer(answer.usage)
+            job.stats.record_answer(usage)
     except UNREACHABLE as exc:
-        log.warning("%s/%s usage of %s not counted, Redis unreachable: %s", job.dataset, job.pid,
-                    answer.generation_id, exc)
+        log.warning("%s/%s usage not counted, Redis unreachable: %s", job.dataset, job.pid, exc)
 
 
 def _halt(job: _Job, reason: str, exc: UpstreamError) -> str:
@@ -329,9 +337,10 @@ def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> str:
     """Keep the row, unless another delivery did ("duplicate") or the hard cap has no room left
     for it ("discarded": its lease was reaped meanwhile; billed, failed as over_budget)."""
     row = _row(job.payload, rebuilt, answer, job.attempts)
+    usage, job.usage = job.usage, None
     settled = settle_or_spool(job.ctx.redis, job.ctx.settings.spool_dir, job.budget, job.pid, job.lease,
                               rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True),
-                              cost_usd=job.billed_usd, attempts=job.attempts, within_s=LEASE_SLACK_S)
+                              cost_usd=job.billed_usd, attempts=job.attempts, within_s=LEASE_SLACK_S, usage=usage)
     if settled == "duplicate":
         job.stats.record_duplicate()
     elif settled == "discarded":
