@@ -62,6 +62,10 @@ def configure(level: str = "INFO") -> None:
     )
     keys = [os.environ.get(name, "") for name in ("OPENROUTER_API_KEY", "SPECFLEET_ENGINE_API_KEY")]
     handler.addFilter(RedactSecrets(keys))
+    # No format field needs the caller's file/line or the thread: skip the stack walk and the
+    # current-thread lookup (gevent makes one per greenlet) that every record would pay for.
+    logging._srcfile = None
+    logging.logThreads = False
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -15,8 +15,10 @@ import re
 import socket
 import uuid
 from collections.abc import Iterable
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
+import msgpack
 import redis
 from celery import Celery
 from kombu.serialization import dumps
@@ -74,25 +76,27 @@ class MessageTemplate:
         envelope = _envelope(app, queue, _ID, _ARGSREPR, _BODY, _TAG, ())
         envelope["content-type"], envelope["content-encoding"] = content_type, content_encoding
         text = json.dumps(envelope, separators=(",", ":"))
-        self._parts = _MARKER.split(text)  # literal, name, literal, name, …, literal
+        parts = _MARKER.split(text)  # literal, name, literal, name, …, literal
+        # One str.format call per message: the literals with their braces doubled, the names as fields.
+        self._format = "".join(
+            part.replace("{", "{{").replace("}", "}}") if i % 2 == 0 else "{" + part + "}"
+            for i, part in enumerate(parts)
+        )
         _, _, embed = app.amqp.as_task_v2(_ID, TASK_NAME, args=(), kwargs={}).body
         self._embed = embed
 
     def render(self, payload: TaskPayload, task_id: str, tag: str) -> bytes:
         # Celery would put repr(args) here: the whole prompt again. The id is enough for Flower.
         argsrepr = f"({payload['dataset']}/{payload['id']})"
-        _, _, body = dumps(((payload,), {}, self._embed), serializer="msgpack")
-        values = {"id": json.dumps(task_id), "argsrepr": json.dumps(argsrepr, ensure_ascii=True),
-                  "tag": json.dumps(tag), "body": '"' + base64.b64encode(body).decode("ascii") + '"'}
-        parts = self._parts
-        out = [parts[0]]
-        for i in range(1, len(parts), 2):
-            out.append(values[parts[i]])
-            out.append(parts[i + 1])
-        return "".join(out).encode()
+        # kombu's msgpack serializer is exactly this call (kombu/serialization.py).
+        body = msgpack.packb(((payload,), {}, self._embed), use_bin_type=True)
+        return self._format.format(
+            id=f'"{task_id}"', tag=f'"{tag}"', argsrepr=encode_basestring_ascii(argsrepr),
+            body='"' + base64.b64encode(body).decode("ascii") + '"',
+        ).encode()
 
 
-def _uuids(n: int) -> list[str]:
+def random_uuids(n: int) -> list[str]:
     """``n`` random (version 4) UUIDs from one read of the OS's randomness."""
     raw = os.urandom(16 * n)
     return [str(uuid.UUID(bytes=raw[16 * i:16 * i + 16], version=4)) for i in range(n)]
@@ -104,7 +108,7 @@ def push(client: redis.Redis, app: Celery, queue: str, payloads: Iterable[TaskPa
     if not batch:
         return 0
     template = MessageTemplate(app, queue)
-    ids = _uuids(2 * len(batch))
+    ids = random_uuids(2 * len(batch))
     messages = [template.render(p, ids[2 * i], ids[2 * i + 1]) for i, p in enumerate(batch)]
     client.lpush(queue, *messages)
     return len(messages)

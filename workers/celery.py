@@ -18,8 +18,10 @@ from common.settings import Settings
 from workers.events import BatchedTaskEvents
 from workers.queues import FollowActiveQueues
 from workers.recovery import ReplaySpool, RestoreUnacked
+from workers.transport import install as install_transport
 
 _settings = Settings.from_env()
+install_transport()
 
 app = Celery("specfleet", set_as_current=True, include=["workers.task"])
 app.conf.update(celery_config(_settings, _settings.require_redis_url()))
