@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -199,6 +201,14 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
     side.cpu_parts_s = [usage.ru_utime + usage.ru_stime] + [proc_cpu_s(p.pid) - cpu_before[p.pid] for p in procs]
     side.cpu_s = sum(side.cpu_parts_s)
     side.peak_rss_mb = [proc_peak_rss_mb(p.pid) for p in procs]
+    for p in procs:  # the next fleet (another worker count) starts its own
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
     side.rows = len(read_rows(fleet.out, "V"))
     side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
     side.max_in_flight = fleet.sim_stats()["max_in_flight"]
@@ -214,10 +224,11 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=6000)
     ap.add_argument("--latencies-ms", default="300,15000")
     ap.add_argument("--in-flight", type=int, default=2000)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", default="2",
+                    help="worker processes; a list (1,2,3) runs the fleet once per count against one script run")
     args = ap.parse_args()
 
-    results: list[tuple[int, Side, Side]] = []
+    worker_counts = [int(x) for x in args.workers.split(",")]
     for latency_ms in [int(x) for x in args.latencies_ms.split(",")]:
         tmp = Path(tempfile.mkdtemp(prefix="specfleet-vs-"))
         with ValkeyServer(config={"appendonly": "yes", "appendfsync": "everysec",
@@ -229,18 +240,22 @@ def main() -> int:
                                       "--latency-p99-ms", str(int(latency_ms * 2)))
                 data = write_jsonl(tmp / "prompts.jsonl", prompts(args.prompts))
                 seed = run_seed(fleet, data, args.in_flight, tmp / "seed-rows.jsonl")
-                requests.post(fleet.sim_url + "/_sim/reset", timeout=5).raise_for_status()
-                timeout_s = max(60.0, latency_ms / 1000 * 8)
-                fl = run_fleet(fleet, url, data, args.in_flight, args.workers, timeout_s)
+                print(f"upstream median latency {latency_ms} ms, {args.prompts:,} prompts, "
+                      f"{args.in_flight:,} in flight", flush=True)
+                print(seed.line(), flush=True)
+                for n, workers in enumerate(worker_counts):
+                    if n:  # a fresh Redis keyspace for the next fleet: same dataset name, same output dir
+                        redis.Redis.from_url(url).flushall()
+                        shutil.rmtree(fleet.out, ignore_errors=True)
+                    requests.post(fleet.sim_url + "/_sim/reset", timeout=5).raise_for_status()
+                    timeout_s = max(60.0, latency_ms / 1000 * 8)
+                    fl = run_fleet(fleet, url, data, args.in_flight, workers, timeout_s)
+                    print(f"  fleet: {workers} workers × {args.in_flight // workers} greenlets")
+                    print(fl.line())
+                    print(f"  fleet/script: throughput {fl.rows_per_s / seed.rows_per_s:.2f}× · "
+                          f"CPU per row {fl.cpu_ms_per_row / seed.cpu_ms_per_row:.2f}×", flush=True)
             finally:
                 fleet.stop_all()
-        results.append((latency_ms, seed, fl))
-        print(f"upstream median latency {latency_ms} ms, {args.prompts:,} prompts, {args.in_flight:,} in flight "
-              f"(fleet: {args.workers} workers × {args.in_flight // args.workers} greenlets)")
-        print(seed.line())
-        print(fl.line())
-        print(f"  fleet/script: throughput {fl.rows_per_s / seed.rows_per_s:.2f}× · "
-              f"CPU per row {fl.cpu_ms_per_row / seed.cpu_ms_per_row:.2f}×", flush=True)
     return 0
 
 
