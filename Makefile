@@ -39,6 +39,7 @@ bench: install  ## benchmark scripts that print figures
 	$(BIN)/python bench/rebuild_throughput.py
 	$(BIN)/python bench/fleet_run.py --prompts 10000 --in-flight 2000
 	$(BIN)/python bench/mismatch_run.py --prompts 10000
+	$(BIN)/python bench/versus_seed.py --prompts 6000 --latencies-ms 300,15000
 
 soak: install  ## chaos soak (not part of test): 10k prompts, faults, worker and Redis SIGKILLs
 	$(BIN)/python bench/soak.py --prompts 10000

@@ -1,12 +1,18 @@
 """The fleet against the seed's single asyncio script, side by side, in one run.
 
-    .venv/bin/python bench/versus_seed.py --prompts 6000 --latencies-ms 300,15000
+    .venv/bin/python bench/versus_seed.py --prompts 6000 --latencies-ms 300,15000 [--workers 1,2,3]
 
 For each upstream latency: one private Valkey (AOF on, as in production) and one simulator; the
 seed's design (``bench/seed_design.py``: one process, aiohttp, a semaphore of ``--in-flight``) runs
 first, then the simulator's counters are reset and the fleet runs the same prompts
 (``--workers`` celery worker processes × ``in_flight / workers`` greenlets, started beforehand as a
 fleet's workers are, plus ``specfleet run``). Every answer is kept on both sides (budget far away).
+``--workers 1,2,3`` runs the fleet once per worker count (fresh Redis keyspace and output each
+time) against the one script run: the README's scaling table.
+
+The fleet runs as users run it: workers at the default log level (INFO, one line per task step),
+task events on (Flower), AOF fences on. The ramp is timed from the moment the producer opened the
+dataset (it queues the first prompts right after) to ``in_flight - 10`` requests in flight.
 
 Printed for each side: rows/s (rows over the time from start to the last answer), CPU ms per kept
 row (every process of that side: for the fleet, workers and producer; the simulator excluded),
@@ -121,6 +127,8 @@ class Side:
     peak_rss_mb: list[float] = field(default_factory=list)
     #: CPU seconds by process (fleet: producer, then each worker).
     cpu_parts_s: list[float] = field(default_factory=list)
+    #: The script's CPU before its first request (imports, tokenizer): part of ``cpu_s``.
+    startup_cpu_s: float | None = None
 
     @property
     def rows_per_s(self) -> float:
@@ -139,6 +147,8 @@ class Side:
         if self.cpu_parts_s:
             per_row = [f"{1000 * x / max(self.rows, 1):.2f}" for x in self.cpu_parts_s]
             parts = f" (producer {per_row[0]} + workers {' + '.join(per_row[1:])})"
+        elif self.startup_cpu_s is not None:
+            parts = f" (of which start-up {1000 * self.startup_cpu_s / max(self.rows, 1):.2f})"
         ramp = "never" if self.ramp_s is None else f"{self.ramp_s:.2f} s"
         return (f"  {self.name:<6} rows {self.rows:>6,} · {self.rows_per_s:7.1f} rows/s · "
                 f"{self.cpu_ms_per_row:5.2f} CPU ms/row{parts} · max in flight {self.max_in_flight:>5,} · "
@@ -164,7 +174,9 @@ def run_seed(fleet: Fleet, data: Path, in_flight: int, out: Path) -> Side:
     sampler.stop()
     if proc.returncode != 0:
         raise SystemExit(f"seed script failed ({proc.returncode}):\n{stderr[-3000:]}")
-    side.rows = json.loads(stdout.strip().splitlines()[-1])["rows"]
+    figures = json.loads(stdout.strip().splitlines()[-1])
+    side.rows = figures["rows"]
+    side.startup_cpu_s = figures["startup_cpu_s"]
     side.cpu_s = usage.ru_utime + usage.ru_stime
     side.peak_rss_mb = [usage.ru_maxrss / 1024]
     side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
