@@ -127,6 +127,9 @@ class Side:
     peak_rss_mb: list[float] = field(default_factory=list)
     #: CPU seconds by process (fleet: producer, then each worker).
     cpu_parts_s: list[float] = field(default_factory=list)
+    #: The fleet's Redis (Valkey) CPU during the run: shown, not in ``cpu_s`` (like the simulator's,
+    #: it may live on another host; counting it would add its figure to the ratio).
+    redis_cpu_s: float | None = None
     #: The script's CPU before its first request (imports, tokenizer): part of ``cpu_s``.
     startup_cpu_s: float | None = None
 
@@ -147,6 +150,8 @@ class Side:
         if self.cpu_parts_s:
             per_row = [f"{1000 * x / max(self.rows, 1):.2f}" for x in self.cpu_parts_s]
             parts = f" (producer {per_row[0]} + workers {' + '.join(per_row[1:])})"
+            if self.redis_cpu_s is not None:
+                parts += f" + Redis {1000 * self.redis_cpu_s / max(self.rows, 1):.2f} not counted"
         elif self.startup_cpu_s is not None:
             parts = f" (of which start-up {1000 * self.startup_cpu_s / max(self.rows, 1):.2f})"
         ramp = "never" if self.ramp_s is None else f"{self.ramp_s:.2f} s"
@@ -187,7 +192,8 @@ def run_seed(fleet: Fleet, data: Path, in_flight: int, out: Path) -> Side:
     return side
 
 
-def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers: int, timeout_s: float) -> Side:
+def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers: int, timeout_s: float,
+              redis_pid: int | None = None) -> Side:
     side = Side("fleet")
     config = fleet.write_config([{"name": "V", "path": data, "length": "short", "budget_tokens": 10**12}],
                                 timeout_s=timeout_s)
@@ -200,6 +206,7 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
         if time.monotonic() > deadline:
             raise SystemExit("workers did not come up:\n" + fleet.all_logs())
     cpu_before = {p.pid: proc_cpu_s(p.pid) for p in procs}
+    redis_before = proc_cpu_s(redis_pid) if redis_pid else 0.0
     sampler = Sampler(fleet.sim_url, client_url)
     sampler.start()
     side.start_t = time.monotonic()
@@ -212,6 +219,8 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
         raise SystemExit(f"producer failed ({producer.returncode}):\n{fleet.all_logs()}")
     side.cpu_parts_s = [usage.ru_utime + usage.ru_stime] + [proc_cpu_s(p.pid) - cpu_before[p.pid] for p in procs]
     side.cpu_s = sum(side.cpu_parts_s)
+    if redis_pid:
+        side.redis_cpu_s = proc_cpu_s(redis_pid) - redis_before
     side.peak_rss_mb = [proc_peak_rss_mb(p.pid) for p in procs]
     for p in procs:  # the next fleet (another worker count) starts its own
         p.send_signal(signal.SIGTERM)
@@ -261,7 +270,8 @@ def main() -> int:
                         shutil.rmtree(fleet.out, ignore_errors=True)
                     requests.post(fleet.sim_url + "/_sim/reset", timeout=5).raise_for_status()
                     timeout_s = max(60.0, latency_ms / 1000 * 8)
-                    fl = run_fleet(fleet, url, data, args.in_flight, workers, timeout_s)
+                    redis_pid = server._process.pid if server._process is not None else None
+                    fl = run_fleet(fleet, url, data, args.in_flight, workers, timeout_s, redis_pid)
                     print(f"  fleet: {workers} workers × {args.in_flight // workers} greenlets")
                     print(fl.line())
                     print(f"  fleet/script: throughput {fl.rows_per_s / seed.rows_per_s:.2f}× · "
