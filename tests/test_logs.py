@@ -33,3 +33,13 @@ def test_key_in_message_args_and_exceptions_is_scrubbed() -> None:
     assert KEY not in text and "9" * 40 not in text
     assert text.count(REDACTED) >= 4
     assert "call failed" in text and "RuntimeError" in text  # the record itself survives
+
+
+def test_a_strangers_bearer_token_is_scrubbed_and_plain_records_pass_unchanged() -> None:
+    """The cheap path (no marker, no secret: no regex) must not let any shape the pattern covers through."""
+    out = io.StringIO()
+    log = _logger(out)
+    log.info("proxy said Authorization: Bearer %s", "zz9ZZ9zz-token.value")
+    log.info("D/p%d settle: kept tokens=%d", 7, 42)
+    lines = out.getvalue().splitlines()
+    assert lines == [f"proxy said Authorization: {REDACTED}", "D/p7 settle: kept tokens=42"]
