@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint check bench soak clean
+.PHONY: install demo test lint check bench soak mutants clean
 
 install: $(STAMP)
 
@@ -39,10 +39,14 @@ bench: install  ## benchmark scripts that print figures
 	$(BIN)/python bench/rebuild_throughput.py
 	$(BIN)/python bench/fleet_run.py --prompts 10000 --in-flight 2000
 	$(BIN)/python bench/mismatch_run.py --prompts 10000
+	$(BIN)/python bench/throttle_run.py --prompts 12000 --workers 3 --greenlets 500 --capacity 300
 	$(BIN)/python bench/versus_seed.py --prompts 6000 --latencies-ms 300,15000
 
 soak: install  ## chaos soak (not part of test): 10k prompts, faults, worker and Redis SIGKILLs
 	$(BIN)/python bench/soak.py --prompts 10000
+
+mutants: install  ## one-line mutants of the promises (tests/mutants.toml), each on a temp copy; every one must be caught
+	$(BIN)/python -m tests.mutants $(MUTANTS_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache

@@ -23,6 +23,8 @@
 -- KEYS[7] run      HASH   the run's dollars across datasets: nusd_limit, nusd_spent, nusd_held,
 --                         nusd_orphaned, admission_state (active | exhausted), ended_by
 -- KEYS[8] orphans  HASH   lease -> nano-usd held for a reaped lease whose answer may still be billed
+-- KEYS[9] turns    HASH   row key "<id>#<turn>" -> msgpack {message, end}: regenerate = "all" only
+-- KEYS[10] ended   SET    conversation ids that ended with a kept turn: regenerate = "all" only
 --
 -- The rule. A request asks with its worst case: W tokens (max_tokens plus the turn's own tokens, or
 -- the largest answer seen if that is more) and
@@ -56,9 +58,12 @@
 --   renew   id lease now_ms ttl_ms -> {"ok"} | {"done"} | {"stopped"} | {"halted"} | {"lost"}
 --           Extends a live lease before a retry (works while exhausted; "stopped" ends it). "lost":
 --           the lease was reaped; no budget is taken: the caller releases and asks again later.
---   settle  id lease tokens cost_nusd attempts row
+--   settle  id lease tokens cost_nusd attempts row [turn conversation ends]
 --           -> {"kept", kept, limit, over_hold} | {"duplicate", over_hold} | {"discarded", over_hold}
 --              over_hold is 1 when the answer cost more than the worst case it held (a wrong price)
+--              With a turn (regenerate = "all"; id is the row key), a kept row also stores the turn
+--              under id in turns and, when ends is "1", adds the conversation to ended: a redelivered
+--              conversation reads back exactly the turns that were counted.
 --   fail    id lease failure_json cost_nusd -> {"failed"} | {"duplicate"}
 --   release id lease cost_nusd     -> {"released"}   (give back an admission, no outcome)
 --   reap    now_ms                 -> {"reaped", n}
@@ -241,6 +246,7 @@ elseif op == "renew" then
 elseif op == "settle" then
   local id, lease, tokens, cost = ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
   local attempts, row = tonumber(ARGV[6]), ARGV[7]
+  local turn, conversation, ends = ARGV[8], ARGV[9], ARGV[10]
   local held_usd = finish(id, lease)
   spend(cost)  -- money spent is spent, whatever happens to the row
   local over_hold = (held_usd > 0 and cost > held_usd) and 1 or 0
@@ -259,6 +265,10 @@ elseif op == "settle" then
   redis.call("HINCRBY", budget, "tokens_kept_sq", int(tokens * tokens))
   redis.call("HDEL", failed, id)
   redis.call("XADD", results, "*", "id", id, "row", row)
+  if turn then
+    redis.call("HSET", KEYS[9], id, turn)
+    if ends == "1" then redis.call("SADD", KEYS[10], conversation) end
+  end
   return {"kept", kept, num(b[2]), over_hold}
 
 elseif op == "fail" then

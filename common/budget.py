@@ -139,6 +139,16 @@ POLICY = BudgetPolicy()
 
 
 @dataclass(frozen=True)
+class TurnKeep:
+    """A regenerated turn kept with its row: ``record`` (msgpack {message, end}) goes to the
+    conversation's turns, and ``ends`` marks the conversation ended (see keys.DatasetKeys.turns)."""
+
+    conversation: str
+    record: bytes
+    ends: bool
+
+
+@dataclass(frozen=True)
 class Reservation:
     status: Admission
     #: Tokens held (ok/over/wait) or ms until a busy lease expires (busy); 0 otherwise.
@@ -275,11 +285,16 @@ class Budget:
         return status
 
     def settle(self, prompt_id: str, lease: str, tokens: int, row: bytes, *, cost_usd: float,
-               attempts: int = 0, usage: Usage | None = None) -> Settled:
+               attempts: int = 0, turn: TurnKeep | None = None, usage: Usage | None = None) -> Settled:
         """Count a billed answer's cost, and keep its row (hand it to the collector) unless another
         delivery already did ("duplicate") or the hard cap has no room for it ("discarded").
+
+        ``turn`` (regenerate = "all"; ``prompt_id`` is then the row key): kept with the row, atomically.
         ``usage``: the answer's counters for the dataset's stats, in the same round trip."""
-        reply = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row, usage=usage)
+        extra: tuple[Any, ...] = ()
+        if turn is not None:
+            extra = (turn.record, turn.conversation, "1" if turn.ends else "0")
+        reply = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row, *extra, usage=usage)
         if int(reply[-1]):
             # The dollar cap holds only while answers cost no more than their worst case.
             log.warning("%s/%s: the answer cost $%.6f, more than its worst case: is the model's price right?",

@@ -72,6 +72,8 @@ class LengthClass(_Strict):
 
 
 LengthName = Literal["short", "long"]
+#: Which assistant turns of a dataset row the target produces again (``DatasetConfig.regenerate``).
+Regenerate = Literal["last", "all"]
 _LENGTHS: tuple[LengthName, ...] = ("short", "long")
 
 
@@ -82,8 +84,17 @@ def _default_lengths() -> dict[LengthName, LengthClass]:
     }
 
 
+class ThrottleLimits(_Strict):
+    """Fleet-wide caps on upstream requests (``common/throttle.py``), held in Redis for every worker
+    of every host. None: no fixed cap; the adaptive limit that 429s cut applies either way."""
+
+    max_in_flight: int | None = Field(default=None, gt=0)
+    max_requests_per_s: float | None = Field(default=None, gt=0)
+
+
 class RequestConfig(_Strict):
-    """Passed through to OpenRouter's chat completions body (see shared openrouter.md)."""
+    """Passed through to OpenRouter's chat completions body (see shared openrouter.md), except the
+    fleet's throttle caps ``max_in_flight`` and ``max_requests_per_s``, which stay in specfleet."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -96,11 +107,18 @@ class RequestConfig(_Strict):
     provider: dict[str, Any] | None = None
     #: Any other body keys, sent as they are (e.g. ``transforms``).
     extra: dict[str, Any] = Field(default_factory=dict)
+    #: Requests the whole fleet may have in flight / start per second (``ThrottleLimits``).
+    max_in_flight: int | None = Field(default=None, gt=0)
+    max_requests_per_s: float | None = Field(default=None, gt=0)
 
     def body(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.model_dump(exclude={"extra"}).items() if v is not None}
+        exclude = {"extra", *ThrottleLimits.model_fields}
+        out = {k: v for k, v in self.model_dump(exclude=exclude).items() if v is not None}
         out.update(self.extra)
         return out
+
+    def throttle(self) -> ThrottleLimits:
+        return ThrottleLimits(max_in_flight=self.max_in_flight, max_requests_per_s=self.max_requests_per_s)
 
 
 class RetryConfig(_Strict):
@@ -126,6 +144,10 @@ class DatasetConfig(_Strict):
     max_prompts: int | None = Field(default=None, gt=0)
     #: A longer line is reported as ``line_too_long`` in malformed.jsonl and never sent.
     max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, gt=0)
+    #: ``last``: the answer to the conversation's last non-assistant message is produced again (one
+    #: row per prompt). ``all``: every assistant turn is, in order, each call seeing the regenerated
+    #: history (one row per turn; see workers/conversation.py).
+    regenerate: Regenerate = "last"
 
     @field_validator("name")
     @classmethod
@@ -161,6 +183,13 @@ class WorkerView(_Strict):
     retry: RetryConfig
     #: Dataset name -> its length class.
     datasets: dict[str, LengthName]
+    #: ``[request] max_in_flight`` / ``max_requests_per_s``: the fleet-wide caps of the throttle.
+    throttle: ThrottleLimits = ThrottleLimits()
+    #: Datasets whose every assistant turn is regenerated (``regenerate = "all"``); absent: "last".
+    regenerate: dict[str, Regenerate] = Field(default_factory=dict)
+
+    def regenerates_all(self, dataset: str) -> bool:
+        return self.regenerate.get(dataset, "last") == "all"
 
     def length(self, dataset: str) -> LengthClass:
         name = self.datasets.get(dataset)
@@ -194,6 +223,8 @@ class RunConfig(_Strict):
             lengths={k: self.length_for(k) for k in _LENGTHS},
             retry=self.retry,
             datasets={d.name: d.length for d in self.datasets},
+            regenerate={d.name: d.regenerate for d in self.datasets if d.regenerate != "last"},
+            throttle=self.request.throttle(),
         )
 
     def require_prices(self) -> None:

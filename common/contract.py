@@ -55,6 +55,29 @@ class ResultRow(TypedDict):
     #: Rows whose ids came from the engine: the text rebuild checked against them
     #: (``{"match", "prompt_match", …}``, see ``workers/engine_ids.py``).
     engine_check: NotRequired[dict[str, Any]]
+    #: regenerate = "all": the turn's index in its conversation (``id`` is the conversation's), the
+    #: row's own key ``<id>#<turn>`` (the exactly-once guard's member), and on a conversation's last
+    #: row why it ended there (``CONVERSATION_ENDS``).
+    turn: NotRequired[int]
+    key: NotRequired[str]
+    conversation_end: NotRequired[str]
+
+
+#: Why a regenerated conversation ended at a turn: its last assistant turn was produced; the turn
+#: called tools (the dataset's tool results answered other calls); the dataset goes on with tool
+#: results although the regenerated turn called no tool; the turn was cut before its end
+#: (``finish_reason`` length or a filter: as history it would read as a turn the model finished).
+CONVERSATION_ENDS = ("last_turn", "tool_calls", "tool_results", "cut")
+
+
+def row_key(conversation_id: str, turn: int) -> str:
+    """A regenerated turn's key: what the budget's done set, leases and failures name."""
+    return f"{conversation_id}#{turn}"
+
+
+def conversation_of(key: str) -> str:
+    """The conversation id of a row key (``row_key``'s inverse; ids may contain '#')."""
+    return key.rsplit("#", 1)[0]
 
 
 # Failure reasons written to failed.jsonl (stable words for reports and metrics).

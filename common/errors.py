@@ -38,20 +38,23 @@ class UpstreamError(SpecfleetError):
     ``RetryableUpstreamError`` try again, ``FatalUpstreamError`` fail this prompt,
     ``AccountRefusedError`` halt the fleet at once, ``MisconfiguredError`` halt the fleet once it
     repeats across prompts. ``status`` is the HTTP status (200 for an error object inside a 200
-    body, 0 when no response arrived), ``reason`` a short stable word for reports (``http_429``,
-    ``timeout``, ``bad_json`` …) and ``detail`` what the server said, without the reason.
+    body, 0 when no response arrived), ``code`` the error object's code inside a 200 body (None
+    otherwise), ``reason`` a short stable word for reports (``http_429``, ``timeout``, ``bad_json`` …)
+    and ``detail`` what the server said, without the reason.
     """
 
     retryable = False
 
     def __init__(
-        self, reason: str, detail: str, *, status: int = 0, retry_after_s: float | None = None
+        self, reason: str, detail: str, *, status: int = 0, retry_after_s: float | None = None,
+        code: int | None = None,
     ) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
         self.status = status
         self.retry_after_s = retry_after_s
+        self.code = code
 
 
 class RetryableUpstreamError(UpstreamError):

@@ -9,6 +9,12 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:ds:<ds>:leases        HASH    prompt id -> "<lease>|<hold tokens>|<hold nano-usd>|<expires_ms>"
     specfleet:ds:<ds>:orphans       HASH    lease -> nano-usd still held for a reaped lease (it may be billed)
     specfleet:ds:<ds>:failed        HASH    prompt id -> JSON {reason, attempts, detail, where} (cleared if kept later)
+    specfleet:ds:<ds>:turns         HASH    regenerate = "all": row key "<id>#<turn>" -> msgpack {message, end}: a
+                                            kept turn's regenerated assistant message, written by budget.lua's
+                                            settle with the row, read back when a conversation is delivered again
+    specfleet:ds:<ds>:ended         SET     regenerate = "all": conversation ids that ended with a kept turn (the
+                                            last one, or one that called tools): their outcome, as ``done`` is a
+                                            prompt's (a failed turn's outcome is its ``failed`` entry)
     specfleet:ds:<ds>:results       STREAM  kept rows (field ``row``: msgpack), drained by the collector
     specfleet:ds:<ds>:stats         HASH    counters for reports and metrics (billed tokens, errors by class…)
     specfleet:ds:<ds>:timeline      LIST    JSON samples of progress over time, for the run report's plot
@@ -67,10 +73,13 @@ class DatasetKeys:
         self.orphans = f"{base}:orphans"
         self.failed = f"{base}:failed"
         self.results = f"{base}:results"
+        self.turns = f"{base}:turns"
+        self.ended = f"{base}:ended"
         self.stats = f"{base}:stats"
         self.timeline = f"{base}:timeline"
         self.queue = queue(dataset)
 
     @property
     def budget_keys(self) -> list[str]:
-        return [self.budget, self.done, self.leases, self.failed, self.results, HALT, RUN_BUDGET, self.orphans]
+        return [self.budget, self.done, self.leases, self.failed, self.results, HALT, RUN_BUDGET, self.orphans,
+                self.turns, self.ended]

@@ -14,20 +14,29 @@ from typing import Any, Literal
 
 import redis
 
+from common.config import ThrottleLimits
 from common.keys import THROTTLE, THROTTLE_SLOTS
 
 _SCRIPT = files("common").joinpath("throttle.lua").read_text(encoding="utf-8")
 
-#: A 429/503 cuts the fleet's in-flight limit to this share of what was in flight (multiplicative
-#: decrease). Gentle, because a fleet sits right under a provider's capacity: 0.9 keeps the
-#: sawtooth within 10% of it, where TCP's 0.5 would idle half of it after every 429.
-DEFAULT_BETA = 0.9
+#: A 429/503 cuts the fleet's in-flight limit to this share of what the provider served during the
+#: congestion event (multiplicative decrease). Gentle, because the cut starts from a measurement,
+#: not from a guess, and because getting back is slow: one request per round trip (2 s at the
+#: bench's latency, minutes at a long generation's). bench/throttle_run.py measured 0.9 leaving the
+#: fleet ~10% under the capacity for a minute after the start; each event also costs a fleet-wide
+#: Retry-After pause, so a shallower cut means a few more, cheap, events.
+DEFAULT_BETA = 0.95
 #: The limit is never cut below this many requests in flight.
 DEFAULT_MIN_LIMIT = 4
 #: 429s closer together than this are one congestion event and cut the limit once.
 DEFAULT_CUT_GAP_MS = 1000
+#: Answers grow the limit while the fleet has at least this share of it in flight.
+DEFAULT_GROW_NEAR = 0.97
 
 Outcome = Literal["ok", "throttled", "other"]
+
+#: No fixed cap and no rate cap: the adaptive limit alone.
+NO_CAPS = ThrottleLimits()
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,8 @@ class Admission:
     #: When not ok: how long until asking again makes sense (0: when a slot frees), and why.
     wait_ms: int = 0
     why: str = ""
+    #: When ok: how many of the slots asked for were granted (the first ones).
+    granted: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,35 +69,50 @@ def now_ms() -> int:
 
 
 class FleetThrottle:
-    def __init__(self, client: redis.Redis, *, max_in_flight: int = 0, max_requests_per_s: float = 0.0,
-                 beta: float = DEFAULT_BETA, min_limit: int = DEFAULT_MIN_LIMIT,
-                 cut_gap_ms: int = DEFAULT_CUT_GAP_MS) -> None:
+    """The caps (``ThrottleLimits``, from the run's ``[request]``) travel with every call: one
+    process may serve runs with different caps, and the script clamps the learned limit to them."""
+
+    def __init__(self, client: redis.Redis, *, beta: float = DEFAULT_BETA, min_limit: int = DEFAULT_MIN_LIMIT,
+                 cut_gap_ms: int = DEFAULT_CUT_GAP_MS, grow_near: float = DEFAULT_GROW_NEAR) -> None:
         self._script = client.register_script(_SCRIPT)
-        self.max_in_flight = max_in_flight
-        self.max_requests_per_s = max_requests_per_s
-        self.beta, self.min_limit, self.cut_gap_ms = beta, min_limit, cut_gap_ms
+        self.beta, self.min_limit, self.cut_gap_ms, self.grow_near = beta, min_limit, cut_gap_ms, grow_near
 
-    def _call(self, *args: Any) -> list[Any]:
+    def _call(self, *args: Any) -> Any:
         reply = self._script(keys=[THROTTLE, THROTTLE_SLOTS], args=list(args))
-        return [x.decode() if isinstance(x, bytes) else x for x in reply]
+        if isinstance(reply, list):
+            return [x.decode() if isinstance(x, bytes) else x for x in reply]
+        return reply
 
-    def acquire(self, slot: str, *, ttl_ms: int) -> Admission:
-        reply = self._call("acquire", slot, now_ms(), ttl_ms, self.max_in_flight, self.max_requests_per_s)
+    def acquire(self, slot: str, *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS) -> Admission:
+        return self.acquire_many([slot], ttl_ms=ttl_ms, limits=limits)
+
+    def acquire_many(self, slots: list[str], *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS) -> Admission:
+        """Take as many of ``slots``, in order, as the limit and the rate allow (``granted``)."""
+        reply = self._call("acquire", now_ms(), ttl_ms, limits.max_in_flight or 0, limits.max_requests_per_s or 0,
+                           *slots)
         if reply[0] == "ok":
-            return Admission(True)
+            return Admission(True, granted=int(reply[1]))
         return Admission(False, int(reply[1]), str(reply[2]))
 
-    def release(self, slot: str, outcome: Outcome, *, retry_after_s: float | None = None) -> None:
+    def release(self, slot: str, outcome: Outcome, *, retry_after_s: float | None = None,
+                limits: ThrottleLimits = NO_CAPS) -> None:
         retry_after_ms = int((retry_after_s or 0) * 1000)
-        self._call("release", slot, now_ms(), outcome, retry_after_ms, self.max_in_flight, self.beta,
-                   self.min_limit, self.cut_gap_ms)
+        self._call("release", slot, now_ms(), outcome, retry_after_ms, limits.max_in_flight or 0, self.beta,
+                   self.min_limit, self.cut_gap_ms, self.grow_near)
 
     def snapshot(self) -> ThrottleSnapshot:
-        limit, in_flight, pause_left, ok, throttled = self._call("state", now_ms())
+        limit, in_flight, pause_left, ok, throttled, cap = self._call("state", now_ms())
+        bounds = [float(x) for x in (limit, cap) if x]  # the learned limit, the run's cap
         return ThrottleSnapshot(
-            limit=float(limit) if limit else (float(self.max_in_flight) if self.max_in_flight else None),
+            limit=min(bounds) if bounds else None,
             in_flight=int(in_flight),
             pause_ms_left=int(pause_left),
             ok=int(ok),
             throttled=int(throttled),
         )
+
+    def reset(self, limits: ThrottleLimits = NO_CAPS) -> None:
+        """A new run learns the provider's capacity from scratch (the last run's limit may belong
+        to another model or provider, its counters to another run) and records its cap for
+        readers. Slots of requests in flight stay."""
+        self._call("reset", limits.max_in_flight or 0)

@@ -76,6 +76,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from common.throttle import FleetThrottle
     from producer.progress import ProgressView
     from producer.state import current_run, read_state
 
@@ -89,9 +90,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps([read_state(client, n).to_json() for n in names], indent=2))
         return 0
     view = ProgressView(names, live=True if args.watch else None)
+    throttle = FleetThrottle(client)
     try:
         while True:
-            view.update([read_state(client, n) for n in names])
+            view.update([read_state(client, n) for n in names], throttle.snapshot())
             if not args.watch:
                 break
             time.sleep(1.0)

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from common.errors import ConfigError
+from common.throttle import FleetThrottle, ThrottleSnapshot
 from producer.progress import TokenRate
 from producer.state import DatasetState, current_run, read_state
 
@@ -82,6 +83,7 @@ class SpecfleetCollector(Collector):
 
     def __init__(self, client: redis.Redis) -> None:
         self._client = client
+        self._throttle = FleetThrottle(client)
         self._rates: dict[str, TokenRate] = {}
         # The HTTP server is threaded: two scrapes at once must not interleave rate windows.
         self._lock = threading.Lock()
@@ -95,6 +97,7 @@ class SpecfleetCollector(Collector):
         try:
             run = current_run(self._client)
             states = [read_state(self._client, ds) for ds in run_datasets(run)]
+            throttle = self._throttle.snapshot()
         except redis.RedisError as exc:
             # A scrape error would blank every series; say "Redis down" as a metric instead.
             log.warning("metrics: cannot read Redis: %s", exc)
@@ -105,6 +108,8 @@ class SpecfleetCollector(Collector):
         yield up
         with self._lock:
             yield from self._families(run or {}, states)
+        if run:
+            yield from _throttle_families(throttle)
 
     def _families(self, run: dict[str, Any], states: list[DatasetState]) -> Iterator[Metric]:
         info = GaugeMetricFamily("specfleet_run_info", "The run in progress (value 1)", labels=["config_id"])
@@ -147,6 +152,30 @@ class SpecfleetCollector(Collector):
             for reason, n in sorted(st.failures.items()):
                 failures.add_metric([st.dataset, reason], n)
         yield from (left, active, rate, errors, failures)
+
+
+def _throttle_families(t: ThrottleSnapshot) -> Iterator[Metric]:
+    """The fleet-wide upstream throttle (``common/throttle.py``): one series each, no labels."""
+    limit = GaugeMetricFamily(
+        "specfleet_throttle_limit",
+        "Requests the whole fleet may have in flight now (adaptive: 429s cut it, answers grow it); "
+        "absent while unbounded",
+    )
+    if t.limit is not None:
+        limit.add_metric([], t.limit)
+    in_flight = GaugeMetricFamily("specfleet_throttle_in_flight", "Upstream requests in flight, whole fleet")
+    in_flight.add_metric([], t.in_flight)
+    paused = GaugeMetricFamily(
+        "specfleet_throttle_paused_seconds", "Seconds left of a Retry-After pause of the whole fleet"
+    )
+    paused.add_metric([], t.pause_ms_left / 1000)
+    throttled = CounterMetricFamily(
+        "specfleet_upstream_throttled", "Upstream attempts answered 429/503 (whole fleet, this run)"
+    )
+    throttled.add_metric([], t.throttled)
+    answered = CounterMetricFamily("specfleet_upstream_ok", "Upstream attempts answered (whole fleet, this run)")
+    answered.add_metric([], t.ok)
+    yield from (limit, in_flight, paused, throttled, answered)
 
 
 def make_registry(client: redis.Redis) -> CollectorRegistry:

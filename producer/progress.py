@@ -16,6 +16,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
+from common.throttle import ThrottleSnapshot
 from producer.state import DatasetState
 
 #: Plain mode: seconds between two progress batches (state changes are printed at once).
@@ -119,10 +120,10 @@ class ProgressView:
                 TextColumn("[bold]{task.description}"),
                 BarColumn(bar_width=32),
                 TextColumn("{task.fields[used]}", justify="right"),
-                TextColumn("rows {task.fields[rows]}", justify="right"),
-                TextColumn("failed {task.fields[failed]}", justify="right"),
+                TextColumn("{task.fields[rows]}", justify="right"),
+                TextColumn("{task.fields[failed]}", justify="right"),
                 TextColumn("{task.fields[rate]}", justify="right"),
-                TextColumn("ETA {task.fields[eta]}", justify="right"),
+                TextColumn("{task.fields[eta]}", justify="right"),
                 TextColumn("{task.fields[state]}"),
                 console=console,
                 refresh_per_second=2,
@@ -133,7 +134,9 @@ class ProgressView:
 
     # --- public ----------------------------------------------------------------------------
 
-    def update(self, states: list[DatasetState]) -> None:
+    def update(self, states: list[DatasetState], throttle: ThrottleSnapshot | None = None) -> None:
+        """``throttle``: the fleet's upstream throttle (``FleetThrottle.snapshot``), shown as one
+        more row: requests in flight against the current limit, and the share answered 429."""
         if self._closed:
             return
         rates: dict[str, float | None] = {}
@@ -143,8 +146,10 @@ class ProgressView:
         if self._progress is not None:
             for st in states:
                 self._render_bar(st, rates[st.dataset])
+            if throttle is not None:
+                self._render_throttle(throttle)
         else:
-            self._plain(states, rates)
+            self._plain(states, rates, throttle)
 
     def notice(self, text: str) -> None:
         """A one-off line between the bars (or the plain lines), e.g. "Redis unreachable, retrying"."""
@@ -182,7 +187,8 @@ class ProgressView:
     def _add_task(self, dataset: str) -> TaskID:
         assert self._progress is not None
         task = self._progress.add_task(
-            dataset, total=1, completed=0, used="-", rows="0", failed="0", rate="-", eta="-", state="waiting"
+            dataset, total=1, completed=0, used="-", rows="rows 0", failed="failed 0", rate="-", eta="ETA -",
+            state="waiting"
         )
         self._tasks[dataset] = task
         return task
@@ -200,16 +206,29 @@ class ProgressView:
             completed=min(st.kept_tokens, max(st.limit, 1)),
             used=f"{fmt_tokens(st.kept_tokens)}/{fmt_tokens(st.limit)} tok {100 * st.budget_fraction:5.1f}% "
             + fmt_usd(st),
-            rows=f"{st.rows:,}",
-            failed=f"{st.failed:,}",
+            rows=f"rows {st.rows:,}",
+            failed=f"failed {st.failed:,}",
             rate=f"{fmt_tokens(rate)} tok/s" if rate is not None else "- tok/s",
-            eta=fmt_duration(eta_s(st, rate)) if st.state == "active" else "done",
+            eta="ETA " + (fmt_duration(eta_s(st, rate)) if st.state == "active" else "done"),
             state=_state_word(st),
+        )
+
+    def _render_throttle(self, t: ThrottleSnapshot) -> None:
+        assert self._progress is not None
+        task = self._tasks.get(_THROTTLE_ROW)
+        if task is None:
+            task = self._add_task(_THROTTLE_ROW)
+        limit = t.limit if t.limit is not None else max(t.in_flight, 1)
+        self._progress.update(
+            task, total=max(limit, 1), completed=min(t.in_flight, limit),
+            used=f"in flight {t.in_flight:,}/{_fmt_limit(t.limit)}", rows=f"429s {100 * t.throttled_share:.1f}%",
+            failed=f"of {t.ok + t.throttled:,}", rate="", eta="", state=_throttle_word(t),
         )
 
     # --- plain lines -------------------------------------------------------------------------
 
-    def _plain(self, states: list[DatasetState], rates: dict[str, float | None]) -> None:
+    def _plain(self, states: list[DatasetState], rates: dict[str, float | None],
+               throttle: ThrottleSnapshot | None = None) -> None:
         if not states:
             return
         now = max(st.t_s for st in states)
@@ -220,7 +239,10 @@ class ProgressView:
             return
         if due:
             self._last_batch_s = now
-        self._write([self._line(st, rates[st.dataset]) for st in batch])
+        lines = [self._line(st, rates[st.dataset]) for st in batch]
+        if due and throttle is not None and any(st.state == "active" for st in batch):
+            lines.append(throttle_line(throttle, now))
+        self._write(lines)
 
     def _line(self, st: DatasetState, rate: float | None) -> str:
         self._printed[st.dataset] = _signature(st)
@@ -239,6 +261,27 @@ class ProgressView:
         if lines:
             self._stream.write("".join(line + "\n" for line in lines))
             self._stream.flush()
+
+
+_THROTTLE_ROW = "upstream"
+
+
+def _fmt_limit(limit: float | None) -> str:
+    return "unbounded" if limit is None else f"{limit:,.0f}"
+
+
+def _throttle_word(t: ThrottleSnapshot) -> str:
+    return f"paused {t.pause_ms_left / 1000:.1f}s" if t.pause_ms_left else "sending"
+
+
+def throttle_line(t: ThrottleSnapshot, t_s: float) -> str:
+    """One plain line for the fleet's upstream throttle."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_s))
+    return (
+        f"{stamp} throttle limit={_fmt_limit(t.limit)} in_flight={t.in_flight} "
+        f"throttled_share={100 * t.throttled_share:.1f}% answers={t.ok + t.throttled} "
+        f"paused_ms={t.pause_ms_left}"
+    )
 
 
 def _state_word(st: DatasetState) -> str:

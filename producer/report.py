@@ -156,6 +156,25 @@ def _breakdown(title: str, key: str, timelines: dict[str, list[dict[str, Any]]])
     return [f"## {title}", "", *lines, ""] if lines else []
 
 
+def _throttle_section(summaries: list[dict[str, Any]]) -> list[str]:
+    """The fleet-wide throttle as each dataset ended: its in-flight limit and the share of upstream
+    answers that were 429/503 (``summary["throttle"]``, the run's counts up to then)."""
+    lines = []
+    for s in summaries:
+        t = s.get("throttle")
+        if not isinstance(t, dict):
+            continue
+        limit = t.get("limit")
+        answers = int(t.get("ok") or 0) + int(t.get("throttled") or 0)
+        lines.append(
+            f"- **{s.get('dataset', '?')}**: in-flight limit "
+            f"{'unbounded (no 429 yet, no cap)' if limit is None else f'{limit:,.0f}'} · "
+            f"429s {100 * float(t.get('throttled_share') or 0):.2f}% "
+            f"({int(t.get('throttled') or 0):,} of {answers:,} upstream answers)"
+        )
+    return ["## Upstream throttle (whole fleet)", "", *lines, ""] if lines else []
+
+
 def _engine_ids(summaries: Sequence[dict[str, Any]]) -> list[str]:
     """Datasets whose rows carry an engine's ids: how often the text rebuild disagreed with them."""
     lines = []
@@ -174,6 +193,25 @@ def _engine_ids(summaries: Sequence[dict[str, Any]]) -> list[str]:
     note = ("A prompt-ids difference means the engine serves another chat template than the run's "
             "tokenizer: check the configuration.")
     return ["## Engine ids", "", *lines, "", note, ""]
+
+
+def _conversations(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """Datasets with ``regenerate = "all"``: rows are turns, prompts are conversations."""
+    lines = []
+    for s in summaries:
+        if s.get("regenerate") != "all":
+            continue
+        per = s.get("turns_per_conversation") or {}
+        turns = ", ".join(f"{k} turns: {int(v):,}" for k, v in sorted(per.items(), key=lambda kv: int(kv[0])))
+        lines.append(
+            f"- **{s.get('dataset', '?')}**: {int(_num(s, 'prompts') or 0):,} conversations, "
+            f"{int(_num(s, 'results') or 0):,} rows (one per kept turn); ended "
+            f"{int(_num(s, 'conversations_ended') or 0):,}, failed {int(_num(s, 'failed') or 0):,}, without an "
+            f"outcome {int(_num(s, 'skipped') or 0):,} (with some turns kept: "
+            f"{int(_num(s, 'conversations_partial') or 0):,}); "
+            f"kept turns per conversation: {turns or 'none'}"
+        )
+    return ["## Conversations (every turn regenerated)", "", *lines, ""] if lines else []
 
 
 def render_markdown(
@@ -196,6 +234,8 @@ def render_markdown(
         "",
         f"![budget consumption and throughput over time]({png_name})",
         "",
+        *_conversations(summaries),
+        *_throttle_section(summaries),
         *_engine_ids(summaries),
         *_breakdown("Upstream errors by class", "errors", timelines),
         *_breakdown("Failures by reason", "failures", timelines),

@@ -13,27 +13,30 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import redis
 from celery import Celery
 
 from common import keys
 from common.budget import Budget, open_run
 from common.config import DatasetConfig, RunConfig
-from common.contract import CONTRACT_VERSION, TaskPayload, halt_line
+from common.contract import CONTRACT_VERSION, TaskPayload, conversation_of, halt_line
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
 from common.redis_client import CLOCK, RedisOutage
+from common.throttle import FleetThrottle
 from producer.collector import Collector
 from producer.enqueue import push
 from producer.lock import ProducerLock
 from producer.rows import RowWriter, atomic_write, output_error
 from producer.state import DatasetState, read_state
-from producer.summary import Summary, report_line
+from producer.summary import Summary, report_line, throttle_summary
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +123,7 @@ class Runner:
         self.out_dir = cfg.output.dir
         self.collector = Collector(client, self.out_dir, cfg.output.shard_rows)
         self.lock = ProducerLock(client)
+        self.throttle = FleetThrottle(client)
         self._runs: list[DatasetRun] = []
         self._interrupted = threading.Event()
         self._last_sample_s = 0.0
@@ -146,6 +150,7 @@ class Runner:
         if self.client.delete(keys.HALT):
             log.warning("cleared the halt of an earlier run: resuming")
         self.client.delete(keys.MISCONFIG_STREAK)  # a fresh start: only this run's misses count
+        self.throttle.reset(self.cfg.request.throttle())  # this run's provider, this run's 429s
         self.client.set(
             keys.CURRENT_RUN,
             json.dumps(
@@ -243,7 +248,7 @@ class Runner:
             run.admission_ended_s = run.first_stop_s = time.time()
             log.warning("%s: skipped, the run's dollar budget is spent", ds.name)
             return
-        self._restore_from_disk(budget, sink.writer)
+        self._restore_from_disk(budget, sink.writer, ds.regenerate)
         # Failures of an earlier run get another chance; the queue is rebuilt from the file below.
         self.client.delete(k.failed, k.queue)
         kept, rows = budget.open(ds.budget_tokens, ds.budget_usd, self.cfg.run.budget_mode)
@@ -280,7 +285,7 @@ class Runner:
             self._tick()
             time.sleep(TICK_S)
 
-    def _restore_from_disk(self, budget: Budget, writer: RowWriter) -> None:
+    def _restore_from_disk(self, budget: Budget, writer: RowWriter, regenerate: str) -> None:
         """Redis lost kept rows the shards hold (a server without persistence restarted): rebuild
         the exactly-once guard and the counter from the shards before anything is asked again."""
         rows_on_disk = writer.rows
@@ -293,14 +298,24 @@ class Runner:
         ids: list[str] = []
         tokens: list[int] = []
         costs: list[float] = []
+        turns: dict[str, bytes] = {}
+        ended: list[str] = []
         for row in writer.iter_kept():
-            ids.append(row["id"])
+            ids.append(row.get("key") or row["id"])  # a regenerated turn's key is "<id>#<turn>"
             tokens.append(int(row["num_tokens"]))
             costs.append(float((row.get("usage") or {}).get("cost") or 0.0))
-        budget.restore(ids, tokens, costs)
+            if regenerate == "all" and "key" in row:
+                # The turn as the worker stored it with its settle: the last message of its row.
+                end = row.get("conversation_end") or ""
+                turns[row["key"]] = msgpack.packb({"message": row["conversations"][-1], "end": end},
+                                                  use_bin_type=True)
+                if end:
+                    ended.append(row["id"])
+        if budget.restore(ids, tokens, costs) and turns:
+            restore_turns(self.client, budget.keys, turns, ended)
 
     def _enqueue(self, run: DatasetRun, batch: list[Prompt]) -> int:
-        done = self.client.smismember(run.budget.keys.done, [p.id for p in batch])
+        done = self.client.smismember(_outcome_key(run), [p.id for p in batch])
         payloads: list[TaskPayload] = [
             {
                 "v": CONTRACT_VERSION,
@@ -360,7 +375,7 @@ class Runner:
             pipe.execute()
             if self.progress is not None:
                 shown = [states.get(r.name) or r.final_state for r in self._runs]
-                self.progress.update([st for st in shown if st is not None])
+                self.progress.update([st for st in shown if st is not None], self.throttle.snapshot())
 
     def _check_admission(self, run: DatasetRun, st: DatasetState, now: float) -> None:
         if st.state == "exhausted":
@@ -368,7 +383,7 @@ class Runner:
             return
         if not run.enqueue_done:
             return
-        outcomes = int(self.client.scard(run.budget.keys.done)) + st.failed
+        outcomes = int(self.client.scard(_outcome_key(run))) + st.failed
         if outcomes >= run.prompts:
             self._end_admission(run, "complete")
             return
@@ -392,7 +407,9 @@ class Runner:
 
     def _sweep(self, run: DatasetRun) -> int:
         """Re-enqueue prompts with no outcome (a message lost with a Redis that did not persist)."""
-        failed = set(k.decode() for k in self.client.hkeys(run.budget.keys.failed))
+        # A conversation's failure is its failed turn's (row key "<id>#<turn>").
+        failed = set(k.decode() if run.cfg.regenerate == "last" else conversation_of(k.decode())
+                     for k in self.client.hkeys(run.budget.keys.failed))
         errors: list[DatasetRowError] = []
         n = 0
         for batch in _batches(read_prompts(run.cfg.path, errors, ReadStats(), limit=run.cfg.max_prompts,
@@ -400,7 +417,7 @@ class Runner:
                               ENQUEUE_BATCH):
             todo = [p for p in batch if p.id not in failed]
             if n < 10 and todo:  # which ones, so a lost message can be traced
-                done = self.client.smismember(run.budget.keys.done, [p.id for p in todo])
+                done = self.client.smismember(_outcome_key(run), [p.id for p in todo])
                 log.info("%s: sweeping %s", run.name, ", ".join(p.id for p, d in zip(todo, done, strict=True) if not d))
             n += self._enqueue(run, todo)
         return n
@@ -515,6 +532,7 @@ class Runner:
             engine_prompt_mismatch=st.engine_prompt_mismatch,
             errors=st.errors,
             failures=st.failures,
+            throttle=throttle_summary(self.throttle.snapshot()),
             wall_s=round(wall_s, 3),
             admission_s=round((run.first_stop_s or time.time()) - run.started_s, 3),
             switch_s=None if run.switch_s is None else round(run.switch_s, 3),
@@ -523,9 +541,41 @@ class Runner:
             enqueue_s=None if run.enqueue_s is None else round(run.enqueue_s, 3),
             shards=self.collector.add(run.name).writer.files(),
         )
+        if run.cfg.regenerate == "all":
+            ended, per_conversation = conversation_counts(self.client, run.budget.keys)
+            summary.regenerate = "all"
+            summary.conversations_ended = ended
+            summary.conversations_partial = max(0, len(per_conversation) - ended - len(failures))
+            summary.skipped = max(0, run.prompts - ended - len(failures))
+            summary.turns_per_conversation = {str(n): c for n, c in sorted(Counter(per_conversation.values()).items())}
         run.summary = summary
         atomic_write(self._dataset_dir(run) / "summary.json", summary.dumps())
         log.info("%s", report_line(summary))
+
+
+def _outcome_key(run: DatasetRun) -> str:
+    """The set of ids with an outcome other than a failure: kept prompts, or ended conversations."""
+    k = run.budget.keys
+    return k.ended if run.cfg.regenerate == "all" else k.done
+
+
+def restore_turns(client: redis.Redis, k: keys.DatasetKeys, turns: dict[str, bytes], ended: list[str]) -> None:
+    """The conversations' kept turns and ends, rebuilt from the shards with the done set."""
+    pipe = client.pipeline(transaction=False)
+    items = list(turns.items())
+    for i in range(0, len(items), 1000):
+        pipe.hset(k.turns, mapping=dict(items[i:i + 1000]))
+    for i in range(0, len(ended), 1000):
+        pipe.sadd(k.ended, *ended[i:i + 1000])
+    pipe.execute()
+
+
+def conversation_counts(client: redis.Redis, k: keys.DatasetKeys) -> tuple[int, Counter[str]]:
+    """Ended conversations, and kept turns per conversation (from the turns' keys alone)."""
+    per_conversation: Counter[str] = Counter()
+    for key in client.hkeys(k.turns):
+        per_conversation[conversation_of(key.decode())] += 1
+    return int(client.scard(k.ended)), per_conversation
 
 
 def _batches(items: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:

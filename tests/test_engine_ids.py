@@ -85,7 +85,7 @@ def world(redis_server: ValkeyServer, redis_client: redis.Redis) -> World:
 
 @pytest.fixture(scope="module")
 def engine_sim() -> Iterator[SimHandle]:
-    with start_in_thread(SimSettings(tokenizer=str(DEMO_TOKENIZER), latency_median_ms=1, error_latency_ms=1,
+    with start_in_thread(SimSettings(port=0, tokenizer=str(DEMO_TOKENIZER), latency_median_ms=1, error_latency_ms=1,
                                      retry_after_s=None)) as handle:
         yield handle
 

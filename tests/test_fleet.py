@@ -50,7 +50,7 @@ def test_budget_stop_then_next_dataset_runs_to_its_end(fleet: Fleet, redis_clien
     assert not redis_client.hexists("specfleet:active", "specfleet.q.A_small")
 
 
-def test_rows_load_with_datasets_and_carry_both_trainer_forms(fleet: Fleet) -> None:
+def test_rows_load_with_datasets_and_carry_both_trainer_forms(fleet: Fleet, redis_client: redis.Redis) -> None:
     datasets = pytest.importorskip("datasets", reason="the `datasets` package is in the dev extra")
     fleet.start_simulator("--latency-median-ms", "10")
     config = fleet.one_dataset("D", 30)
@@ -58,15 +58,30 @@ def test_rows_load_with_datasets_and_carry_both_trainer_forms(fleet: Fleet) -> N
     fleet.run_producer(config)
     files = sorted(str(p) for p in (fleet.out / "D").glob("shard-*.jsonl"))
     ds = datasets.load_dataset("json", data_files=files, split="train")
-    assert len(ds) == 30
-    row = ds[0]
-    assert row["conversations"][-1]["role"] == "assistant"
-    assert set(row["usage"]) >= {"prompt_tokens", "completion_tokens", "reasoning_tokens", "cost"}
-    assert row["provider"] and row["finish_reason"] in ("stop", "length", "tool_calls")
+    rows = {r["id"]: r for r in fleet.assert_exactly_once(redis_client, "D", 30)}
+    asked = {p["id"]: p for p in prompts(30, "d")}
+    assert len(ds) == 30 and set(ds["id"]) == set(asked) == set(rows)
+    for loaded in ds:
+        row, prompt = rows[loaded["id"]], asked[loaded["id"]]
+        # SpecForge form: the prompt as given, then the assistant turn.
+        assert loaded["conversations"][0]["content"] == prompt["messages"][0]["content"]
+        assistant = loaded["conversations"][-1]
+        assert assistant["role"] == "assistant" and (assistant["content"] or assistant["reasoning_content"])
+        # speculators form: prompt ids then completion ids, the loss on exactly the completion.
+        n = loaded["num_tokens"]
+        assert loaded["input_ids"] == row["input_ids"] and n > 0
+        assert loaded["loss_mask"] == [0] * (len(loaded["input_ids"]) - n) + [1] * n
+        assert loaded["usage"]["completion_tokens"] == n  # the simulator counts with the same tokenizer
+        assert loaded["provider"] and loaded["finish_reason"] in ("stop", "length", "tool_calls")
+    billed = fleet.sim_stats()
     summary = read_summary(fleet.out, "D")
-    for key in ("dataset", "results", "failed", "skipped", "tokens", "budget_tokens", "billed_prompt_tokens",
-                "billed_completion_tokens", "cost_usd", "wall_s"):
-        assert key in summary
+    assert (summary["dataset"], summary["end_reason"], summary["results"], summary["failed"], summary["skipped"]) == (
+        "D", "complete", 30, 0, 0)
+    assert summary["tokens"] == sum(ds["num_tokens"]) and summary["budget_tokens"] == 10_000_000
+    assert summary["billed_completion_tokens"] == billed["billed_completion_tokens"] == summary["tokens"]
+    assert summary["billed_prompt_tokens"] == billed["billed_prompt_tokens"]
+    assert summary["cost_usd"] == pytest.approx(billed["billed_cost_usd"], abs=1e-5)
+    assert 0 < summary["wall_s"] < 120
 
 
 def test_sigkilled_worker_loses_and_duplicates_nothing(fleet: Fleet, redis_client: redis.Redis) -> None:
@@ -136,19 +151,61 @@ def test_malformed_rows_are_reported_and_the_rest_runs(fleet: Fleet) -> None:
 
 def test_faults_end_every_prompt_as_kept_or_failed_with_reason(fleet: Fleet, redis_client: redis.Redis) -> None:
     fleet.start_simulator("--latency-median-ms", "20", "--hang-s", "30")
-    fleet.sim_config(rates={"429": 0.15, "502": 0.05, "503": 0.05, "hang": 0.03, "bad_json": 0.05,
-                            "error200": 0.05, "leak_im_end": 0.2})
-    config = fleet.one_dataset("F", 200, timeout_s=2, max_attempts=3)
+    rates = {"429": 0.15, "502": 0.05, "503": 0.05, "hang": 0.03, "bad_json": 0.05, "error200": 0.05}
+    fleet.sim_config(rates={**rates, "leak_im_end": 0.2})
+    attempts = 4
+    config = fleet.one_dataset("F", 200, timeout_s=2, max_attempts=attempts)
     fleet.start_worker("w1", concurrency=50)
     fleet.run_producer(config)
     summary = read_summary(fleet.out, "F")
     rows = fleet.assert_exactly_once(redis_client, "F")
     failed = [json.loads(x) for x in (fleet.out / "F" / "failed.jsonl").read_text().splitlines()]
-    assert len(rows) + len(failed) == 200 and summary["skipped"] == 0
-    assert all(f["reason"] in ("retries_exhausted", "upstream_fatal") and f["detail"] for f in failed)
+    assert len(rows) + len(failed) == 200 and summary["skipped"] == 0 and summary["failed"] == len(failed)
+    # Every injected fault is retryable: a prompt fails only when all its attempts met one, which
+    # happens to 200 × 0.38^4 ≈ 4 prompts (one attempt each would fail ≈ 76).
+    fault_rate = sum(rates.values())
+    assert len(failed) <= 3 * 200 * fault_rate**attempts, f"{len(failed)} prompts failed"
+    assert all(f["reason"] == "retries_exhausted" and f["attempts"] == attempts and f["detail"] for f in failed), failed
+    assert sum(r["attempts"] > 1 for r in rows) >= 200 * fault_rate / 2, "faults were met and retried"
     assert summary["errors"], "faults were injected, so errors by class must be counted"
     assert not any(r["conversations"][-1].get("content", "") and
                    r["conversations"][-1]["content"].endswith("<|im_end|>") for r in rows)
+
+
+def _redis_values(client: redis.Redis) -> dict[str, list[bytes]]:
+    """Every value in Redis as stored bytes, read by type (DUMP output is LZF-compressed, so a key
+    inside it need not appear whole); task messages are unwrapped down to their msgpack body."""
+    values: dict[str, list[bytes]] = {}
+    for raw_key in client.scan_iter("*"):
+        key, kind = raw_key.decode(), client.type(raw_key).decode()
+        if kind == "string":
+            found = [client.get(raw_key) or b""]
+        elif kind == "hash":
+            found = [part for kv in client.hgetall(raw_key).items() for part in kv]
+        elif kind == "list":
+            found = []
+            for item in client.lrange(raw_key, 0, -1):
+                found.append(item)
+                if key.startswith("specfleet.q."):
+                    message = json.loads(item)
+                    found += [base64.b64decode(message["body"]), json.dumps(message["headers"]).encode()]
+        elif kind == "set":
+            found = list(client.smembers(raw_key))
+        elif kind == "zset":
+            found = list(client.zrange(raw_key, 0, -1))
+        elif kind == "stream":
+            found = [part for _, fields in client.xrange(raw_key) for kv in fields.items() for part in kv]
+        else:
+            raise AssertionError(f"Redis key {key!r} of type {kind}: teach this test to read it")
+        values[key] = [raw_key, *found]
+    return values
+
+
+def _assert_key_absent(client: redis.Redis, secret: bytes) -> dict[str, list[bytes]]:
+    values = _redis_values(client)
+    for key, blobs in values.items():
+        assert not [b for b in blobs if secret in b], f"API key found in Redis key {key!r}"
+    return values
 
 
 def test_api_key_never_reaches_redis_messages_logs_or_output(fleet: Fleet, redis_client: redis.Redis) -> None:
@@ -160,17 +217,16 @@ def test_api_key_never_reaches_redis_messages_logs_or_output(fleet: Fleet, redis
         assert time.monotonic() < deadline, fleet.all_logs()
         time.sleep(0.1)
     secret = TEST_KEY.encode()
-    for message in redis_client.lrange("specfleet.q.S", 0, -1):
-        body = base64.b64decode(json.loads(message)["body"])
-        assert secret not in message and secret not in body
-        assert b"Question" in body  # the prompt is in there, so the check looks at the right bytes
+    values = _assert_key_absent(redis_client, secret)
+    # The hunt reads what it claims to: the run config and the prompts inside the task bodies.
+    assert any(k.startswith("specfleet:config:") for k in values), sorted(values)
+    assert sum(b"Question" in blob for blob in values["specfleet.q.S"]) == 20
     fleet.start_worker("w1", concurrency=10, SPECFLEET_LOG_LEVEL="DEBUG")
     producer.wait(timeout=120)
     assert producer.returncode == 0, fleet.all_logs()
     out = fleet.log("producer")
-    for key in redis_client.scan_iter("*"):
-        dumped = redis_client.dump(key) or b""
-        assert secret not in dumped, f"API key found in Redis key {key!r}"
+    values = _assert_key_absent(redis_client, secret)
+    assert any(k.startswith("specfleet:config:") for k in values) and "specfleet:ds:S:done" in values
     for path in fleet.tmp.rglob("*"):
         if path.is_file():
             assert secret not in path.read_bytes(), f"API key found in {path}"
@@ -188,3 +244,74 @@ def test_redis_losing_its_data_duplicates_nothing_on_disk(fleet: Fleet, redis_cl
     assert "restoring from the shards" in fleet.log("producer2")
     assert fleet.sim_stats()["requests"] == asked  # nothing asked again
     fleet.assert_exactly_once(redis_client, "L", 40)
+
+
+def test_a_resumed_run_asks_failed_prompts_again_and_keeps_them(fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator("--latency-median-ms", "10")
+    rows: list = prompts(20, "r")
+    doomed = {r["id"] for r in rows[:3]}
+    for r in rows[:3]:  # refused once (400: fatal, no retry), answered when asked again
+        r["messages"][0]["content"] = '#sim {"fail_attempts": [400]} ' + r["messages"][0]["content"]
+    data = write_jsonl(fleet.tmp / "r.jsonl", rows)
+    config = fleet.write_config([{"name": "R", "path": data, "length": "short", "budget_tokens": 10_000_000}])
+    worker = fleet.start_worker("w1", concurrency=10)
+    fleet.run_producer(config, name="producer1")
+    failed = [json.loads(x) for x in (fleet.out / "R" / "failed.jsonl").read_text().splitlines()]
+    assert {f["id"] for f in failed} == doomed and read_summary(fleet.out, "R")["results"] == 17
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=60) == 0
+    asked = fleet.sim_stats()["requests"]
+    # Resume with no worker yet: the failed prompts (and only they) wait in the queue again.
+    producer = fleet.start_producer(config, name="producer2")
+    deadline = time.monotonic() + 30
+    while "prompts queued" not in fleet.log("producer2"):
+        assert producer.poll() is None, "the resumed run ended without asking its failed prompts\n" + fleet.all_logs()
+        assert time.monotonic() < deadline, fleet.all_logs()
+        time.sleep(0.1)
+    time.sleep(0.5)  # a few producer ticks: nothing ends a dataset whose failed prompts wait
+    assert producer.poll() is None, fleet.all_logs()
+    assert redis_client.llen("specfleet.q.R") == 3  # the failed ones; kept ones are not queued again
+    fleet.start_worker("w2", concurrency=10)
+    assert producer.wait(timeout=120) == 0, fleet.all_logs()
+    summary = read_summary(fleet.out, "R")
+    assert (summary["results"], summary["failed"], summary["results_this_run"]) == (20, 0, 3), summary
+    assert (fleet.out / "R" / "failed.jsonl").read_text() == ""
+    assert fleet.sim_stats()["requests"] - asked == 3  # the failed ones, once each; kept ones not again
+    fleet.assert_exactly_once(redis_client, "R", 20)
+
+
+def test_max_prompts_caps_what_is_asked_and_kept(fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator("--latency-median-ms", "10")
+    data = write_jsonl(fleet.tmp / "c.jsonl", prompts(50, "c"))
+    config = fleet.write_config([{"name": "C", "path": data, "length": "short", "budget_tokens": 10_000_000,
+                                  "max_prompts": 20}])
+    fleet.start_worker("w1", concurrency=10)
+    fleet.run_producer(config)
+    rows = fleet.assert_exactly_once(redis_client, "C", 20)
+    assert sorted(r["id"] for r in rows) == [f"c{i:05d}" for i in range(20)]  # the first 20 of the file
+    summary = read_summary(fleet.out, "C")
+    assert (summary["prompts"], summary["results"], summary["skipped"], summary["end_reason"]) == (
+        20, 20, 0, "complete")
+    assert fleet.sim_stats()["requests"] == 20
+
+
+def test_top_up_rounds_fill_the_room_a_budget_stop_left(fleet: Fleet, redis_client: redis.Redis) -> None:
+    """Projected rule: the stop projects in-flight work conservatively, so what lands leaves room
+    (≈ 1.5% here); top-up rounds refill it until less than one mean-sized row of room is left."""
+    fleet.start_simulator("--latency-median-ms", "50")
+    budget = 60_000
+    config = fleet.one_dataset("T", 1000, budget_tokens=budget)
+    config.write_text(config.read_text() + '\n[run]\nbudget_mode = "projected"\n')  # top-ups are its rule's
+    fleet.start_worker("w1", concurrency=40)
+    fleet.start_worker("w2", concurrency=40)
+    fleet.run_producer(config)
+    s = read_summary(fleet.out, "T")
+    rows = fleet.assert_exactly_once(redis_client, "T")
+    mean = s["tokens"] / len(rows)
+    print(f"T kept {s['tokens']} of {budget} ({s['tokens'] / budget:.1%}) in {len(rows)} rows, mean {mean:.0f}, "
+          f"{s['rows_at_first_stop']} rows at the first stop, top-ups {s['top_ups']}")
+    assert s["end_reason"] == "budget" and 1 <= s["top_ups"] <= 3
+    assert s["results"] > s["rows_at_first_stop"]
+    # Filled: less than one mean row of room left (or the last round overshot a little).
+    assert budget - mean < s["tokens"] <= budget + 0.02 * budget, s
+    assert "top-up round 1" in fleet.log("producer")

@@ -8,6 +8,7 @@ model) without failing a prompt, limits checked before any request, the prompt r
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,10 +30,12 @@ from common.errors import (
 )
 from common.settings import Settings
 from common.stats import DatasetStats
+from common.throttle import DEFAULT_MIN_LIMIT, FleetThrottle
 from producer.state import read_state
 from simulator.run import SimHandle, start_in_thread
 from simulator.settings import Settings as SimSettings
 from tests.fleet import DEMO_TOKENIZER
+from workers import gate
 from workers.context import WorkerContext
 from workers.generate import generate
 from workers.openrouter import OpenRouterClient
@@ -47,9 +50,11 @@ MAX_ATTEMPTS = 3
 USER = [{"role": "user", "content": "What is two and two?"}]
 
 
-def _config(*, max_prompt_tokens: int | None = None, context_length: int | None = None) -> RunConfig:
+def _config(*, max_prompt_tokens: int | None = None, context_length: int | None = None,
+            request: dict[str, Any] | None = None) -> RunConfig:
     return RunConfig.model_validate({
         "model": {"name": MODEL, "tokenizer": str(DEMO_TOKENIZER), "context_length": context_length},
+        "request": request or {},
         "lengths": {"short": {"max_tokens": MAX_TOKENS, "timeout_s": 5, "max_prompt_tokens": max_prompt_tokens}},
         "retry": {"max_attempts": MAX_ATTEMPTS, "backoff_base_s": 0.01, "backoff_max_s": 0.02},
         "datasets": [{"name": DS, "path": "/data/secret-place/d.jsonl"}],
@@ -92,7 +97,7 @@ def world(redis_server: ValkeyServer, redis_client: redis.Redis) -> World:
 
 @pytest.fixture
 def sim() -> Iterator[SimHandle]:
-    with start_in_thread(SimSettings(tokenizer=str(DEMO_TOKENIZER), latency_median_ms=1, error_latency_ms=1,
+    with start_in_thread(SimSettings(port=0, tokenizer=str(DEMO_TOKENIZER), latency_median_ms=1, error_latency_ms=1,
                                      retry_after_s=None)) as handle:
         yield handle
 
@@ -164,6 +169,81 @@ def test_a_fatal_answer_fails_the_prompt_without_a_retry(world: World) -> None:
     assert generate(ctx, world.payload()) == "failed"
     assert len(fake.requests) == 1
     assert world.failures()["p1"]["reason"] == "upstream_fatal"
+
+
+# --- the fleet-wide throttle --------------------------------------------------------------------
+
+
+def test_every_attempt_holds_a_fleet_slot_and_gives_it_back_with_its_outcome(world: World) -> None:
+    throttle = FleetThrottle(world.client)
+    seen_in_flight: list[int] = []
+
+    def handler(request: Request) -> Answer:
+        seen_in_flight.append(throttle.snapshot().in_flight)
+        return replies(request)
+
+    replies = _scripted(RetryableUpstreamError("http_429", "slow down", status=429, retry_after_s=0.05),
+                        RetryableUpstreamError("error200_503", "overloaded", status=200, code=503),
+                        text_answer("Four."))
+    ctx = world.start(FakeUpstream(handler))
+    assert generate(ctx, world.payload()) == "kept"
+    assert seen_in_flight == [1, 1, 1]  # each attempt inside a slot
+    snap = throttle.snapshot()
+    assert (snap.in_flight, snap.throttled, snap.ok) == (0, 2, 1)  # a 429 and a 200 carrying a 503
+    assert snap.limit == DEFAULT_MIN_LIMIT  # cut from 1 in flight: the floor
+
+
+def test_the_throttle_reads_429_and_503_however_they_came_and_nothing_else() -> None:
+    assert gate.outcome_of(None) == ("ok", None)
+    assert gate.outcome_of(RetryableUpstreamError("http_429", "x", status=429, retry_after_s=2)) == ("throttled", 2)
+    assert gate.outcome_of(RetryableUpstreamError("http_503", "x", status=503)) == ("throttled", None)
+    assert gate.outcome_of(RetryableUpstreamError("error200_429", "x", status=200, code=429)) == ("throttled", None)
+    assert gate.outcome_of(RetryableUpstreamError("error200_502", "x", status=200, code=502)) == ("other", None)
+    assert gate.outcome_of(RetryableUpstreamError("timeout", "x")) == ("other", None)
+    assert gate.outcome_of(FatalUpstreamError("http_400", "x", status=400)) == ("other", None)
+    assert gate.outcome_of(gevent.GreenletExit()) == ("other", None)
+
+
+def test_a_429_over_http_cuts_the_fleet_limit_and_pauses_every_worker(world: World, sim: SimHandle) -> None:
+    sim.configure(capacity_in_flight=0, capacity_retry_after_s=30)  # every request: 429, Retry-After 30
+    ctx = world.start(OpenRouterClient(sim.url, "sk-or-v1-test", pool_size=4, app_url="u", app_title="t"))
+    throttle = FleetThrottle(world.client)
+    worker = gevent.spawn(generate, ctx, world.payload())
+    deadline = time.monotonic() + 10
+    while throttle.snapshot().pause_ms_left == 0:
+        assert time.monotonic() < deadline and not worker.dead
+        gevent.sleep(0.01)
+    snap = throttle.snapshot()
+    assert 28_000 < snap.pause_ms_left <= 30_000  # the server's Retry-After, for the whole fleet
+    assert (snap.throttled, snap.in_flight, snap.limit) == (1, 0, DEFAULT_MIN_LIMIT)
+    other = throttle.acquire("another-worker", ttl_ms=1000)
+    assert not other.ok and other.why == "pause"
+    worker.kill()
+
+
+def test_a_stopped_dataset_gives_up_while_queued_for_a_slot(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gate, "KEEPALIVE_EVERY_S", 0.2)
+    fake = FakeUpstream(_scripted(text_answer("Four.")))
+    ctx = world.start(fake, request={"max_in_flight": 1})
+    assert FleetThrottle(world.client).acquire("held-elsewhere", ttl_ms=60_000,
+                                               limits=ctx.run(world.config_id).throttle).ok
+    worker = gevent.spawn(generate, ctx, world.payload())
+    gevent.sleep(0.5)  # queued at the cap; its keepalive renews the lease meanwhile
+    assert not worker.dead and read_state(world.client, DS).in_flight == 1
+    world.budget.close()
+    assert worker.get(timeout=5) == "skipped:stopped"
+    assert fake.requests == [] and read_state(world.client, DS).in_flight == 0
+    assert FleetThrottle(world.client).snapshot().in_flight == 1  # the one held elsewhere, no leak
+
+
+def test_a_redis_error_in_release_does_not_lose_a_paid_answer(world: World) -> None:
+    def handler(request: Request) -> Answer:
+        world.client.set(keys.THROTTLE, "not a hash")  # the release's script will fail (WRONGTYPE)
+        return text_answer("Four.")
+
+    ctx = world.start(FakeUpstream(handler))
+    assert generate(ctx, world.payload()) == "kept"
+    assert len(world.rows()) == 1
 
 
 # --- halting ------------------------------------------------------------------------------------
@@ -301,3 +381,13 @@ def test_the_worker_view_is_typed_and_carries_no_paths() -> None:
     renamed["lengths"]["short"]["timeout"] = renamed["lengths"]["short"].pop("timeout_s")
     with pytest.raises(ValueError, match="timeout"):
         WorkerView.model_validate_json(json.dumps(renamed))
+
+
+def test_the_throttle_caps_reach_workers_and_never_the_request_body() -> None:
+    cfg = _config(request={"temperature": 0.6, "max_in_flight": 300, "max_requests_per_s": 50})
+    assert cfg.request.body() == {"temperature": 0.6}  # what OpenRouter is sent
+    view = WorkerView.model_validate_json(cfg.worker_view().model_dump_json())
+    assert (view.throttle.max_in_flight, view.throttle.max_requests_per_s) == (300, 50)
+    assert "max_in_flight" not in view.request
+    with pytest.raises(ValueError, match="max_in_flight"):
+        _config(request={"max_in_flight": 0})

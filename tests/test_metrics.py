@@ -16,7 +16,9 @@ from redis.retry import Retry
 
 from common import contract, stats
 from common.budget import Ask, Budget, open_run
+from common.config import ThrottleLimits
 from common.keys import CURRENT_RUN, DatasetKeys
+from common.throttle import FleetThrottle
 from producer.metrics import SpecfleetCollector, make_registry, run_datasets, start_metrics_server
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -129,6 +131,24 @@ def test_scrape_reports_every_dataset_series(midrun: redis.Redis) -> None:
     assert m[("specfleet_dataset_active", long_)] == 0
     # One scrape is no rate yet.
     assert ("specfleet_kept_tokens_per_second", short) not in m
+
+
+def test_scrape_reports_the_fleet_throttle(midrun: redis.Redis) -> None:
+    """The throttle as the workers leave it: 6 in flight, 3 answered, 1 answered 429 (which cut the
+    limit to 0.9 x the 6 in flight it did not refuse and paused the fleet), and the run's cap of 20."""
+    throttle = FleetThrottle(midrun, beta=0.9)
+    throttle.reset(ThrottleLimits(max_in_flight=20))
+    for i in range(10):
+        assert throttle.acquire(f"s{i}", ttl_ms=60_000).ok
+    for i in range(3):
+        throttle.release(f"s{i}", "ok")
+    throttle.release("s3", "throttled", retry_after_s=30)
+    m = _parse(generate_latest(make_registry(midrun)).decode())
+    assert m[("specfleet_throttle_limit", ())] == 5
+    assert m[("specfleet_throttle_in_flight", ())] == 6
+    assert 29 < m[("specfleet_throttle_paused_seconds", ())] <= 30
+    assert m[("specfleet_upstream_throttled_total", ())] == 1
+    assert m[("specfleet_upstream_ok_total", ())] == 3
 
 
 def test_rate_comes_from_successive_scrapes(midrun: redis.Redis) -> None:

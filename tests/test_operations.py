@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import time
+from typing import Any
 
 import pytest
 import redis
@@ -83,18 +87,74 @@ def test_a_worker_refuses_a_tokenizer_that_fails_the_round_trip_before_any_reque
     producer.wait(timeout=30)
 
 
-def test_a_refused_account_halts_the_fleet_without_failing_prompts(fleet: Fleet, redis_client: redis.Redis) -> None:
-    fleet.start_simulator("--latency-median-ms", "20", "--expect-key", "sk-or-v1-the-right-key-000000")
-    config = fleet.one_dataset("H", 80)
+def _halts_then_resumes(fleet: Fleet, redis_client: redis.Redis, status: int, fix: dict[str, Any]) -> None:
+    """A refused account halts the fleet: the producer exits 3 naming the reason, the halt key says
+    why, no prompt is marked failed, and no request is sent after the halt. Fixed, the same
+    command resumes.
+
+    The budget admits two requests at a time (prior 1,024 tokens, budget 3,000), so the rest of
+    the worker's greenlets are parked in admission, re-asking the budget script every ~1 s: once
+    the two come back refused, every one of them must end "halted" there, not send a request (the
+    producer dropping the queue cannot stop tasks the worker already holds)."""
+    config = fleet.one_dataset("H", 80, budget_tokens=3_000)
     fleet.start_worker("w1", concurrency=10)
     producer = fleet.start_producer(config, name="producer1")
     assert producer.wait(timeout=120) == 3, fleet.all_logs()
-    assert "OpenRouter refused the account (http_401" in fleet.log("producer1")
+    assert f"OpenRouter refused the account (http_{status}" in fleet.log("producer1")
+    halt = json.loads(redis_client.get("specfleet:halt") or b"{}")
+    assert halt.get("reason") == f"http_{status}" and halt.get("worker"), halt
+    deadline = time.monotonic() + 10  # the parked greenlets re-ask within ~1.5 s, then end
+    while redis_client.hlen("specfleet:ds:H:leases") or "halted" not in fleet.log("w1"):
+        assert time.monotonic() < deadline, fleet.all_logs()
+        time.sleep(0.2)
+    time.sleep(2)
     asked = fleet.sim_stats()["requests"]
-    assert asked <= 15  # the in-flight handful, not 80 prompts each failing on its own
+    assert asked == 2, f"{asked} requests: only the two admitted before the first {status} may be sent"
     assert redis_client.hlen("specfleet:ds:H:failed") == 0
-    # The user fixes the key; the same command resumes and finishes everything.
-    fleet.sim_config(expect_key=None)
+    assert redis_client.scard("specfleet:ds:H:done") == 0
+    # The user fixes the key or the credits; the same command resumes (to its budget stop).
+    fleet.sim_config(**fix)
     fleet.run_producer(config, name="producer2")
-    fleet.assert_exactly_once(redis_client, "H", 80)
-    assert read_summary(fleet.out, "H")["failed"] == 0
+    assert not redis_client.exists("specfleet:halt")
+    summary = read_summary(fleet.out, "H")
+    assert (summary["end_reason"], summary["failed"]) == ("budget", 0), summary
+    assert len(fleet.assert_exactly_once(redis_client, "H")) == summary["results"] > 0
+
+
+def test_a_refused_account_halts_the_fleet_without_failing_prompts(fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator("--latency-median-ms", "20", "--expect-key", "sk-or-v1-the-right-key-000000")
+    _halts_then_resumes(fleet, redis_client, 401, {"expect_key": None})
+
+
+def test_out_of_credits_halts_the_fleet_without_failing_prompts(fleet: Fleet, redis_client: redis.Redis) -> None:
+    """402 without Retry-After is "no credits": the account's fault, like 401, not the prompt's."""
+    fleet.start_simulator("--latency-median-ms", "20")
+    fleet.sim_config(rates={"402": 1.0})
+    _halts_then_resumes(fleet, redis_client, 402, {"rates": {"402": 0}})
+
+
+def test_a_second_producer_on_the_same_redis_is_refused(fleet: Fleet, redis_client: redis.Redis) -> None:
+    fleet.start_simulator("--latency-median-ms", "10")
+    config = fleet.one_dataset("O", 30)
+    first = fleet.start_producer(config, name="producer1")  # no worker: it waits with its queue full
+    deadline = time.monotonic() + 30
+    while redis_client.llen("specfleet.q.O") < 30:
+        assert first.poll() is None and time.monotonic() < deadline, fleet.all_logs()
+        time.sleep(0.1)
+    owner = (redis_client.get("specfleet:producer:lock") or b"").decode()
+    assert owner.endswith(f":{first.pid}"), owner
+    second = fleet.start_producer(config, name="producer2")
+    try:
+        code = second.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        second.kill()
+        pytest.fail("a second producer ran against a Redis another producer holds")
+    assert code == 2, fleet.log("producer2")
+    assert f"another producer ({owner}) is running against this Redis" in fleet.log("producer2")
+    # The first run is untouched: still running, still the owner, its queue as it was.
+    assert first.poll() is None
+    assert (redis_client.get("specfleet:producer:lock") or b"").decode() == owner
+    assert redis_client.llen("specfleet.q.O") == 30
+    fleet.start_worker("w1", concurrency=10)
+    assert first.wait(timeout=120) == 0, fleet.all_logs()
+    fleet.assert_exactly_once(redis_client, "O", 30)

@@ -138,3 +138,26 @@ def test_eta_and_formatting() -> None:
     assert fmt_duration(3 * 3600 + 120) == "3h02m"
     assert fmt_tokens(999) == "999"
     assert fmt_tokens(12_345_678) == "12.35M"
+
+
+def test_the_fleet_throttle_shows_in_plain_lines_and_live_bars() -> None:
+    from common.throttle import ThrottleSnapshot
+
+    throttled = ThrottleSnapshot(limit=271.6, in_flight=268, pause_ms_left=800, ok=3_960, throttled=40)
+    out = io.StringIO()
+    view = ProgressView(["short"], live=False, stream=out)
+    view.update([_state(t=0)], throttled)
+    view.update([_state(t=1, kept_tokens=10)], throttled)  # not due: no second throttle line either
+    lines = _lines(out)
+    assert len(lines) == 2
+    assert re.search(r"throttle limit=272 in_flight=268 throttled_share=1\.0% answers=4000 paused_ms=800$",
+                     lines[1])
+
+    out = io.StringIO()
+    view = ProgressView(["short"], live=True, stream=out)
+    view.update([_state(t=0)], ThrottleSnapshot(limit=None, in_flight=12, pause_ms_left=0, ok=5, throttled=0))
+    view.update([_state(t=1)], throttled)
+    view.close()
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    final = text[text.rfind("upstream") :]
+    assert "in flight 268/272" in final and "429s 1.0%" in final and "paused 0.8s" in final

@@ -125,7 +125,9 @@ def test_a_worker_spools_what_it_cannot_settle_and_replays_it_exactly_once(
     fleet.start_worker("w1", concurrency=20, SPECFLEET_SPOOL_DIR=str(spool))
     producer = fleet.start_producer(config)
     client = _client(valkey)
-    _wait(lambda: client.hlen("specfleet:ds:S:leases") == 20, 30, "20 requests in flight", fleet)
+    # At the upstream, not just leased: a request still queued for its throttle slot when Redis
+    # goes is (rightly) never sent.
+    _wait(lambda: fleet.sim_stats()["in_flight"] == 20, 30, "20 requests in flight", fleet)
     valkey.kill()
     # Answers land ~2.5 s later; each settle waits while its lease lives (10 s slack), then spools.
     _wait(lambda: len(list(spool.glob("*.spool"))) == 20, 40, "20 spooled answers", fleet)
@@ -187,7 +189,9 @@ def test_a_worker_killed_with_a_full_spool_is_replaced_by_one_that_replays_it_on
     first = fleet.start_worker("first", concurrency=12, SPECFLEET_SPOOL_DIR=str(spool))
     producer = fleet.start_producer(config)
     client = _client(valkey)
-    _wait(lambda: client.hlen("specfleet:ds:K:leases") == 12, 30, "12 requests in flight", fleet)
+    # At the upstream, not just leased: a request still queued for its throttle slot when Redis
+    # goes is (rightly) never sent.
+    _wait(lambda: fleet.sim_stats()["in_flight"] == 12, 30, "12 requests in flight", fleet)
     valkey.kill()
     _wait(lambda: len(list(spool.glob("*.spool"))) == 12, 40, "12 spooled answers", fleet)
     first.send_signal(signal.SIGKILL)

@@ -155,3 +155,16 @@ def test_smoothed_rate() -> None:
     assert rates[0] == 0.0
     assert rates[1:4] == [100.0, 100.0, 100.0]
     assert rates[4] == 0.0  # a stall shows as zero, not as the old rate
+
+
+def test_report_shows_the_fleet_throttle(tmp_path: Path) -> None:
+    summaries = [
+        _summary(throttle={"limit": 271.4, "ok": 3_960, "throttled": 40, "throttled_share": 0.01}),
+        _summary(dataset="long", throttle={"limit": None, "ok": 10, "throttled": 0, "throttled_share": 0.0}),
+        _summary(dataset="old"),  # a summary written before the throttle existed
+    ]
+    md = write_report(tmp_path, summaries, {}).read_text()
+    assert "## Upstream throttle (whole fleet)" in md
+    assert "- **short**: in-flight limit 271 · 429s 1.00% (40 of 4,000 upstream answers)" in md
+    assert "- **long**: in-flight limit unbounded (no 429 yet, no cap) · 429s 0.00% (0 of 10" in md
+    assert "**old**: in-flight" not in md

@@ -7,97 +7,144 @@ import time
 import pytest
 import redis
 
-from common.throttle import FleetThrottle
+from common.config import ThrottleLimits
+from common.throttle import DEFAULT_BETA, FleetThrottle
 
 TTL_MS = 60_000
 
 
-def _fill(t: FleetThrottle, n: int, prefix: str = "s") -> list[str]:
+def _fill(t: FleetThrottle, n: int, prefix: str = "s", limits: ThrottleLimits | None = None) -> list[str]:
     slots = []
     for i in range(n):
-        assert t.acquire(f"{prefix}{i}", ttl_ms=TTL_MS).ok
+        assert t.acquire(f"{prefix}{i}", ttl_ms=TTL_MS, limits=limits or ThrottleLimits()).ok
         slots.append(f"{prefix}{i}")
     return slots
 
 
 def test_a_fixed_cap_holds_across_callers_and_a_release_frees_a_slot(redis_client: redis.Redis) -> None:
-    a, b = FleetThrottle(redis_client, max_in_flight=5), FleetThrottle(redis_client, max_in_flight=5)
-    _fill(a, 3, "a")
-    _fill(b, 2, "b")
-    refused = a.acquire("a9", ttl_ms=TTL_MS)
+    cap = ThrottleLimits(max_in_flight=5)
+    a, b = FleetThrottle(redis_client), FleetThrottle(redis_client)
+    _fill(a, 3, "a", cap)
+    _fill(b, 2, "b", cap)
+    refused = a.acquire("a9", ttl_ms=TTL_MS, limits=cap)
     assert not refused.ok and refused.why == "limit"
-    b.release("b0", "other")
-    assert a.acquire("a9", ttl_ms=TTL_MS).ok
+    b.release("b0", "other", limits=cap)
+    assert a.acquire("a9", ttl_ms=TTL_MS, limits=cap).ok
     assert a.snapshot().in_flight == 5
 
 
-def test_the_rate_bucket_lets_a_second_of_requests_through_then_spaces_them(redis_client: redis.Redis) -> None:
-    t = FleetThrottle(redis_client, max_requests_per_s=10)
-    for i in range(10):
-        assert t.acquire(f"r{i}", ttl_ms=TTL_MS).ok
-    refused = t.acquire("r10", ttl_ms=TTL_MS)
-    assert not refused.ok and refused.why == "rate" and 1 <= refused.wait_ms <= 100
-    time.sleep(0.12)
-    assert t.acquire("r10", ttl_ms=TTL_MS).ok
+def test_the_rate_cap_spaces_requests_so_no_second_holds_more_than_the_cap(redis_client: redis.Redis) -> None:
+    t, rate = FleetThrottle(redis_client), ThrottleLimits(max_requests_per_s=10)
+    assert t.acquire("r0", ttl_ms=TTL_MS, limits=rate).ok
+    refused = t.acquire("r1", ttl_ms=TTL_MS, limits=rate)
+    assert not refused.ok and refused.why == "rate" and 90 <= refused.wait_ms <= 100
+    granted, start = 1, time.monotonic()
+    while time.monotonic() - start < 1.0:  # a second of asking as fast as possible
+        granted += t.acquire_many([f"m{granted}-{i}" for i in range(5)], ttl_ms=TTL_MS, limits=rate).granted
+    assert 10 <= granted <= 11
 
 
 def test_a_429_cuts_the_limit_once_per_congestion_event_and_pauses_the_fleet(redis_client: redis.Redis) -> None:
-    t = FleetThrottle(redis_client, cut_gap_ms=300)
+    t = FleetThrottle(redis_client, cut_gap_ms=300, beta=0.9)
     slots = _fill(t, 100)  # no cap configured: unbounded until the first 429
     assert t.snapshot().limit is None
     t.release(slots[0], "throttled", retry_after_s=0.4)
-    assert t.snapshot().limit == 90  # 0.9 x the 100 that were in flight
-    t.release(slots[1], "throttled")  # the same event: no second cut
-    assert t.snapshot().limit == 90
+    assert t.snapshot().limit == 89  # 0.9 x the 99 of the 100 in flight the provider did not refuse
+    t.release(slots[1], "throttled")  # the same event: one more refused, not a second 10% cut
+    assert t.snapshot().limit == 88
     paused = t.acquire("new", ttl_ms=TTL_MS)
     assert not paused.ok and paused.why == "pause" and 300 <= paused.wait_ms <= 400
     time.sleep(0.45)
-    t.release(slots[2], "throttled")  # a later event cuts again, from the limit
-    assert t.snapshot().limit == 81
+    t.release(slots[2], "throttled")  # a later event cuts again, from the limit: 0.9 x 88
+    assert t.snapshot().limit == 79
     snap = t.snapshot()
     assert (snap.throttled, snap.ok) == (3, 0) and snap.throttled_share == 1.0
 
 
+def test_a_burst_far_over_the_capacity_lands_near_it_in_one_event(redis_client: redis.Redis) -> None:
+    """1,500 requests start at once against a provider that serves 300: the 1,200 it refuses are
+    one congestion event, and the limit lands at beta x 300, not at beta x 1,500 (which would take
+    dozens of events of hundreds of 429s each to come down)."""
+    t = FleetThrottle(redis_client, cut_gap_ms=60_000)
+    slots = _fill(t, 1500)
+    for s in slots[300:]:
+        t.release(s, "throttled", retry_after_s=1)
+    assert t.snapshot().limit == int(DEFAULT_BETA * 300)
+    assert t.snapshot().in_flight == 300
+
+
 def test_successes_at_the_limit_grow_it_by_one_per_round_trip_up_to_the_cap(redis_client: redis.Redis) -> None:
-    t = FleetThrottle(redis_client, max_in_flight=12, cut_gap_ms=0)
-    slots = _fill(t, 10)
-    t.release(slots[0], "throttled")  # 0.9 x 10 -> 9
+    t, cap = FleetThrottle(redis_client, cut_gap_ms=0, beta=0.9), ThrottleLimits(max_in_flight=12)
+    slots = _fill(t, 11, limits=cap)
+    t.release(slots[0], "throttled", limits=cap)  # 0.9 x the 10 not refused -> 9
     assert t.snapshot().limit == 9
-    for i in range(1, 10):  # 9 answers at the limit: +1/9 each, one round trip's worth
-        t.release(slots[i], "ok")
-        assert t.acquire(f"again{i}", ttl_ms=TTL_MS).ok
+    held = slots[1:]
+    for s in held[:2]:  # 10 in flight over the limit of 9: drain to it (answers at the limit grow it)
+        t.release(s, "ok", limits=cap)
+    held = held[2:]
+    grown = t.snapshot().limit
+    assert grown is not None and 9.2 < grown < 9.3  # 9 + 1/9 + 1/9.1
+    for i in range(9):  # a round trip at the limit: 9 answers, each slot taken again at once
+        t.release(held.pop(0), "ok", limits=cap)
+        assert t.acquire(f"again{i}", ttl_ms=TTL_MS, limits=cap).ok
+        held.append(f"again{i}")
     limit = t.snapshot().limit
-    assert limit is not None and 9.9 < limit < 10.1
-    held = [f"again{i}" for i in range(1, 10)]
+    assert limit is not None and 9.95 < limit < 10.15  # about one more per round trip
     for i in range(300):  # a busy fleet: every freed slot is taken again at once
-        if t.acquire(f"busy{i}", ttl_ms=TTL_MS).ok:
+        if t.acquire(f"busy{i}", ttl_ms=TTL_MS, limits=cap).ok:
             held.append(f"busy{i}")
         else:
-            t.release(held.pop(0), "ok")
+            t.release(held.pop(0), "ok", limits=cap)
     assert t.snapshot().limit == 12  # grew, and never past the configured cap
     assert t.snapshot().in_flight <= 12
 
 
 def test_an_idle_fleet_does_not_grow_its_limit(redis_client: redis.Redis) -> None:
-    t = FleetThrottle(redis_client, cut_gap_ms=0)
-    slots = _fill(t, 20)
-    t.release(slots[0], "throttled")  # limit 18
-    for s in slots[1:4]:
-        t.release(s, "ok")  # still at the limit (19, 18, 17 in flight): these grow it
+    t = FleetThrottle(redis_client, cut_gap_ms=0, beta=0.9)
+    slots = _fill(t, 21)
+    t.release(slots[0], "throttled")  # limit 0.9 x 20 = 18
+    for s in slots[1:5]:
+        t.release(s, "ok")  # still at the limit (20 … 17 in flight): these grow it
     at_limit = t.snapshot().limit
-    assert at_limit is not None and 18 < at_limit < 18.2
-    for s in slots[4:15]:
+    assert at_limit is not None and 18.1 < at_limit < 18.3
+    for s in slots[5:16]:
         t.release(s, "ok")  # in flight falls far below the limit: no growth
     assert t.snapshot().limit == at_limit
 
 
-def test_a_dead_workers_slots_expire(redis_client: redis.Redis) -> None:
-    t = FleetThrottle(redis_client, max_in_flight=2)
-    assert t.acquire("dead1", ttl_ms=100).ok and t.acquire("dead2", ttl_ms=100).ok
-    assert not t.acquire("live", ttl_ms=TTL_MS).ok
+def test_a_busy_fleet_a_few_short_of_a_large_limit_still_grows_it(redis_client: redis.Redis) -> None:
+    """Slots freed in one process are refilled by another only after its next poll: a busy fleet
+    of 300 sits a few under its limit, and its answers must still grow it."""
+    t = FleetThrottle(redis_client, cut_gap_ms=0, beta=0.9)
+    slots = _fill(t, 301)
+    t.release(slots.pop(), "throttled")  # 0.9 x 300 = 270
+    for s in slots[:35]:
+        t.release(s, "ok")  # 300 … 266 in flight: growth while at least 97% of 270 (261.9)
+    limit = t.snapshot().limit
+    assert limit is not None and 270 + 34 / 271 < limit < 270 + 36 / 270
+
+
+def test_a_dead_workers_slots_expire_and_their_late_answers_count_for_nothing(redis_client: redis.Redis) -> None:
+    t, cap = FleetThrottle(redis_client), ThrottleLimits(max_in_flight=2)
+    assert t.acquire("dead1", ttl_ms=100, limits=cap).ok and t.acquire("dead2", ttl_ms=100, limits=cap).ok
+    assert not t.acquire("live", ttl_ms=TTL_MS, limits=cap).ok
     time.sleep(0.15)
-    assert t.acquire("live", ttl_ms=TTL_MS).ok
+    assert t.acquire("live", ttl_ms=TTL_MS, limits=cap).ok
     assert t.snapshot().in_flight == 1
+    t.release("dead1", "throttled", limits=cap)  # expired: neither counted nor cutting
+    snap = t.snapshot()
+    assert (snap.throttled, snap.limit, snap.in_flight) == (0, None, 1)
+
+
+def test_reset_forgets_the_limit_and_counters_but_not_the_requests_in_flight(redis_client: redis.Redis) -> None:
+    t = FleetThrottle(redis_client)
+    slots = _fill(t, 10)
+    t.release(slots[0], "throttled", retry_after_s=5)
+    t.reset()
+    snap = t.snapshot()
+    assert (snap.limit, snap.throttled, snap.pause_ms_left, snap.in_flight) == (None, 0, 0, 9)
+    t.reset(ThrottleLimits(max_in_flight=50))  # the run's cap, for readers that have no config
+    assert t.snapshot().limit == 50
 
 
 def test_gates_of_two_processes_never_exceed_the_fleet_limit(redis_client: redis.Redis) -> None:
@@ -105,17 +152,17 @@ def test_gates_of_two_processes_never_exceed_the_fleet_limit(redis_client: redis
     from workers.gate import Gate
 
     limit = 6
-    gates = [Gate(FleetThrottle(redis_client, max_in_flight=limit)) for _ in range(2)]
+    cap = ThrottleLimits(max_in_flight=limit)
+    gates = [Gate(FleetThrottle(redis_client)) for _ in range(2)]
     in_flight, peak, done = 0, 0, 0
 
     def request(gate: Gate) -> None:
         nonlocal in_flight, peak, done
-        slot = gate.acquire(ttl_ms=TTL_MS)
-        in_flight += 1
-        peak = max(peak, in_flight)
-        gevent.sleep(0.01)
-        in_flight -= 1
-        gate.release(slot, "ok")
+        with gate.slot(ttl_ms=TTL_MS, limits=cap):
+            in_flight += 1
+            peak = max(peak, in_flight)
+            gevent.sleep(0.01)
+            in_flight -= 1
         done += 1
 
     jobs = [gevent.spawn(request, gates[i % 2]) for i in range(60)]

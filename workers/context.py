@@ -16,12 +16,33 @@ from common.config import WorkerView
 from common.errors import ConfigError, TokenizerError
 from common.redis_client import UNREACHABLE, WindowRetry
 from common.settings import Settings
+from common.throttle import FleetThrottle
+from workers.gate import Gate
 from workers.openrouter import OpenRouterClient
 from workers.target import TargetTokenizer
 from workers.upstream import Upstream
 from workers.vllm import EngineClient, EngineKind
 
 log = logging.getLogger(__name__)
+
+#: Connections of the throttle's gate: one pump call and the releases at a time, each a short script.
+GATE_CONNECTIONS = 16
+
+
+def _client(settings: Settings, *, max_connections: int) -> redis.Redis:
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.require_redis_url(),
+        max_connections=max_connections,
+        timeout=30,
+        socket_timeout=30,
+        socket_connect_timeout=10,
+        health_check_interval=25,
+        # Redis restarting must not cost a paid answer: commands wait for it (a settle only
+        # while its lease lives, then it is spooled: workers/spool.py).
+        retry=WindowRetry(settings.redis_retry_window_s),
+        retry_on_error=list(UNREACHABLE),
+    )
+    return redis.Redis(connection_pool=pool)
 
 
 class WorkerContext:
@@ -38,19 +59,14 @@ class WorkerContext:
     @cached_property
     def redis(self) -> redis.Redis:
         # Bounded: an unbounded pool under 1,000 greenlets opens 1,000 sockets to Redis.
-        pool = redis.BlockingConnectionPool.from_url(
-            self.settings.require_redis_url(),
-            max_connections=max(20, self.settings.worker_concurrency // 4),
-            timeout=30,
-            socket_timeout=30,
-            socket_connect_timeout=10,
-            health_check_interval=25,
-            # Redis restarting must not cost a paid answer: commands wait for it (a settle only
-            # while its lease lives, then it is spooled: workers/spool.py).
-            retry=WindowRetry(self.settings.redis_retry_window_s),
-            retry_on_error=list(UNREACHABLE),
-        )
-        return redis.Redis(connection_pool=pool)
+        return _client(self.settings, max_connections=max(20, self.settings.worker_concurrency // 4))
+
+    @cached_property
+    def gate(self) -> Gate:
+        """The process's door to the fleet-wide throttle: every upstream attempt passes it."""
+        # Its own few connections: budget calls hold theirs through a WAITAOF (up to a second of
+        # fsync), and a pump or a release queued behind them leaves fleet slots idle.
+        return Gate(FleetThrottle(_client(self.settings, max_connections=GATE_CONNECTIONS)))
 
     @property
     def client(self) -> Upstream:

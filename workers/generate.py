@@ -6,9 +6,10 @@
 - **reserve**: ask the budget (``common/budget.py``) for admission with the request's worst case
   (``max_tokens``, and its dollars from the model's price and the prompt's tokens); parked while
   the budget is committed to requests that may land smaller.
-- **call**: one ``Upstream.complete`` per attempt; after a failed one ``workers/retry.py`` decides
-  (retry after a backoff, fail the prompt, halt the fleet); the lease is renewed before a retry,
-  so a stopped dataset makes no further calls.
+- **call**: one ``Upstream.complete`` per attempt, each inside a slot of the fleet-wide throttle
+  (``workers/gate.py``); after a failed one ``workers/retry.py`` decides (retry after a backoff,
+  fail the prompt, halt the fleet); the lease is renewed before a retry and while waiting for a
+  slot, so a stopped dataset makes no further calls.
 - **rebuild**: the answer as token-exact ids, self-checked (``workers/rebuild.py``).
 - **settle**: count the row and hand it to the collector, exactly once; the answer's cost is
   counted whatever becomes of the row (money spent is spent). While Redis is away, settle (and
@@ -29,13 +30,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import gevent
 import msgpack
 import redis
 
-from common.budget import POLICY, Budget, Price, Reservation
+from common.budget import POLICY, Budget, Price, Reservation, TurnKeep
 from common.config import LengthClass, WorkerView
 from common.contract import (
     CONTRACT_VERSION,
@@ -55,7 +56,7 @@ from workers.rebuild import Prompt, RebuiltRow, rebuild, render_prompt
 from workers.retry import RetryPolicy
 from workers.spool import USAGE_WAIT_S, fail_or_spool, settle_or_spool
 from workers.target import TargetTokenizer
-from workers.upstream import Answer, Request
+from workers.upstream import Answer, Request, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,13 @@ class Prepared:
     def prompt_tokens(self) -> int:
         """Prompt ids counted with the target tokenizer (what a dollar reserve can price)."""
         return len(self.prompt.ids)
+
+
+class TurnHook(Protocol):
+    """A conversation's turn (``workers/conversation.py``, regenerate = "all"): the payload's id is
+    the row key; ``finish`` completes the row and says what is kept with it."""
+
+    def finish(self, row: ResultRow, rebuilt: RebuiltRow, answer: Answer) -> TurnKeep: ...
 
 
 class _Job:
@@ -131,8 +139,9 @@ class _Failed(Exception):
         self.reason, self.detail = reason, detail
 
 
-def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
-    """Run one prompt; returns the outcome word (kept, failed, duplicate, skipped:…, done, halted) or Busy."""
+def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = None) -> str | Busy:
+    """Run one prompt (or, with ``turn``, one turn of a conversation); returns the outcome word
+    (kept, failed, duplicate, skipped:…, done, halted) or Busy."""
     if payload.get("v") != CONTRACT_VERSION:
         raise ValueError(f"task contract version {payload.get('v')!r}, this worker speaks {CONTRACT_VERSION}")
     job = _Job(ctx, payload)
@@ -168,7 +177,7 @@ def generate(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
         # of vanishing from the dataset's accounting.
         log.exception("%s/%s internal error", job.dataset, job.pid)
         return job.fail(FAIL_INTERNAL, f"{type(exc).__name__}: {exc}")
-    return settle(job, answer, rebuilt)
+    return settle(job, answer, rebuilt, turn)
 
 
 # --- 1. prepare ---------------------------------------------------------------------------------
@@ -243,10 +252,11 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
     )
     upstream = job.ctx.upstream(job.view)
     while True:
-        job.attempts += 1
         t0 = time.monotonic()
         try:
-            answer = upstream.complete(request)
+            answer = _attempt(job, upstream, request)
+        except _Ended as ended:
+            return ended.outcome
         except UpstreamError as exc:
             job.stats.record_error(exc.reason)
             log.info("%s/%s call %d: %s (%.1fs)", job.dataset, job.pid, job.attempts, exc.reason,
@@ -258,20 +268,51 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
             if decision.action == "fail":
                 raise _Failed(decision.reason, str(exc)) from None
             gevent.sleep(decision.delay_s)
-            # A stopped dataset makes no further upstream calls; an exhausted one still finishes
-            # what it admitted (the admission was within budget).
-            renewal = job.budget.renew(job.pid, job.lease, ttl_ms=job.ttl_ms)
-            if renewal in ("stopped", "lost"):
-                job.budget.release(job.pid, job.lease)
-                return "skipped:stopped" if renewal == "stopped" else "lost"
-            if renewal != "ok":  # halted, or done by another delivery
-                return renewal
+            if (outcome := _renew(job)) is not None:
+                return outcome
             continue
         job.billed_usd = answer.usage["cost"]
         job.usage = answer.usage  # counted with the settle or fail that follows
         log.info("%s/%s call %d: %s completion_tokens=%s (%.1fs)", job.dataset, job.pid, job.attempts,
                  answer.finish_reason, answer.usage["completion_tokens"], time.monotonic() - t0)
         return answer
+
+
+class _Ended(Exception):
+    """The lease renewal found the prompt must end without another attempt (``outcome``)."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
+    """One attempt through the fleet-wide throttle (``workers/gate.py``): wait for a slot of the
+    fleet's in-flight limit, renewing the lease meanwhile, and give it back with the outcome (a
+    429/503 cuts the fleet's limit and its Retry-After pauses every worker)."""
+
+    def keepalive() -> None:
+        if (ended := _renew(job)) is not None:
+            raise _Ended(ended)
+
+    ttl_ms = int((job.length.timeout_s + LEASE_SLACK_S) * 1000)
+    with job.ctx.gate.slot(ttl_ms=ttl_ms, limits=job.view.throttle, keepalive=keepalive):
+        job.attempts += 1
+        return upstream.complete(request)
+
+
+def _renew(job: _Job) -> str | None:
+    """Renew the lease before another attempt; the outcome word when the prompt ends instead.
+
+    A stopped dataset makes no further upstream calls; an exhausted one still finishes what it
+    admitted (the admission was within budget)."""
+    renewal = job.budget.renew(job.pid, job.lease, ttl_ms=job.ttl_ms)
+    if renewal in ("stopped", "lost"):
+        job.budget.release(job.pid, job.lease)
+        return "skipped:stopped" if renewal == "stopped" else "lost"
+    if renewal != "ok":  # halted, or done by another delivery
+        return renewal
+    return None
 
 
 def _record_usage(job: _Job) -> None:
@@ -333,14 +374,16 @@ def _off_hub(fn: Callable[..., T], args: tuple[Any, ...], chars: int, kwargs: di
 # --- 5. settle ----------------------------------------------------------------------------------
 
 
-def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> str:
+def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow, turn: TurnHook | None = None) -> str:
     """Keep the row, unless another delivery did ("duplicate") or the hard cap has no room left
     for it ("discarded": its lease was reaped meanwhile; billed, failed as over_budget)."""
     row = _row(job.payload, rebuilt, answer, job.attempts)
+    keep = None if turn is None else turn.finish(row, rebuilt, answer)
     usage, job.usage = job.usage, None
     settled = settle_or_spool(job.ctx.redis, job.ctx.settings.spool_dir, job.budget, job.pid, job.lease,
                               rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True),
-                              cost_usd=job.billed_usd, attempts=job.attempts, within_s=LEASE_SLACK_S, usage=usage)
+                              cost_usd=job.billed_usd, attempts=job.attempts, within_s=LEASE_SLACK_S, turn=keep,
+                              usage=usage)
     if settled == "duplicate":
         job.stats.record_duplicate()
     elif settled == "discarded":

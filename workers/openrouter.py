@@ -214,7 +214,8 @@ class OpenRouterClient:
             reason = f"error200_{code}"
             if code in (400, 401, 403):
                 raise FatalUpstreamError(reason, message, status=200)
-            raise RetryableUpstreamError(reason, message, status=200, retry_after_s=retry_after_s)
+            raise RetryableUpstreamError(reason, message, status=200, retry_after_s=retry_after_s,
+                                         code=int(code) if str(code).isdigit() else None)
         choices = body.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise RetryableUpstreamError("no_choices", "200 without choices", status=200)

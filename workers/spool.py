@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from common.budget import Budget
+from common.budget import Budget, TurnKeep
 from common.contract import Usage
 from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
@@ -66,8 +66,11 @@ def _apply(client: Any, entry: dict[str, Any]) -> str:
     budget = Budget(client, entry["dataset"])
     cost_usd = float(entry.get("cost_usd", 0.0))
     if entry["op"] == "settle":
+        turn = entry.get("turn")
         return budget.settle(entry["id"], entry["lease"], int(entry["tokens"]), entry["row"], cost_usd=cost_usd,
-                             attempts=int(entry.get("attempts", 0)), usage=entry.get("usage"))
+                             attempts=int(entry.get("attempts", 0)),
+                             turn=None if turn is None else TurnKeep(turn[0], turn[1], bool(turn[2])),
+                             usage=entry.get("usage"))
     failed = budget.fail(entry["id"], entry["lease"], entry["reason"], int(entry["attempts"]), entry["detail"],
                          where=entry.get("where", ""), cost_usd=cost_usd, usage=entry.get("usage"))
     return "failed" if failed else "duplicate"
@@ -87,10 +90,13 @@ def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: flo
 
 def settle_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str, lease: str, tokens: int,
                     row: bytes, *, cost_usd: float, attempts: int, within_s: float,
-                    usage: Usage | None = None) -> Outcome:
+                    turn: TurnKeep | None = None, usage: Usage | None = None) -> Outcome:
     """``usage``: the answer's counters (``common/stats.py``), counted with the settle, spooled with it."""
-    entry = {"op": "settle", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease, "tokens": tokens,
-             "row": row, "cost_usd": cost_usd, "attempts": attempts, "usage": usage, "t_s": time.time()}
+    entry: dict[str, Any] = {"op": "settle", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease,
+                             "tokens": tokens, "row": row, "cost_usd": cost_usd, "attempts": attempts,
+                             "usage": usage, "t_s": time.time()}
+    if turn is not None:  # a conversation's turn travels with its row, so a replay stores it too
+        entry["turn"] = [turn.conversation, turn.record, turn.ends]
     word = _or_spool(client, spool_dir, entry, within_s)
     return "spooled" if word is None else word  # type: ignore[return-value]
 

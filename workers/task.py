@@ -1,4 +1,5 @@
-"""The one Celery task. Thin on purpose: the work is in ``workers/generate.py``."""
+"""The one Celery task. Thin on purpose: the work is in ``workers/generate.py`` (one prompt) and
+``workers/conversation.py`` (every turn of a conversation, ``regenerate = "all"``)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from celery import Task
 from common.contract import TASK_NAME, TaskPayload
 from workers.celery import app
 from workers.context import context
-from workers.generate import Busy, generate
+from workers.conversation import handle
+from workers.generate import Busy
 
 
 # acks_late comes from common/celeryconf.py (task_acks_late): one place says it, and tests flip it there.
 @app.task(name=TASK_NAME, bind=True, max_retries=None, ignore_result=True)
 def generate_task(self: Task, payload: TaskPayload) -> str:
-    outcome = generate(context(), payload)
+    outcome = handle(context(), payload)
     while isinstance(outcome, Busy):
         # Another delivery of this prompt holds a live lease (a copy kombu put back when a Redis
         # restart closed a channel, or a visibility-timeout redelivery of a slow task). Wait it
@@ -22,7 +24,7 @@ def generate_task(self: Task, payload: TaskPayload) -> str:
         # queue, and if the holder then died its prompt would wait for the whole queue instead of
         # the visibility timeout. A greenlet costs nothing to park.
         gevent.sleep(outcome.wait_s)
-        outcome = generate(context(), payload)
+        outcome = handle(context(), payload)
     return outcome
 
 
