@@ -45,6 +45,7 @@ bench: install  ## benchmark scripts that print figures
 	$(BIN)/python bench/budget_fill.py --prompts 10000 --with-projected
 	$(BIN)/python bench/engine_ids_run.py --prompts 10000 --noncanonical-rate 0.02
 	$(BIN)/python bench/conversations_run.py --conversations 1000
+	$(BIN)/python bench/versus_seed.py --prompts 6000 --latencies-ms 300,15000
 
 soak: install  ## chaos soak (not part of test): 10k prompts, faults, worker and Redis SIGKILLs
 	$(BIN)/python bench/soak.py --prompts 10000

@@ -33,6 +33,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     kept_tokens = 0
     rows = 0
     first_request_s: float | None = None
+    startup_cpu_s = 0.0  # CPU spent before the first request (imports, tokenizer, tasks)
     last_answer_s = 0.0
     budget_hit = asyncio.Event()
     out = open(args.out, "w", encoding="utf-8")  # noqa: SIM115 - closed in finally
@@ -42,7 +43,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
 
     async def one(session: aiohttp.ClientSession, p: dict[str, Any]) -> None:
-        nonlocal kept_tokens, rows, first_request_s, last_answer_s
+        nonlocal kept_tokens, rows, first_request_s, last_answer_s, startup_cpu_s
         async with sem:
             if budget_hit.is_set():
                 return
@@ -50,6 +51,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for _attempt in range(4):
                 if first_request_s is None:
                     first_request_s = time.monotonic()
+                    startup_cpu_s = time.process_time()
                 async with session.post(url, json=body, headers=headers) as resp:
                     if resp.status in (429, 500, 502, 503):
                         await asyncio.sleep(1.0)
@@ -95,6 +97,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "first_request_s": None if first_request_s is None else first_request_s - started,
         "last_answer_s": last_answer_s - started,
         "wall_s": time.monotonic() - started,
+        "startup_cpu_s": startup_cpu_s,
     }
 
 

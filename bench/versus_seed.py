@@ -1,12 +1,18 @@
 """The fleet against the seed's single asyncio script, side by side, in one run.
 
-    .venv/bin/python bench/versus_seed.py --prompts 6000 --latencies-ms 300,15000
+    .venv/bin/python bench/versus_seed.py --prompts 6000 --latencies-ms 300,15000 [--workers 1,2,3]
 
 For each upstream latency: one private Valkey (AOF on, as in production) and one simulator; the
 seed's design (``bench/seed_design.py``: one process, aiohttp, a semaphore of ``--in-flight``) runs
 first, then the simulator's counters are reset and the fleet runs the same prompts
 (``--workers`` celery worker processes × ``in_flight / workers`` greenlets, started beforehand as a
 fleet's workers are, plus ``specfleet run``). Every answer is kept on both sides (budget far away).
+``--workers 1,2,3`` runs the fleet once per worker count (fresh Redis keyspace and output each
+time) against the one script run: the README's scaling table.
+
+The fleet runs as users run it: workers at the default log level (INFO, one line per task step),
+task events on (Flower), AOF fences on. The ramp is timed from the moment the producer opened the
+dataset (it queues the first prompts right after) to ``in_flight - 10`` requests in flight.
 
 Printed for each side: rows/s (rows over the time from start to the last answer), CPU ms per kept
 row (every process of that side: for the fleet, workers and producer; the simulator excluded),
@@ -19,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -117,6 +125,13 @@ class Side:
     ramp_s: float | None = None
     ramp_target: int = 0
     peak_rss_mb: list[float] = field(default_factory=list)
+    #: CPU seconds by process (fleet: producer, then each worker).
+    cpu_parts_s: list[float] = field(default_factory=list)
+    #: The fleet's Redis (Valkey) CPU during the run: shown, not in ``cpu_s`` (like the simulator's,
+    #: it may live on another host; counting it would add its figure to the ratio).
+    redis_cpu_s: float | None = None
+    #: The script's CPU before its first request (imports, tokenizer): part of ``cpu_s``.
+    startup_cpu_s: float | None = None
 
     @property
     def rows_per_s(self) -> float:
@@ -131,9 +146,17 @@ class Side:
         first = "-" if self.first_request_t is None else f"{self.first_request_t - self.start_t:.2f}"
         tail = "-" if self.last_answer_t is None else f"{self.exit_t - self.last_answer_t:.2f}"
         rss = ", ".join(f"{x:.0f}" for x in self.peak_rss_mb)
+        parts = ""
+        if self.cpu_parts_s:
+            per_row = [f"{1000 * x / max(self.rows, 1):.2f}" for x in self.cpu_parts_s]
+            parts = f" (producer {per_row[0]} + workers {' + '.join(per_row[1:])})"
+            if self.redis_cpu_s is not None:
+                parts += f" + Redis {1000 * self.redis_cpu_s / max(self.rows, 1):.2f} not counted"
+        elif self.startup_cpu_s is not None:
+            parts = f" (of which start-up {1000 * self.startup_cpu_s / max(self.rows, 1):.2f})"
         ramp = "never" if self.ramp_s is None else f"{self.ramp_s:.2f} s"
         return (f"  {self.name:<6} rows {self.rows:>6,} · {self.rows_per_s:7.1f} rows/s · "
-                f"{self.cpu_ms_per_row:5.2f} CPU ms/row · max in flight {self.max_in_flight:>5,} · "
+                f"{self.cpu_ms_per_row:5.2f} CPU ms/row{parts} · max in flight {self.max_in_flight:>5,} · "
                 f"first request {first} s · ≥{self.ramp_target:,} in flight after {ramp} · "
                 f"last answer → exit {tail} s · peak RSS {rss} MB")
 
@@ -156,7 +179,9 @@ def run_seed(fleet: Fleet, data: Path, in_flight: int, out: Path) -> Side:
     sampler.stop()
     if proc.returncode != 0:
         raise SystemExit(f"seed script failed ({proc.returncode}):\n{stderr[-3000:]}")
-    side.rows = json.loads(stdout.strip().splitlines()[-1])["rows"]
+    figures = json.loads(stdout.strip().splitlines()[-1])
+    side.rows = figures["rows"]
+    side.startup_cpu_s = figures["startup_cpu_s"]
     side.cpu_s = usage.ru_utime + usage.ru_stime
     side.peak_rss_mb = [usage.ru_maxrss / 1024]
     side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
@@ -167,19 +192,21 @@ def run_seed(fleet: Fleet, data: Path, in_flight: int, out: Path) -> Side:
     return side
 
 
-def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers: int, timeout_s: float) -> Side:
+def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers: int, timeout_s: float,
+              redis_pid: int | None = None) -> Side:
     side = Side("fleet")
     config = fleet.write_config([{"name": "V", "path": data, "length": "short", "budget_tokens": 10**12}],
                                 timeout_s=timeout_s)
     per_worker = in_flight // workers
-    procs = [fleet.start_worker(f"vs{i + 1}", concurrency=per_worker, SPECFLEET_LOG_LEVEL="WARNING")
-             for i in range(workers)]
+    # Log level as users run it (INFO, the default): the log lines are part of what a row costs.
+    procs = [fleet.start_worker(f"vs{i + 1}", concurrency=per_worker) for i in range(workers)]
     app = make_app(Settings.from_env(), client_url)
     deadline = time.monotonic() + 90
     while len(app.control.ping(timeout=0.5)) < workers:  # workers up, as a fleet's are before a run
         if time.monotonic() > deadline:
             raise SystemExit("workers did not come up:\n" + fleet.all_logs())
     cpu_before = {p.pid: proc_cpu_s(p.pid) for p in procs}
+    redis_before = proc_cpu_s(redis_pid) if redis_pid else 0.0
     sampler = Sampler(fleet.sim_url, client_url)
     sampler.start()
     side.start_t = time.monotonic()
@@ -190,8 +217,19 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
     sampler.stop()
     if producer.returncode != 0:
         raise SystemExit(f"producer failed ({producer.returncode}):\n{fleet.all_logs()}")
-    side.cpu_s = usage.ru_utime + usage.ru_stime + sum(proc_cpu_s(p.pid) - cpu_before[p.pid] for p in procs)
+    side.cpu_parts_s = [usage.ru_utime + usage.ru_stime] + [proc_cpu_s(p.pid) - cpu_before[p.pid] for p in procs]
+    side.cpu_s = sum(side.cpu_parts_s)
+    if redis_pid:
+        side.redis_cpu_s = proc_cpu_s(redis_pid) - redis_before
     side.peak_rss_mb = [proc_peak_rss_mb(p.pid) for p in procs]
+    for p in procs:  # the next fleet (another worker count) starts its own
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
     side.rows = len(read_rows(fleet.out, "V"))
     side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
     side.max_in_flight = fleet.sim_stats()["max_in_flight"]
@@ -207,10 +245,11 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=6000)
     ap.add_argument("--latencies-ms", default="300,15000")
     ap.add_argument("--in-flight", type=int, default=2000)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", default="2",
+                    help="worker processes; a list (1,2,3) runs the fleet once per count against one script run")
     args = ap.parse_args()
 
-    results: list[tuple[int, Side, Side]] = []
+    worker_counts = [int(x) for x in args.workers.split(",")]
     for latency_ms in [int(x) for x in args.latencies_ms.split(",")]:
         tmp = Path(tempfile.mkdtemp(prefix="specfleet-vs-"))
         with ValkeyServer(config={"appendonly": "yes", "appendfsync": "everysec",
@@ -222,18 +261,23 @@ def main() -> int:
                                       "--latency-p99-ms", str(int(latency_ms * 2)))
                 data = write_jsonl(tmp / "prompts.jsonl", prompts(args.prompts))
                 seed = run_seed(fleet, data, args.in_flight, tmp / "seed-rows.jsonl")
-                requests.post(fleet.sim_url + "/_sim/reset", timeout=5).raise_for_status()
-                timeout_s = max(60.0, latency_ms / 1000 * 8)
-                fl = run_fleet(fleet, url, data, args.in_flight, args.workers, timeout_s)
+                print(f"upstream median latency {latency_ms} ms, {args.prompts:,} prompts, "
+                      f"{args.in_flight:,} in flight", flush=True)
+                print(seed.line(), flush=True)
+                for n, workers in enumerate(worker_counts):
+                    if n:  # a fresh Redis keyspace for the next fleet: same dataset name, same output dir
+                        redis.Redis.from_url(url).flushall()
+                        shutil.rmtree(fleet.out, ignore_errors=True)
+                    requests.post(fleet.sim_url + "/_sim/reset", timeout=5).raise_for_status()
+                    timeout_s = max(60.0, latency_ms / 1000 * 8)
+                    redis_pid = server._process.pid if server._process is not None else None
+                    fl = run_fleet(fleet, url, data, args.in_flight, workers, timeout_s, redis_pid)
+                    print(f"  fleet: {workers} workers × {args.in_flight // workers} greenlets")
+                    print(fl.line())
+                    print(f"  fleet/script: throughput {fl.rows_per_s / seed.rows_per_s:.2f}× · "
+                          f"CPU per row {fl.cpu_ms_per_row / seed.cpu_ms_per_row:.2f}×", flush=True)
             finally:
                 fleet.stop_all()
-        results.append((latency_ms, seed, fl))
-        print(f"upstream median latency {latency_ms} ms, {args.prompts:,} prompts, {args.in_flight:,} in flight "
-              f"(fleet: {args.workers} workers × {args.in_flight // args.workers} greenlets)")
-        print(seed.line())
-        print(fl.line())
-        print(f"  fleet/script: throughput {fl.rows_per_s / seed.rows_per_s:.2f}× · "
-              f"CPU per row {fl.cpu_ms_per_row / seed.cpu_ms_per_row:.2f}×", flush=True)
     return 0
 
 

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
@@ -20,8 +21,10 @@ import redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from common.config import Pricing
+from common.contract import Usage
 from common.keys import HALT, RUN_BUDGET, DatasetKeys
 from common.redis_client import WAITAOF_TIMEOUT_MS, fence_failed
+from common.stats import queue_answer
 
 log = logging.getLogger(__name__)
 
@@ -217,14 +220,26 @@ def open_run(client: redis.Redis, limit_usd: float | None, datasets: Sequence[st
     return int(reply[1]) / NUSD_PER_USD
 
 
+#: One registered script per client: a worker builds a Budget per task, and registering hashes
+#: the whole script (2% of a busy worker).
+_SCRIPTS: weakref.WeakKeyDictionary[redis.Redis, Any] = weakref.WeakKeyDictionary()
+
+
+def _script_of(client: redis.Redis) -> Any:
+    script = _SCRIPTS.get(client)
+    if script is None:
+        script = _SCRIPTS[client] = client.register_script(_SCRIPT)
+    return script
+
+
 class Budget:
     def __init__(self, client: redis.Redis, dataset: str, policy: BudgetPolicy = POLICY) -> None:
         self.keys = DatasetKeys(dataset)
         self.policy = policy
         self._client = client
-        self._script = client.register_script(_SCRIPT)
+        self._script = _script_of(client)
 
-    def _call(self, *args: Any) -> list[Any]:
+    def _call(self, *args: Any, usage: Usage | None = None) -> list[Any]:
         """Run the script and wait until its writes are in the AOF (WAITAOF), on one connection.
 
         An answer the caller acts on (a request admitted, a row counted) must survive the Redis
@@ -234,13 +249,19 @@ class Budget:
         one pipeline, so when the connection breaks the retry runs both again on the restarted
         server (every operation is safe to repeat). Without AOF the fence answers an error and the
         reply stands as it is.
+
+        ``usage``: a billed answer's counters (``common/stats.py``), sent in the same round trip
+        instead of one of their own; sent once even when the script has to be loaded again.
         """
         script = self._script
         for _ in range(3):
             pipe = self._client.pipeline(transaction=False)
+            if usage is not None:
+                queue_answer(pipe, self.keys.stats, usage)
+                usage = None
             pipe.evalsha(script.sha, len(self.keys.budget_keys), *self.keys.budget_keys, *args)
             pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
-            reply, fence = pipe.execute(raise_on_error=False)
+            *_, reply, fence = pipe.execute(raise_on_error=False)
             if isinstance(reply, NoScriptError):  # a restarted server: load the script again
                 script.sha = self._client.script_load(script.script)
                 continue
@@ -264,15 +285,16 @@ class Budget:
         return status
 
     def settle(self, prompt_id: str, lease: str, tokens: int, row: bytes, *, cost_usd: float,
-               attempts: int = 0, turn: TurnKeep | None = None) -> Settled:
+               attempts: int = 0, turn: TurnKeep | None = None, usage: Usage | None = None) -> Settled:
         """Count a billed answer's cost, and keep its row (hand it to the collector) unless another
         delivery already did ("duplicate") or the hard cap has no room for it ("discarded").
 
-        ``turn`` (regenerate = "all"; ``prompt_id`` is then the row key): kept with the row, atomically."""
+        ``turn`` (regenerate = "all"; ``prompt_id`` is then the row key): kept with the row, atomically.
+        ``usage``: the answer's counters for the dataset's stats, in the same round trip."""
         extra: tuple[Any, ...] = ()
         if turn is not None:
             extra = (turn.record, turn.conversation, "1" if turn.ends else "0")
-        reply = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row, *extra)
+        reply = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row, *extra, usage=usage)
         if int(reply[-1]):
             # The dollar cap holds only while answers cost no more than their worst case.
             log.warning("%s/%s: the answer cost $%.6f, more than its worst case: is the model's price right?",
@@ -281,11 +303,11 @@ class Budget:
         return status
 
     def fail(self, prompt_id: str, lease: str, reason: str, attempts: int, detail: str, *,
-             where: str = "", cost_usd: float = 0.0) -> bool:
+             where: str = "", cost_usd: float = 0.0, usage: Usage | None = None) -> bool:
         """Record the prompt's failure (a ``failed.jsonl`` line; ``where`` is its ``file:line``);
         ``cost_usd`` of an answer that was billed before it failed still counts."""
         failure = json.dumps({"reason": reason, "attempts": attempts, "detail": detail[:500], "where": where})
-        return self._call("fail", prompt_id, lease, failure, to_nusd(cost_usd))[0] == "failed"
+        return self._call("fail", prompt_id, lease, failure, to_nusd(cost_usd), usage=usage)[0] == "failed"
 
     def release(self, prompt_id: str, lease: str, *, cost_usd: float = 0.0) -> None:
         self._call("release", prompt_id, lease, to_nusd(cost_usd))

@@ -1,6 +1,7 @@
 """The per-dataset counters (``DatasetKeys.stats``): the only code that names their fields.
 
-Workers write through ``DatasetStats`` (one HINCRBY per event, one pipeline per answer); the
+Workers write through ``DatasetStats`` (one HINCRBY per event; a kept or failed answer's usage
+travels in the same round trip as its settle or fail, ``queue_answer``); the
 producer's progress, metrics and reports read through ``DatasetStats.read`` or ``parse`` (for a
 caller that already pipelined the HGETALL). Counters only ever grow, so any read is consistent
 enough for a progress bar.
@@ -17,6 +18,7 @@ Also the fleet-wide misconfiguration streak (``keys.MISCONFIG_STREAK``): prompts
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -60,6 +62,17 @@ class StatsSnapshot:
     failures: dict[str, int] = field(default_factory=dict)
 
 
+def queue_answer(pipe: Any, key: str, usage: Usage) -> None:
+    """Add one billed answer's counters to a pipeline (``record_answer``, or the settle's own round
+    trip: ``Budget.settle(usage=…)``)."""
+    pipe.hincrby(key, REQUESTS, 1)
+    pipe.hincrby(key, BILLED_PROMPT, usage["prompt_tokens"])
+    pipe.hincrby(key, BILLED_COMPLETION, usage["completion_tokens"])
+    pipe.hincrby(key, BILLED_REASONING, usage["reasoning_tokens"])
+    pipe.hincrby(key, COST_MICRO_USD, round(usage["cost"] * 1e6))
+    pipe.delete(MISCONFIG_STREAK)
+
+
 class DatasetStats:
     def __init__(self, client: redis.Redis, dataset: str) -> None:
         self._client = client
@@ -71,12 +84,7 @@ class DatasetStats:
         """One answer received and billed. It also proves the URL and the model work, so the
         fleet's misconfiguration streak starts over."""
         pipe = self._client.pipeline(transaction=False)
-        pipe.hincrby(self.key, REQUESTS, 1)
-        pipe.hincrby(self.key, BILLED_PROMPT, usage["prompt_tokens"])
-        pipe.hincrby(self.key, BILLED_COMPLETION, usage["completion_tokens"])
-        pipe.hincrby(self.key, BILLED_REASONING, usage["reasoning_tokens"])
-        pipe.hincrby(self.key, COST_MICRO_USD, round(usage["cost"] * 1e6))
-        pipe.delete(MISCONFIG_STREAK)
+        queue_answer(pipe, self.key, usage)
         pipe.execute()
 
     def record_error(self, reason: str) -> None:

@@ -220,6 +220,11 @@ class Runner:
         signal.signal(signal.SIGINT, handler)
 
     def _warn_if_no_workers(self) -> None:
+        # A broadcast ping waits its whole timeout for replies: in a thread, so the first prompt is
+        # queued at once instead of a second later.
+        threading.Thread(target=self._ping_workers, name="ping", daemon=True).start()
+
+    def _ping_workers(self) -> None:
         try:
             replies = self.app.control.ping(timeout=1.0)
         except Exception:  # control needs the broker only; a failure here is not fatal

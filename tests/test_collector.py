@@ -142,3 +142,43 @@ def test_a_refused_write_keeps_the_writer_at_its_last_durable_position(
     assert [r["id"] for r in writer.iter_kept()] == ["p0", "p1", "p2", "p3"]
     assert [r["id"] for r in open_writer(tmp_path / "D", shard_rows=2).iter_kept()] == ["p0", "p1", "p2", "p3"]
     assert writer.files() == ["shard-00000.jsonl", "shard-00001.jsonl"]
+
+
+def test_a_busy_stream_is_written_in_few_large_batches(tmp_path: Path, redis_client: redis.Redis) -> None:
+    """Rows arriving all the time cost at most a checkpoint every WRITE_EVERY_S, not one per read,
+    each row once; and someone waiting for the last rows (``pending``) gets them written at once."""
+    import time
+
+    from producer.collector import WRITE_EVERY_S
+
+    b = Budget(redis_client, "D")
+    b.open(10**9)
+    c = Collector(redis_client, tmp_path, shard_rows=10_000)
+    writer = c.add("D").writer
+    batches: list[int] = []
+    original = writer.write
+
+    def counting(rows: list[dict[str, object]], last_id: str) -> None:
+        batches.append(len(rows))
+        original(rows, last_id)
+
+    writer.write = counting  # type: ignore[method-assign]
+    c.start()
+    t0 = time.monotonic()
+    n = 0
+    run_s = 2.0
+    while time.monotonic() - t0 < run_s:  # a row every ~5 ms
+        _keep(b, 1, start=n)
+        n += 1
+        time.sleep(0.005)
+    deadline = time.monotonic() + 5
+    while c.pending("D") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    waited = time.monotonic()
+    c.stop()
+    assert c.error is None
+    assert _ids(tmp_path) == [f"p{i}" for i in range(n)]
+    assert sum(batches) == n
+    # One write per period (plus the one pending() asked for, plus slack for timing), not one per read.
+    assert n > 100 and len(batches) <= run_s / WRITE_EVERY_S + 3, batches
+    assert waited - t0 < run_s + 1.0

@@ -39,6 +39,16 @@ def test_key_in_message_args_and_exceptions_is_scrubbed() -> None:
     assert "call failed" in text and "RuntimeError" in text  # the record itself survives
 
 
+def test_a_strangers_bearer_token_is_scrubbed_and_plain_records_pass_unchanged() -> None:
+    """The cheap path (no marker, no secret: no regex) must not let any shape the pattern covers through."""
+    out = io.StringIO()
+    log = _logger(out)
+    log.info("proxy said Authorization: Bearer %s", "zz9ZZ9zz-token.value")
+    log.info("D/p%d settle: kept tokens=%d", 7, 42)
+    lines = out.getvalue().splitlines()
+    assert lines == [f"proxy said Authorization: {REDACTED}", "D/p7 settle: kept tokens=42"]
+
+
 # --- the real entry points: a `celery worker` at DEBUG and the producer CLI ------------------------
 
 #: Not shaped like an OpenRouter key, so only the configured-secret list can catch it.

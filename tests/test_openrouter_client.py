@@ -28,7 +28,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
-        type(self).seen.append({"headers": dict(self.headers), "body": json.loads(body)})
+        type(self).seen.append({"headers": dict(self.headers), "body": json.loads(body), "path": self.path})
         status, headers, payload = type(self).reply
         self.send_response(status)
         for k, v in headers.items():
@@ -74,6 +74,25 @@ def test_a_good_answer_and_what_was_sent(server: str) -> None:
     assert sent["Authorization"] == f"Bearer {KEY}" and sent["X-Title"] == "t"
     assert _Handler.seen[0]["body"] == {"model": "m", "max_tokens": 7, "temperature": 0.5,
                                         "reasoning": {"effort": "high"}, "messages": [{"role": "user", "content": "q"}]}
+
+
+def test_proxy_variables_are_honoured(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client reads HTTP(S)_PROXY / NO_PROXY once, when it is built (not on every call)."""
+    _answer(200, OK)
+    _Handler.seen.clear()
+    monkeypatch.setenv("HTTP_PROXY", server)  # the test server plays the proxy
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    assert _client("http://upstream.invalid").complete(_request()).content == "hi"
+    assert _Handler.seen[-1]["path"] == "http://upstream.invalid/api/v1/chat/completions"  # proxy form
+
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens: only a bypass can answer
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    assert _client(server).complete(_request()).content == "hi"
+    assert _Handler.seen[-1]["path"] == "/api/v1/chat/completions"
+    monkeypatch.delenv("NO_PROXY")
+    with pytest.raises(RetryableUpstreamError):
+        _client(server).complete(_request())
 
 
 @pytest.mark.parametrize("suffix", ["", "/", "/api/v1", "/api/v1/", "/api/v1/chat/completions"])

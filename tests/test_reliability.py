@@ -20,6 +20,7 @@ from common import keys
 from common.budget import Budget
 from common.contract import CONTRACT_VERSION
 from common.settings import Settings
+from common.stats import DatasetStats
 from producer.celery_app import make_app
 from producer.enqueue import push
 from tests.chaos import RestartableValkey
@@ -144,6 +145,10 @@ def test_a_worker_spools_what_it_cannot_settle_and_replays_it_exactly_once(
     fleet.assert_exactly_once(client, "S", 20)
     assert fleet.log("w1").count("replayed from the spool: kept") == 20
     assert fleet.sim_stats()["requests"] == 20  # nobody asked again
+    # The answers' usage counters travelled in the spool with their settles: none lost to the outage.
+    stats = DatasetStats(client, "S").read()
+    assert stats.requests == 20
+    assert stats.billed_completion_tokens == fleet.sim_stats()["billed_completion_tokens"]
 
 
 def test_a_killed_workers_tasks_come_back_within_the_visibility_timeout_while_the_queue_is_busy(

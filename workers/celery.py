@@ -6,6 +6,7 @@ Lives in ``workers/celery.py`` so ``-A workers`` finds it, and so importing ``wo
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Celery
@@ -17,8 +18,10 @@ from common.settings import Settings
 from workers.events import BatchedTaskEvents
 from workers.queues import FollowActiveQueues
 from workers.recovery import ReplaySpool, RestoreUnacked
+from workers.transport import install as install_transport
 
 _settings = Settings.from_env()
+install_transport()
 
 app = Celery("specfleet", set_as_current=True, include=["workers.task"])
 app.conf.update(celery_config(_settings, _settings.require_redis_url()))
@@ -32,3 +35,10 @@ app.steps["consumer"].add(ReplaySpool)
 def _logging(**_: Any) -> None:
     # Connecting here stops Celery from installing its own handlers: ours scrub the API key.
     logs.configure(_settings.log_level)
+    if logging.getLogger().getEffectiveLevel() >= logging.INFO:
+        # Celery's "Task … received" and "Task … succeeded in …" lines say again what the task's
+        # own step lines (prepare … settle) say, a third of the log volume and its cost per row.
+        # Failures still reach the log (ERROR); Flower still shows every task's received/started/
+        # succeeded. With SPECFLEET_LOG_LEVEL=DEBUG they are back.
+        for name in ("celery.worker.strategy", "celery.app.trace"):
+            logging.getLogger(name).setLevel(logging.WARNING)

@@ -18,7 +18,9 @@ from celery import bootsteps
 
 from common import keys
 from common.errors import SpecfleetError
+from common.hf import auto_tokenizer
 from workers.context import context
+from workers.transport import wake_consumer
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,9 @@ class FollowActiveQueues(bootsteps.StartStopStep):
         self._refused: set[str] = set()
 
     def start(self, c: Any) -> None:
+        # Importing transformers takes a second or two: pay it when the worker starts, not when the
+        # first run arrives and 1,000 greenlets wait for its tokenizer.
+        auto_tokenizer()
         self.sync(c)
         self._timer = c.timer.call_repeatedly(context().settings.queue_poll_s, self.sync, (c,), priority=10)
 
@@ -60,7 +65,8 @@ class FollowActiveQueues(bootsteps.StartStopStep):
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             c.add_task_queue(queue)
-            log.info("following %s (run %s)", queue, config_id)
+            woken = wake_consumer(c.task_consumer.channel, ctx.redis)
+            log.info("following %s (run %s)%s", queue, config_id, "" if woken else ", from the next poll")
         # Only dataset queues a run has left: a queue the user added (``-Q other``, an
         # ``add_consumer`` broadcast) is theirs, not ours to undo.
         for queue in sorted(q for q in consuming - active.keys() if q.startswith(keys.QUEUE_PREFIX)):

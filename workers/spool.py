@@ -22,6 +22,7 @@ from typing import Any, Literal
 import msgpack
 
 from common.budget import Budget, TurnKeep
+from common.contract import Usage
 from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
 
@@ -68,9 +69,10 @@ def _apply(client: Any, entry: dict[str, Any]) -> str:
         turn = entry.get("turn")
         return budget.settle(entry["id"], entry["lease"], int(entry["tokens"]), entry["row"], cost_usd=cost_usd,
                              attempts=int(entry.get("attempts", 0)),
-                             turn=None if turn is None else TurnKeep(turn[0], turn[1], bool(turn[2])))
+                             turn=None if turn is None else TurnKeep(turn[0], turn[1], bool(turn[2])),
+                             usage=entry.get("usage"))
     failed = budget.fail(entry["id"], entry["lease"], entry["reason"], int(entry["attempts"]), entry["detail"],
-                         where=entry.get("where", ""), cost_usd=cost_usd)
+                         where=entry.get("where", ""), cost_usd=cost_usd, usage=entry.get("usage"))
     return "failed" if failed else "duplicate"
 
 
@@ -88,10 +90,11 @@ def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: flo
 
 def settle_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str, lease: str, tokens: int,
                     row: bytes, *, cost_usd: float, attempts: int, within_s: float,
-                    turn: TurnKeep | None = None) -> Outcome:
+                    turn: TurnKeep | None = None, usage: Usage | None = None) -> Outcome:
+    """``usage``: the answer's counters (``common/stats.py``), counted with the settle, spooled with it."""
     entry: dict[str, Any] = {"op": "settle", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease,
                              "tokens": tokens, "row": row, "cost_usd": cost_usd, "attempts": attempts,
-                             "t_s": time.time()}
+                             "usage": usage, "t_s": time.time()}
     if turn is not None:  # a conversation's turn travels with its row, so a replay stores it too
         entry["turn"] = [turn.conversation, turn.record, turn.ends]
     word = _or_spool(client, spool_dir, entry, within_s)
@@ -99,9 +102,11 @@ def settle_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str
 
 
 def fail_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str, lease: str, reason: str,
-                  attempts: int, detail: str, *, where: str, cost_usd: float, within_s: float) -> Outcome:
+                  attempts: int, detail: str, *, where: str, cost_usd: float, within_s: float,
+                  usage: Usage | None = None) -> Outcome:
     entry = {"op": "fail", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease, "reason": reason,
-             "attempts": attempts, "detail": detail, "where": where, "cost_usd": cost_usd, "t_s": time.time()}
+             "attempts": attempts, "detail": detail, "where": where, "cost_usd": cost_usd, "usage": usage,
+             "t_s": time.time()}
     word = _or_spool(client, spool_dir, entry, within_s)
     return "spooled" if word is None else word  # type: ignore[return-value]
 

@@ -28,4 +28,10 @@ def generate_task(self: Task, payload: TaskPayload) -> str:
     return outcome
 
 
+# Celery looks the result backend up per task through a thread-local, which gevent makes
+# greenlet-local: without this, every task (a new greenlet) builds a backend object of its own
+# (4% of a busy worker). There is no result backend (common/celeryconf.py): one shared object.
+generate_task.backend = app.backend
+
+
 __all__ = ["generate_task"]
