@@ -90,11 +90,16 @@ class ThrottleLimits(_Strict):
 
     max_in_flight: int | None = Field(default=None, gt=0)
     max_requests_per_s: float | None = Field(default=None, gt=0)
+    #: Back off together: a 429/503 cuts the fleet's in-flight limit and its Retry-After pauses every
+    #: worker. Off by default: sporadic 429s that are not about capacity (a flaky provider) hold an
+    #: adaptive fleet near its floor of 4 in flight (issue 11's open point); the caps apply either way.
+    adaptive_backoff: bool = False
 
 
 class RequestConfig(_Strict):
     """Passed through to OpenRouter's chat completions body (see shared openrouter.md), except the
-    fleet's throttle caps ``max_in_flight`` and ``max_requests_per_s``, which stay in specfleet."""
+    fleet's throttle settings ``max_in_flight``, ``max_requests_per_s`` and ``adaptive_backoff``, which
+    stay in specfleet."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -110,6 +115,8 @@ class RequestConfig(_Strict):
     #: Requests the whole fleet may have in flight / start per second (``ThrottleLimits``).
     max_in_flight: int | None = Field(default=None, gt=0)
     max_requests_per_s: float | None = Field(default=None, gt=0)
+    #: 429/503 cut the fleet's in-flight limit and pause every worker (``ThrottleLimits``).
+    adaptive_backoff: bool = False
 
     def body(self) -> dict[str, Any]:
         exclude = {"extra", *ThrottleLimits.model_fields}
@@ -118,7 +125,8 @@ class RequestConfig(_Strict):
         return out
 
     def throttle(self) -> ThrottleLimits:
-        return ThrottleLimits(max_in_flight=self.max_in_flight, max_requests_per_s=self.max_requests_per_s)
+        return ThrottleLimits(max_in_flight=self.max_in_flight, max_requests_per_s=self.max_requests_per_s,
+                              adaptive_backoff=self.adaptive_backoff)
 
 
 class RetryConfig(_Strict):

@@ -23,7 +23,8 @@
 --            max_in_flight 0: no fixed cap (the adaptive limit alone, unbounded until a 429);
 --            max_per_s 0: no rate cap.
 --   release  slot now_ms outcome retry_after_ms max_in_flight beta min_limit cut_gap_ms grow_near
---            outcome: ok | throttled | other -> {"released", limit}
+--            outcome: ok | throttled | refused | other -> {"released", limit}
+--            (refused: a 429 with adaptive back-off off; counted as throttled, no cut, no pause)
 --            ok grows the limit by 1/limit (one more request per round trip: additive increase) while
 --            the fleet uses its limit (in flight >= grow_near x limit, or within one of it);
 --            throttled (429/503) begins a congestion event unless one began less than cut_gap_ms ago,
@@ -90,6 +91,8 @@ elseif op == "release" then
       limit = math.min(cap, limit + 1 / limit)
       redis.call("HSET", state, "limit", tostring(limit))
     end
+  elseif outcome == "refused" then  -- a 429 while adaptive back-off is off: counted, nothing more
+    redis.call("HINCRBY", state, "throttled", 1)
   elseif outcome == "throttled" then
     redis.call("HINCRBY", state, "throttled", 1)
     -- What the provider serves is what was in flight when the event began minus what it refused:

@@ -33,7 +33,7 @@ DEFAULT_CUT_GAP_MS = 1000
 #: Answers grow the limit while the fleet has at least this share of it in flight.
 DEFAULT_GROW_NEAR = 0.97
 
-Outcome = Literal["ok", "throttled", "other"]
+Outcome = Literal["ok", "throttled", "refused", "other"]
 
 #: No fixed cap and no rate cap: the adaptive limit alone.
 NO_CAPS = ThrottleLimits()

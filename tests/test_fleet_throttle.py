@@ -19,6 +19,10 @@ pytestmark = pytest.mark.fleet
 SERIES_S = 0.1
 
 
+#: The fleet backs off together only when asked to (see common/config.py ThrottleLimits).
+ADAPTIVE = "temperature = 1.0\nadaptive_backoff = true"
+
+
 def _series(fleet: Fleet) -> list[dict[str, float]]:
     raw = requests.get(fleet.sim_url + "/_sim/stats?series=1", timeout=10).json()["series"]
     return [dict(zip(raw["columns"], row, strict=True)) for row in raw["rows"]]
@@ -26,7 +30,7 @@ def _series(fleet: Fleet) -> list[dict[str, float]]:
 
 def _run(fleet: Fleet, n: int, *, workers: int = 2, greenlets: int = 40, request: str = "",
          max_attempts: int = 8) -> dict[str, Any]:
-    config = fleet.one_dataset("T", n, max_attempts=max_attempts, request=request)
+    config = fleet.one_dataset("T", n, max_attempts=max_attempts, request=request or "temperature = 1.0")
     for i in range(workers):
         fleet.start_worker(f"w{i + 1}", concurrency=greenlets)
     fleet.run_producer(config, timeout_s=240)
@@ -40,7 +44,7 @@ def test_a_fleet_over_a_providers_capacity_keeps_its_429s_few_and_its_limit_near
     capacity, n = 30, 1200
     fleet.start_simulator("--latency-median-ms", "300", "--capacity-in-flight", str(capacity),
                           "--capacity-retry-after-s", "1")
-    summary = _run(fleet, n)
+    summary = _run(fleet, n, request=ADAPTIVE)
     fleet.assert_exactly_once(redis_client, "T", n)
     assert summary["failed"] == 0
     sim = fleet.sim_stats()
@@ -61,7 +65,7 @@ def test_a_retry_after_pauses_every_worker_for_that_long(fleet: Fleet) -> None:
     pause_s = 3.0
     fleet.start_simulator("--latency-median-ms", "200", "--capacity-in-flight", "20",
                           "--capacity-retry-after-s", str(pause_s), "--series-interval-s", str(SERIES_S))
-    summary = _run(fleet, 400, greenlets=30)
+    summary = _run(fleet, 400, greenlets=30, request=ADAPTIVE)
     assert summary["results"] == 400
     rows = _series(fleet)
     first_429 = next(r["t_s"] for r in rows if r["capacity_429"] > 0)

@@ -185,7 +185,7 @@ def test_every_attempt_holds_a_fleet_slot_and_gives_it_back_with_its_outcome(wor
     replies = _scripted(RetryableUpstreamError("http_429", "slow down", status=429, retry_after_s=0.05),
                         RetryableUpstreamError("error200_503", "overloaded", status=200, code=503),
                         text_answer("Four."))
-    ctx = world.start(FakeUpstream(handler))
+    ctx = world.start(FakeUpstream(handler), request={"adaptive_backoff": True})
     assert generate(ctx, world.payload()) == "kept"
     assert seen_in_flight == [1, 1, 1]  # each attempt inside a slot
     snap = throttle.snapshot()
@@ -206,7 +206,8 @@ def test_the_throttle_reads_429_and_503_however_they_came_and_nothing_else() -> 
 
 def test_a_429_over_http_cuts_the_fleet_limit_and_pauses_every_worker(world: World, sim: SimHandle) -> None:
     sim.configure(capacity_in_flight=0, capacity_retry_after_s=30)  # every request: 429, Retry-After 30
-    ctx = world.start(OpenRouterClient(sim.url, "sk-or-v1-test", pool_size=4, app_url="u", app_title="t"))
+    ctx = world.start(OpenRouterClient(sim.url, "sk-or-v1-test", pool_size=4, app_url="u", app_title="t"),
+                      request={"adaptive_backoff": True})
     throttle = FleetThrottle(world.client)
     worker = gevent.spawn(generate, ctx, world.payload())
     deadline = time.monotonic() + 10
@@ -389,5 +390,19 @@ def test_the_throttle_caps_reach_workers_and_never_the_request_body() -> None:
     view = WorkerView.model_validate_json(cfg.worker_view().model_dump_json())
     assert (view.throttle.max_in_flight, view.throttle.max_requests_per_s) == (300, 50)
     assert "max_in_flight" not in view.request
+    assert view.throttle.adaptive_backoff is False  # off unless asked: sporadic 429s would hold the fleet back
     with pytest.raises(ValueError, match="max_in_flight"):
         _config(request={"max_in_flight": 0})
+
+
+def test_without_adaptive_backoff_a_429_is_counted_but_neither_cuts_nor_pauses(world: World) -> None:
+    def handler(request: Request) -> Answer:
+        return replies(request)
+
+    replies = _scripted(RetryableUpstreamError("http_429", "slow down", status=429, retry_after_s=30.0),
+                        text_answer("Four."))
+    ctx = world.start(FakeUpstream(handler))
+    assert generate(ctx, world.payload()) == "kept"
+    snap = FleetThrottle(world.client).snapshot()
+    assert (snap.throttled, snap.ok) == (1, 1)
+    assert snap.limit is None and snap.pause_ms_left == 0

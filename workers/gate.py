@@ -87,6 +87,8 @@ class Gate:
             yield
         except BaseException as exc:
             outcome, retry_after_s = outcome_of(exc)
+            if outcome == "throttled" and not limits.adaptive_backoff:
+                outcome = "refused"  # counted in the 429 share; no cut, no fleet-wide pause
             self.release(slot, outcome, retry_after_s=retry_after_s, limits=limits)
             raise
         self.release(slot, "ok", limits=limits)
