@@ -225,15 +225,11 @@ def problems(plan: Plan, cfg: RunConfig, *, yes: bool) -> list[str]:
         out += [f"{d.name}: prompt_too_long: {row}" for row in d.too_long[:_MAX_NAMED_ROWS]]
         if len(d.too_long) > _MAX_NAMED_ROWS:
             out.append(f"{d.name}: … and {len(d.too_long) - _MAX_NAMED_ROWS:,} more prompts too long")
-    budget = cfg.run.budget_usd
-    if budget is not None:
-        worst = plan.total("worst_usd")
-        if worst is None:
-            out.append(f"[run] budget_usd = {budget:g} needs the model's price, and it is unknown "
-                       f"({plan.unavailable or 'no price listed'})")
-        elif worst > budget and not (yes or cfg.run.confirm_over_budget):
-            out.append(f"worst case {_usd(worst)} exceeds [run] budget_usd {_usd(budget)}: the run may stop on "
-                       f"its dollar budget; pass --yes (or set [run] confirm_over_budget = true) to start anyway")
+    # A dollar budget without a known price never gets here: make_plan asks RunConfig.require_prices.
+    budget, worst = cfg.run.budget_usd, plan.total("worst_usd")
+    if budget is not None and worst is not None and worst > budget and not (yes or cfg.run.confirm_over_budget):
+        out.append(f"worst case {_usd(worst)} exceeds [run] budget_usd {_usd(budget)}: the run may stop on "
+                   f"its dollar budget; pass --yes (or set [run] confirm_over_budget = true) to start anyway")
     return out
 
 

@@ -69,9 +69,10 @@ def test_a_retry_after_pauses_every_worker_for_that_long(fleet: Fleet) -> None:
     assert summary["results"] == 400
     rows = _series(fleet)
     first_429 = next(r["t_s"] for r in rows if r["capacity_429"] > 0)
-    # Requests already on their way when the pause was set still arrive: allow 0.5 s for them.
-    quiet = [r for r in rows if first_429 + 0.5 <= r["t_s"] < first_429 + pause_s - SERIES_S]
-    assert len(quiet) >= 20
+    # Requests already on their way when the pause was set still arrive: allow 1 s for them (four
+    # test processes on two cores can hold a sent request that long).
+    quiet = [r for r in rows if first_429 + 1.0 <= r["t_s"] < first_429 + pause_s - SERIES_S]
+    assert len(quiet) >= 15
     assert sum(r["requests"] for r in quiet) == 0, [(r["t_s"], r["requests"]) for r in quiet if r["requests"]]
     resumed = [r for r in rows if first_429 + pause_s <= r["t_s"] < first_429 + pause_s + 1.5]
     assert sum(r["requests"] for r in resumed) > 0  # and then it goes on
