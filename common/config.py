@@ -90,10 +90,10 @@ class ThrottleLimits(_Strict):
 
     max_in_flight: int | None = Field(default=None, gt=0)
     max_requests_per_s: float | None = Field(default=None, gt=0)
-    #: Back off together: a 429/503 cuts the fleet's in-flight limit and its Retry-After pauses every
-    #: worker. Off by default: sporadic 429s that are not about capacity (a flaky provider) hold an
-    #: adaptive fleet near its floor of 4 in flight (issue 11's open point); the caps apply either way.
-    adaptive_backoff: bool = False
+    #: Back off together: 429/503s above the provider's background share cut the fleet's in-flight
+    #: limit and their Retry-After pauses every worker (``common/throttle.lua``). Off: a 429 is
+    #: counted and delays only its own request; the caps apply either way.
+    adaptive_backoff: bool = True
 
 
 class RequestConfig(_Strict):
@@ -115,8 +115,8 @@ class RequestConfig(_Strict):
     #: Requests the whole fleet may have in flight / start per second (``ThrottleLimits``).
     max_in_flight: int | None = Field(default=None, gt=0)
     max_requests_per_s: float | None = Field(default=None, gt=0)
-    #: 429/503 cut the fleet's in-flight limit and pause every worker (``ThrottleLimits``).
-    adaptive_backoff: bool = False
+    #: Congestion 429/503s cut the fleet's in-flight limit and pause every worker (``ThrottleLimits``).
+    adaptive_backoff: bool = True
 
     def body(self) -> dict[str, Any]:
         exclude = {"extra", *ThrottleLimits.model_fields}

@@ -1,36 +1,57 @@
 -- The fleet-wide throttle: how many upstream requests every worker of every host may have in flight
--- together, how many may start per second, and the adaptive limit that 429s cut and successes grow.
+-- together, how many may start per second, and the adaptive limit that congestion cuts and answers grow.
 --
 -- Rate limits are the account's, not a worker's (openrouter.md: per model, global to the account):
 -- greenlets backing off one by one leave half of what a provider would serve unused, and every worker
 -- added adds 429s. Here the whole fleet shares one limit and one pause.
+--
+-- Not every 429 is congestion. A provider may refuse a share of requests whatever the load (an
+-- upstream of OpenRouter rate-limited on its own, a flaky route): AIMD reading those as congestion
+-- cuts again and again and holds the fleet at its floor. So a 429 begins a congestion event (a cut
+-- and a fleet-wide pause) only when the 429 share of recent requests stands above the background
+-- share (the share that persists whatever the load) by more than chance. Each cut is then checked: if the
+-- share after it has not fallen (to under check_ratio x what it was), the 429s were not about load,
+-- the cut is undone and that share becomes the background. The background fades (half-life), so a
+-- provider that stops refusing at random is watched closely again. A background 429 only delays its
+-- own request (its Retry-After, workers/retry.py).
 --
 -- KEYS[1] state  HASH   limit       current in-flight limit (float; absent: max_in_flight)
 --                       pause_ms    unix ms before which nobody starts a request (Retry-After)
 --                       cut_ms      unix ms the current congestion event began
 --                       event_limit, event_in_flight, event_throttled   the limit and the requests
 --                                   in flight when it began, and how many the provider refused since
+--                       win_ms, win_started, win_thr, prev_started, prev_thr   requests started and
+--                                   429s in the current and the previous window of window_ms: the
+--                                   recent share
+--                       bg, bg_ms   the background 429 share and when it was measured
+--                       check_ms, check_limit, check_share, check_started, check_thr   the check of
+--                                   the last cut: requests and 429s counted from check_ms, the limit
+--                                   before the cut and the share that made it
 --                       tokens, tokens_ms   the requests-per-second bucket (of one) and when it was filled
 --                       ok, throttled       answers counted by kind (for progress and metrics)
 --                       cap         the run's max_in_flight, for readers (workers pass theirs)
 -- KEYS[2] slots  ZSET   slot id -> expiry unix ms: requests in flight; a dead worker's slots expire
 --
 -- ARGV[1] is the operation:
---   acquire  now_ms ttl_ms max_in_flight max_per_s slot [slot ...]
+--   acquire  now_ms ttl_ms max_in_flight max_per_s window_ms slot [slot ...]
 --            -> {"ok", granted, limit} | {"wait", ms, why}   why: pause | limit | rate
 --            grants the first ``granted`` slots (at least one; as many as the limit and the rate
 --            allow): a process's queue of waiting requests is served in one call, not one each.
---            max_in_flight 0: no fixed cap (the adaptive limit alone, unbounded until a 429);
+--            max_in_flight 0: no fixed cap (the adaptive limit alone, unbounded until a cut);
 --            max_per_s 0: no rate cap.
---   release  slot now_ms outcome retry_after_ms max_in_flight beta min_limit cut_gap_ms grow_near
+--   release  slot now_ms outcome retry_after_ms max_in_flight
+--            beta min_limit cut_gap_ms grow_near window_ms min_requests margin check_ratio bg_max
+--            bg_half_life_ms noise_z check_requests
 --            outcome: ok | throttled | refused | other -> {"released", limit}
---            (refused: a 429 with adaptive back-off off; counted as throttled, no cut, no pause)
+--            (refused: a 429 with adaptive back-off off; counted as throttled, nothing more)
 --            ok grows the limit by 1/limit (one more request per round trip: additive increase) while
 --            the fleet uses its limit (in flight >= grow_near x limit, or within one of it);
---            throttled (429/503) begins a congestion event unless one began less than cut_gap_ms ago,
---            and cuts the limit to beta x what the provider served during it (see below); a
---            Retry-After pauses every new request of the fleet until then.
---   state    now_ms -> {limit, in_flight, pause_ms_left, ok, throttled, cap}
+--            throttled (429/503) is congestion when the recent share (of at least min_requests)
+--            exceeds the background by more than chance (noise_z standard deviations of a binomial
+--            share of that many requests, at least margin), no event began less than cut_gap_ms
+--            ago and no cut is being checked: it cuts the limit to beta x what the provider served
+--            during the event (see below), and a Retry-After pauses every new request of the fleet.
+--   state    now_ms bg_half_life_ms -> {limit, in_flight, pause_ms_left, ok, throttled, cap, background_share}
 --   reset    max_in_flight -> "reset": a new run learns from scratch (slots in flight stay)
 local state, slots = KEYS[1], KEYS[2]
 local op = ARGV[1]
@@ -43,10 +64,29 @@ local function current_limit(max_in_flight)
   return limit
 end
 
+-- The recent share counts requests where they start (429s / requests started, this window and the
+-- previous one): counted at the answer, a fleet's first second would be all 429s, which come back
+-- in milliseconds while the answers of the same requests take seconds.
+local function count_window(now, window, started, refused)
+  local w = redis.call("HMGET", state, "win_ms", "win_started", "win_thr", "prev_started", "prev_thr")
+  local at = tonumber(w[1] or now)
+  local win_started, win_thr = tonumber(w[2] or "0") + started, tonumber(w[3] or "0") + refused
+  local prev_started, prev_thr = tonumber(w[4] or "0"), tonumber(w[5] or "0")
+  if now - at >= 2 * window then
+    at, prev_started, prev_thr, win_started, win_thr = now, 0, 0, started, refused
+  elseif now - at >= window then
+    at, prev_started, prev_thr, win_started, win_thr = at + window, win_started - started, win_thr - refused,
+                                                       started, refused
+  end
+  redis.call("HSET", state, "win_ms", at, "win_started", win_started, "win_thr", win_thr,
+             "prev_started", prev_started, "prev_thr", prev_thr)
+  return win_started + prev_started, win_thr + prev_thr
+end
+
 if op == "acquire" then
   local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
-  local max_in_flight, max_per_s = tonumber(ARGV[4]), tonumber(ARGV[5])
-  local wanted = #ARGV - 5  -- slot ids: ARGV[6], ARGV[7] ...
+  local max_in_flight, max_per_s, window = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+  local wanted = #ARGV - 6  -- slot ids: ARGV[7], ARGV[8] ...
   redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
   local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
   if pause > now then return {"wait", pause - now, "pause"} end
@@ -67,23 +107,59 @@ if op == "acquire" then
     end
     redis.call("HSET", state, "tokens", tostring(tokens - grant), "tokens_ms", now)
   end
-  for i = 1, grant do redis.call("ZADD", slots, now + ttl, ARGV[5 + i]) end
+  for i = 1, grant do redis.call("ZADD", slots, now + ttl, ARGV[6 + i]) end
+  count_window(now, window, grant, 0)
+  local check_ms = tonumber(redis.call("HGET", state, "check_ms") or "0")
+  if check_ms > 0 and now >= check_ms then redis.call("HINCRBY", state, "check_started", grant) end
   return {"ok", grant, tostring(limit)}
 
 elseif op == "release" then
   local slot, now, outcome = ARGV[2], tonumber(ARGV[3]), ARGV[4]
   local retry_after, max_in_flight = tonumber(ARGV[5]), tonumber(ARGV[6])
   local beta, min_limit, cut_gap = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-  local grow_near = tonumber(ARGV[10])
+  local grow_near, window, min_requests = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+  local margin, check_ratio, bg_max = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
+  local bg_half_life, noise_z, check_requests = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])
   local in_flight = redis.call("ZCARD", slots)
   -- A slot that expired (or was never ours) must not count as an answer: its request's fate is
   -- already out of the in-flight count the limit is compared with.
   if redis.call("ZREM", slots, slot) == 0 then outcome = "other" end
   local limit = current_limit(max_in_flight)
+  if outcome == "other" then return {"released", tostring(limit)} end  -- says nothing about capacity
+
+  redis.call("HINCRBY", state, outcome == "ok" and "ok" or "throttled", 1)
+  if outcome == "refused" then return {"released", tostring(limit)} end  -- adaptive back-off is off
+  local refusal = outcome == "throttled" and 1 or 0
+  local started, refused_recently = count_window(now, window, 0, refusal)
+
+  local c = redis.call("HMGET", state, "check_ms", "check_limit", "check_share", "check_started", "check_thr",
+                       "bg", "bg_ms")
+  local check_ms = tonumber(c[1] or "0")
+  local bg = tonumber(c[6] or "0") * 0.5 ^ ((now - tonumber(c[7] or now)) / bg_half_life)
+  if check_ms > 0 and now >= check_ms then
+    -- The check of the last cut: did the share fall once the fleet carried less?
+    local check_started, check_thr = tonumber(c[4] or "0"), tonumber(c[5] or "0") + refusal
+    redis.call("HSET", state, "check_thr", check_thr)
+    if check_started >= check_requests and now >= check_ms + window then
+      -- What is left of the share once the cut took effect is the background: all of it when the
+      -- cut did not help, the part no cut can help when it did.
+      local after = math.min(bg_max, check_thr / check_started)
+      bg = after
+      redis.call("HSET", state, "bg", tostring(bg), "bg_ms", now)
+      if after >= check_ratio * tonumber(c[3]) then
+        -- The cut did not lower the share: those 429s come whatever the load. Undo it.
+        limit = math.max(limit, tonumber(c[2]))
+        if limit >= UNBOUNDED then redis.call("HDEL", state, "limit")  -- unbounded again, as before the cut
+        else redis.call("HSET", state, "limit", tostring(limit)) end
+      end
+      redis.call("HSET", state, "check_ms", 0)
+      check_ms = 0
+    end
+  end
+
   if outcome == "ok" then
-    redis.call("HINCRBY", state, "ok", 1)
     -- Grow only while the limit is what holds the fleet back: a fleet with fewer greenlets than
-    -- its limit would otherwise raise it without bound, and the next 429 would find it meaningless.
+    -- its limit would otherwise raise it without bound, and the next cut would find it meaningless.
     -- "At the limit" with a margin: slots freed in one process are refilled by another only after
     -- its next poll, so a busy fleet sits a few requests under its limit most of the time.
     if limit < UNBOUNDED and in_flight >= math.min(math.floor(limit) - 1, grow_near * limit) then
@@ -91,38 +167,46 @@ elseif op == "release" then
       limit = math.min(cap, limit + 1 / limit)
       redis.call("HSET", state, "limit", tostring(limit))
     end
-  elseif outcome == "refused" then  -- a 429 while adaptive back-off is off: counted, nothing more
-    redis.call("HINCRBY", state, "throttled", 1)
-  elseif outcome == "throttled" then
-    redis.call("HINCRBY", state, "throttled", 1)
-    -- What the provider serves is what was in flight when the event began minus what it refused:
-    -- each refusal of the event lowers the estimate by one. A fleet starting unbounded with 1,500
-    -- requests against a capacity of 300 thus lands near 0.9 x 300 in one event, not after fifteen
-    -- 10% cuts; at steady state (one request over the capacity) it is the plain 0.9 x cut.
-    local e = redis.call("HMGET", state, "cut_ms", "event_limit", "event_in_flight", "event_throttled")
-    local cut, event_limit = tonumber(e[1] or "0"), tonumber(e[2] or "0")
-    local event_in_flight, refused = tonumber(e[3] or "0"), tonumber(e[4] or "0")
-    if now - cut >= cut_gap then  -- a new event: one congestion, however many 429s, cuts once
-      cut, event_limit, event_in_flight, refused = now, limit, in_flight, 0
+    return {"released", tostring(limit)}
+  end
+
+  -- throttled. What the provider serves is what was in flight when the event began minus what it
+  -- refused: each refusal of the event lowers the estimate by one. A fleet starting unbounded with
+  -- 1,500 requests against a capacity of 300 thus lands near beta x 300 in one event, not after
+  -- fifteen 10% cuts; at steady state (one request over the capacity) it is the plain beta x cut.
+  local e = redis.call("HMGET", state, "cut_ms", "event_limit", "event_in_flight", "event_throttled")
+  local cut, event_limit = tonumber(e[1] or "0"), tonumber(e[2] or "0")
+  local event_in_flight, refused = tonumber(e[3] or "0"), tonumber(e[4] or "0")
+  if now - cut >= cut_gap then  -- not within an event: does this 429 begin one?
+    local share = math.min(1, refused_recently / math.max(started, 1))
+    -- Above the background by more than chance makes of it: z binomial standard deviations of a
+    -- share of this many requests (and at least the margin).
+    local noise = noise_z * math.sqrt(bg * (1 - bg) / math.max(started, 1))
+    if check_ms > 0 or started < min_requests or share <= bg + math.max(margin, noise) then
+      return {"released", tostring(limit)}  -- a background 429 (or the last cut is still being checked)
     end
-    refused = refused + 1
-    local served = math.min(event_limit, event_in_flight - refused)
-    limit = math.min(limit, math.max(min_limit, math.floor(served * beta)))
-    redis.call("HSET", state, "limit", tostring(limit), "cut_ms", cut, "event_limit", tostring(event_limit),
-               "event_in_flight", event_in_flight, "event_throttled", refused)
-    if retry_after > 0 then
-      local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
-      if now + retry_after > pause then redis.call("HSET", state, "pause_ms", now + retry_after) end
-    end
+    cut, event_limit, event_in_flight, refused = now, limit, in_flight, 0
+    redis.call("HSET", state, "check_ms", now + math.max(cut_gap, retry_after), "check_limit", tostring(limit),
+               "check_share", tostring(share), "check_started", 0, "check_thr", 0)
+  end
+  refused = refused + 1
+  local served = math.min(event_limit, event_in_flight - refused)
+  limit = math.min(limit, math.max(min_limit, math.floor(served * beta)))
+  redis.call("HSET", state, "limit", tostring(limit), "cut_ms", cut, "event_limit", tostring(event_limit),
+             "event_in_flight", event_in_flight, "event_throttled", refused)
+  if retry_after > 0 then
+    local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
+    if now + retry_after > pause then redis.call("HSET", state, "pause_ms", now + retry_after) end
   end
   return {"released", tostring(limit)}
 
 elseif op == "state" then
   local now = tonumber(ARGV[2])
   redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
-  local s = redis.call("HMGET", state, "limit", "pause_ms", "ok", "throttled", "cap")
+  local s = redis.call("HMGET", state, "limit", "pause_ms", "ok", "throttled", "cap", "bg", "bg_ms")
+  local bg = tonumber(s[6] or "0") * 0.5 ^ ((now - tonumber(s[7] or now)) / tonumber(ARGV[3]))
   return {s[1] or "", redis.call("ZCARD", slots), math.max(0, tonumber(s[2] or "0") - now),
-          tonumber(s[3] or "0"), tonumber(s[4] or "0"), s[5] or ""}
+          tonumber(s[3] or "0"), tonumber(s[4] or "0"), s[5] or "", tostring(bg)}
 
 elseif op == "reset" then
   local cap = tonumber(ARGV[2])

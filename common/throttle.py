@@ -8,6 +8,7 @@ and the report.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any, Literal
@@ -19,19 +20,55 @@ from common.keys import THROTTLE, THROTTLE_SLOTS
 
 _SCRIPT = files("common").joinpath("throttle.lua").read_text(encoding="utf-8")
 
-#: A 429/503 cuts the fleet's in-flight limit to this share of what the provider served during the
-#: congestion event (multiplicative decrease). Gentle, because the cut starts from a measurement,
-#: not from a guess, and because getting back is slow: one request per round trip (2 s at the
-#: bench's latency, minutes at a long generation's). bench/throttle_run.py measured 0.9 leaving the
-#: fleet ~10% under the capacity for a minute after the start; each event also costs a fleet-wide
-#: Retry-After pause, so a shallower cut means a few more, cheap, events.
-DEFAULT_BETA = 0.95
-#: The limit is never cut below this many requests in flight.
-DEFAULT_MIN_LIMIT = 4
-#: 429s closer together than this are one congestion event and cut the limit once.
-DEFAULT_CUT_GAP_MS = 1000
-#: Answers grow the limit while the fleet has at least this share of it in flight.
-DEFAULT_GROW_NEAR = 0.97
+@dataclass(frozen=True)
+class ThrottlePolicy:
+    """Every constant of the adaptive back-off (``throttle.lua`` states the rule)."""
+
+    #: A congestion event cuts the fleet's in-flight limit to this share of what the provider served
+    #: during it (multiplicative decrease). Gentle, because the cut starts from a measurement, not a
+    #: guess, and because getting back is slow: one request per round trip (2 s at the bench's
+    #: latency, minutes at a long generation's). bench/throttle_run.py measured 0.9 leaving the fleet
+    #: ~10% under the capacity for a minute after the start; each event also costs a fleet-wide
+    #: Retry-After pause, so a shallower cut means a few more, cheap, events.
+    beta: float = 0.95
+    #: The limit is never cut below this many requests in flight.
+    min_limit: int = 4
+    #: 429s closer together than this are one congestion event and cut the limit once.
+    cut_gap_ms: int = 1000
+    #: Answers grow the limit while the fleet has at least this share of it in flight.
+    grow_near: float = 0.97
+    #: The recent 429 share (429s per request started) is measured over one to two windows of this
+    #: length...
+    window_ms: int = 1000
+    #: ...and judged only once they hold this many requests: a share of three is noise.
+    min_requests: int = 20
+    #: A 429 is congestion when the recent share exceeds the background by more than chance: noise_z
+    #: standard deviations of a binomial share of that many requests, and at least margin. A provider
+    #: that refuses nothing at random is cut at the first few 429s over its capacity; one that refuses
+    #: 10% at random, from ~19% over 100 answers or ~15% over 300.
+    margin: float = 0.02
+    noise_z: float = 3.0
+    #: A cut after which the share stays at this fraction of what it was (or more) did not help:
+    #: those 429s come whatever the load, so the cut is undone. A cut that relieved congestion takes
+    #: the share to about nothing within a window.
+    check_ratio: float = 0.5
+    #: A cut is checked on at least this many requests after it (and one window): the share left is
+    #: the background from then on, and a share of fewer requests strays too far (±2 points at 5%).
+    check_requests: int = 100
+    #: A share that survives a cut counts as background only up to this: a provider refusing more
+    #: whatever the load is in trouble, and backing off is the polite answer anyway.
+    background_max: float = 0.25
+    #: The background share halves in this time, so a provider that stops refusing at random is
+    #: watched closely again (and one that goes on refusing costs a checked cut now and then).
+    background_half_life_ms: int = 120_000
+
+    def release_args(self) -> list[float]:
+        return [self.beta, self.min_limit, self.cut_gap_ms, self.grow_near, self.window_ms, self.min_requests,
+                self.margin, self.check_ratio, self.background_max, self.background_half_life_ms, self.noise_z,
+                self.check_requests]
+
+
+POLICY = ThrottlePolicy()
 
 Outcome = Literal["ok", "throttled", "refused", "other"]
 
@@ -57,6 +94,8 @@ class ThrottleSnapshot:
     pause_ms_left: int
     ok: int
     throttled: int
+    #: The 429 share the provider shows whatever the load (learned from cuts that did not help).
+    background_share: float = 0.0
 
     @property
     def throttled_share(self) -> float:
@@ -72,10 +111,13 @@ class FleetThrottle:
     """The caps (``ThrottleLimits``, from the run's ``[request]``) travel with every call: one
     process may serve runs with different caps, and the script clamps the learned limit to them."""
 
-    def __init__(self, client: redis.Redis, *, beta: float = DEFAULT_BETA, min_limit: int = DEFAULT_MIN_LIMIT,
-                 cut_gap_ms: int = DEFAULT_CUT_GAP_MS, grow_near: float = DEFAULT_GROW_NEAR) -> None:
+    def __init__(self, client: redis.Redis, policy: ThrottlePolicy = POLICY,
+                 clock_ms: Callable[[], int] = now_ms) -> None:
         self._script = client.register_script(_SCRIPT)
-        self.beta, self.min_limit, self.cut_gap_ms, self.grow_near = beta, min_limit, cut_gap_ms, grow_near
+        self.policy = policy
+        #: Every decision is made on the caller's clock (unix ms), so a test can run a fleet's
+        #: minutes against the real script in seconds.
+        self._clock_ms = clock_ms
 
     def _call(self, *args: Any) -> Any:
         reply = self._script(keys=[THROTTLE, THROTTLE_SLOTS], args=list(args))
@@ -88,8 +130,8 @@ class FleetThrottle:
 
     def acquire_many(self, slots: list[str], *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS) -> Admission:
         """Take as many of ``slots``, in order, as the limit and the rate allow (``granted``)."""
-        reply = self._call("acquire", now_ms(), ttl_ms, limits.max_in_flight or 0, limits.max_requests_per_s or 0,
-                           *slots)
+        reply = self._call("acquire", self._clock_ms(), ttl_ms, limits.max_in_flight or 0,
+                           limits.max_requests_per_s or 0, self.policy.window_ms, *slots)
         if reply[0] == "ok":
             return Admission(True, granted=int(reply[1]))
         return Admission(False, int(reply[1]), str(reply[2]))
@@ -97,11 +139,12 @@ class FleetThrottle:
     def release(self, slot: str, outcome: Outcome, *, retry_after_s: float | None = None,
                 limits: ThrottleLimits = NO_CAPS) -> None:
         retry_after_ms = int((retry_after_s or 0) * 1000)
-        self._call("release", slot, now_ms(), outcome, retry_after_ms, limits.max_in_flight or 0, self.beta,
-                   self.min_limit, self.cut_gap_ms, self.grow_near)
+        self._call("release", slot, self._clock_ms(), outcome, retry_after_ms, limits.max_in_flight or 0,
+                   *self.policy.release_args())
 
     def snapshot(self) -> ThrottleSnapshot:
-        limit, in_flight, pause_left, ok, throttled, cap = self._call("state", now_ms())
+        limit, in_flight, pause_left, ok, throttled, cap, background = self._call(
+            "state", self._clock_ms(), self.policy.background_half_life_ms)
         bounds = [float(x) for x in (limit, cap) if x]  # the learned limit, the run's cap
         return ThrottleSnapshot(
             limit=min(bounds) if bounds else None,
@@ -109,6 +152,7 @@ class FleetThrottle:
             pause_ms_left=int(pause_left),
             ok=int(ok),
             throttled=int(throttled),
+            background_share=float(background),
         )
 
     def reset(self, limits: ThrottleLimits = NO_CAPS) -> None:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.fleet
 SERIES_S = 0.1
 
 
-#: The fleet backs off together only when asked to (see common/config.py ThrottleLimits).
+#: The fleet backs off together by default (common/config.py ThrottleLimits); said here to be plain.
 ADAPTIVE = "temperature = 1.0\nadaptive_backoff = true"
 
 
@@ -99,3 +99,15 @@ def test_max_requests_per_s_caps_the_fleets_rate(fleet: Fleet) -> None:
     busiest = max(sum(per_bucket[i:i + window]) for i in range(max(1, len(per_bucket) - window + 1)))
     assert busiest <= rate + 1  # no one-second window over the cap (bucket of one: +1 at its edges)
     assert busiest >= rate - 2  # and the cap, not the fleet, was the limit
+
+
+def test_random_429s_are_learned_as_background_and_do_not_hold_the_fleet_back(fleet: Fleet) -> None:
+    """A provider refusing 10% of requests whatever the load (Retry-After 1 s): the fleet checks
+    its first cut, sees the share did not fall, undoes it and goes on at full width (a fleet that
+    read every 429 as congestion was cut to its floor of 4 in flight here)."""
+    fleet.start_simulator("--latency-median-ms", "300", "--fault", "429=0.1")
+    summary = _run(fleet, 1500, request=ADAPTIVE)
+    assert summary["results"] == 1500 and summary["failed"] == 0
+    throttle = summary["throttle"]
+    assert 0.05 < throttle["throttled_share"] < 0.15
+    assert throttle["limit"] is None or throttle["limit"] >= 0.9 * 80, throttle  # 2 workers x 40 greenlets

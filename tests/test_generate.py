@@ -30,7 +30,7 @@ from common.errors import (
 )
 from common.settings import Settings
 from common.stats import DatasetStats
-from common.throttle import DEFAULT_MIN_LIMIT, FleetThrottle
+from common.throttle import POLICY, FleetThrottle
 from producer.state import read_state
 from simulator.run import SimHandle, start_in_thread
 from simulator.settings import Settings as SimSettings
@@ -185,12 +185,12 @@ def test_every_attempt_holds_a_fleet_slot_and_gives_it_back_with_its_outcome(wor
     replies = _scripted(RetryableUpstreamError("http_429", "slow down", status=429, retry_after_s=0.05),
                         RetryableUpstreamError("error200_503", "overloaded", status=200, code=503),
                         text_answer("Four."))
-    ctx = world.start(FakeUpstream(handler), request={"adaptive_backoff": True})
+    ctx = world.start(FakeUpstream(handler))
     assert generate(ctx, world.payload()) == "kept"
     assert seen_in_flight == [1, 1, 1]  # each attempt inside a slot
     snap = throttle.snapshot()
     assert (snap.in_flight, snap.throttled, snap.ok) == (0, 2, 1)  # a 429 and a 200 carrying a 503
-    assert snap.limit == DEFAULT_MIN_LIMIT  # cut from 1 in flight: the floor
+    assert snap.limit is None  # three requests are too few to call congestion (POLICY.min_requests)
 
 
 def test_the_throttle_reads_429_and_503_however_they_came_and_nothing_else() -> None:
@@ -204,22 +204,23 @@ def test_the_throttle_reads_429_and_503_however_they_came_and_nothing_else() -> 
     assert gate.outcome_of(gevent.GreenletExit()) == ("other", None)
 
 
-def test_a_429_over_http_cuts_the_fleet_limit_and_pauses_every_worker(world: World, sim: SimHandle) -> None:
-    sim.configure(capacity_in_flight=0, capacity_retry_after_s=30)  # every request: 429, Retry-After 30
-    ctx = world.start(OpenRouterClient(sim.url, "sk-or-v1-test", pool_size=4, app_url="u", app_title="t"),
-                      request={"adaptive_backoff": True})
+def test_429s_over_http_cut_the_fleet_limit_and_pause_every_worker(world: World, sim: SimHandle) -> None:
+    """Every request refused (Retry-After 30): once enough answers say so, the whole fleet stops."""
+    sim.configure(capacity_in_flight=0, capacity_retry_after_s=30)
+    ctx = world.start(OpenRouterClient(sim.url, "sk-or-v1-test", pool_size=4, app_url="u", app_title="t"))
     throttle = FleetThrottle(world.client)
-    worker = gevent.spawn(generate, ctx, world.payload())
+    n = POLICY.min_requests
+    workers = [gevent.spawn(generate, ctx, world.payload(f"p{i}")) for i in range(n)]
     deadline = time.monotonic() + 10
-    while throttle.snapshot().pause_ms_left == 0:
-        assert time.monotonic() < deadline and not worker.dead
+    while throttle.snapshot().throttled < n:  # each prompt's first attempt refused
+        assert time.monotonic() < deadline and not any(w.dead for w in workers)
         gevent.sleep(0.01)
     snap = throttle.snapshot()
-    assert 28_000 < snap.pause_ms_left <= 30_000  # the server's Retry-After, for the whole fleet
-    assert (snap.throttled, snap.in_flight, snap.limit) == (1, 0, DEFAULT_MIN_LIMIT)
+    assert 27_000 < snap.pause_ms_left <= 30_000  # the server's Retry-After, for the whole fleet
+    assert (snap.throttled, snap.in_flight, snap.limit) == (n, 0, POLICY.min_limit)  # all n refused
     other = throttle.acquire("another-worker", ttl_ms=1000)
     assert not other.ok and other.why == "pause"
-    worker.kill()
+    gevent.killall(workers)
 
 
 def test_a_stopped_dataset_gives_up_while_queued_for_a_slot(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -390,7 +391,7 @@ def test_the_throttle_caps_reach_workers_and_never_the_request_body() -> None:
     view = WorkerView.model_validate_json(cfg.worker_view().model_dump_json())
     assert (view.throttle.max_in_flight, view.throttle.max_requests_per_s) == (300, 50)
     assert "max_in_flight" not in view.request
-    assert view.throttle.adaptive_backoff is False  # off unless asked: sporadic 429s would hold the fleet back
+    assert view.throttle.adaptive_backoff is True  # the fleet backs off together unless told not to
     with pytest.raises(ValueError, match="max_in_flight"):
         _config(request={"max_in_flight": 0})
 
@@ -401,7 +402,7 @@ def test_without_adaptive_backoff_a_429_is_counted_but_neither_cuts_nor_pauses(w
 
     replies = _scripted(RetryableUpstreamError("http_429", "slow down", status=429, retry_after_s=30.0),
                         text_answer("Four."))
-    ctx = world.start(FakeUpstream(handler))
+    ctx = world.start(FakeUpstream(handler), request={"adaptive_backoff": False})
     assert generate(ctx, world.payload()) == "kept"
     snap = FleetThrottle(world.client).snapshot()
     assert (snap.throttled, snap.ok) == (1, 1)
