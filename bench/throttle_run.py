@@ -119,7 +119,7 @@ def main() -> int:
             data = write_jsonl(tmp / "t.jsonl", prompts(args.prompts))
             config = fleet.write_config([{"name": DATASET, "path": data, "length": "short",
                                           "budget_tokens": 10**12}], timeout_s=60, max_attempts=6,
-                                        request="temperature = 1.0\nadaptive_backoff = true")
+                                        request="temperature = 1.0")  # adaptive back-off: the default
             for i in range(args.workers):
                 fleet.start_worker(f"w{i + 1}", concurrency=args.greenlets, SPECFLEET_LOG_LEVEL="WARNING")
             app = make_app(Settings.from_env(), url)

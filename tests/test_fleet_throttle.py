@@ -19,7 +19,7 @@ pytestmark = pytest.mark.fleet
 SERIES_S = 0.1
 
 
-#: The fleet backs off together by default (common/config.py ThrottleLimits); said here to be plain.
+#: The default (common/config.py ThrottleLimits), said here to be plain.
 ADAPTIVE = "temperature = 1.0\nadaptive_backoff = true"
 
 
