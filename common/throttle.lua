@@ -41,7 +41,7 @@
 --            max_per_s 0: no rate cap.
 --   release  slot now_ms outcome retry_after_ms max_in_flight
 --            beta min_limit cut_gap_ms grow_near window_ms min_requests margin check_ratio bg_max
---            bg_half_life_ms noise_z check_requests
+--            bg_half_life_ms noise_z check_requests ttl_ms   (ttl_ms: the slot's, as acquired)
 --            outcome: ok | throttled | refused | other -> {"released", limit}
 --            (refused: a 429 with adaptive back-off off; counted as throttled, nothing more)
 --            ok grows the limit by 1/limit (one more request per round trip: additive increase) while
@@ -64,19 +64,26 @@ local function current_limit(max_in_flight)
   return limit
 end
 
--- The recent share counts requests where they start (429s / requests started, this window and the
--- previous one): counted at the answer, a fleet's first second would be all 429s, which come back
--- in milliseconds while the answers of the same requests take seconds.
-local function count_window(now, window, started, refused)
+-- The recent share counts requests by when they started: 429s of the requests started in this
+-- window and the previous one, over those requests. Counted when they arrive instead, a fleet's
+-- first second would be all 429s (back in milliseconds, while the answers of the same requests take
+-- seconds), and so would the second after every pause (nothing starts, earlier 429s still arrive).
+-- ``started_at``: the refused request's start (0 for none); a refusal older than both windows is
+-- left out.
+local function count_window(now, window, started, refused, started_at)
   local w = redis.call("HMGET", state, "win_ms", "win_started", "win_thr", "prev_started", "prev_thr")
   local at = tonumber(w[1] or now)
-  local win_started, win_thr = tonumber(w[2] or "0") + started, tonumber(w[3] or "0") + refused
+  local win_started, win_thr = tonumber(w[2] or "0"), tonumber(w[3] or "0")
   local prev_started, prev_thr = tonumber(w[4] or "0"), tonumber(w[5] or "0")
   if now - at >= 2 * window then
-    at, prev_started, prev_thr, win_started, win_thr = now, 0, 0, started, refused
+    at, prev_started, prev_thr, win_started, win_thr = now, 0, 0, 0, 0
   elseif now - at >= window then
-    at, prev_started, prev_thr, win_started, win_thr = at + window, win_started - started, win_thr - refused,
-                                                       started, refused
+    at, prev_started, prev_thr, win_started, win_thr = at + window, win_started, win_thr, 0, 0
+  end
+  win_started = win_started + started
+  if refused > 0 then
+    if started_at >= at then win_thr = win_thr + refused
+    elseif started_at >= at - window then prev_thr = prev_thr + refused end
   end
   redis.call("HSET", state, "win_ms", at, "win_started", win_started, "win_thr", win_thr,
              "prev_started", prev_started, "prev_thr", prev_thr)
@@ -108,29 +115,31 @@ if op == "acquire" then
     redis.call("HSET", state, "tokens", tostring(tokens - grant), "tokens_ms", now)
   end
   for i = 1, grant do redis.call("ZADD", slots, now + ttl, ARGV[6 + i]) end
-  count_window(now, window, grant, 0)
+  count_window(now, window, grant, 0, 0)
   local check_ms = tonumber(redis.call("HGET", state, "check_ms") or "0")
   if check_ms > 0 and now >= check_ms then redis.call("HINCRBY", state, "check_started", grant) end
   return {"ok", grant, tostring(limit)}
 
 elseif op == "release" then
-  local slot, now, outcome = ARGV[2], tonumber(ARGV[3]), ARGV[4]
+  local slot, now, outcome, ttl = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[19])
   local retry_after, max_in_flight = tonumber(ARGV[5]), tonumber(ARGV[6])
   local beta, min_limit, cut_gap = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
   local grow_near, window, min_requests = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
   local margin, check_ratio, bg_max = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
   local bg_half_life, noise_z, check_requests = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])
   local in_flight = redis.call("ZCARD", slots)
+  local expiry = tonumber(redis.call("ZSCORE", slots, slot) or "0")
   -- A slot that expired (or was never ours) must not count as an answer: its request's fate is
   -- already out of the in-flight count the limit is compared with.
   if redis.call("ZREM", slots, slot) == 0 then outcome = "other" end
+  local started_at = expiry - ttl
   local limit = current_limit(max_in_flight)
   if outcome == "other" then return {"released", tostring(limit)} end  -- says nothing about capacity
 
   redis.call("HINCRBY", state, outcome == "ok" and "ok" or "throttled", 1)
   if outcome == "refused" then return {"released", tostring(limit)} end  -- adaptive back-off is off
   local refusal = outcome == "throttled" and 1 or 0
-  local started, refused_recently = count_window(now, window, 0, refusal)
+  local started, refused_recently = count_window(now, window, 0, refusal, started_at)
 
   local c = redis.call("HMGET", state, "check_ms", "check_limit", "check_share", "check_started", "check_thr",
                        "bg", "bg_ms")
@@ -138,7 +147,9 @@ elseif op == "release" then
   local bg = tonumber(c[6] or "0") * 0.5 ^ ((now - tonumber(c[7] or now)) / bg_half_life)
   if check_ms > 0 and now >= check_ms then
     -- The check of the last cut: did the share fall once the fleet carried less?
-    local check_started, check_thr = tonumber(c[4] or "0"), tonumber(c[5] or "0") + refusal
+    -- Only requests started after check_ms: the cut's effect, not the 429s it answered.
+    local check_started = tonumber(c[4] or "0")
+    local check_thr = tonumber(c[5] or "0") + (started_at >= check_ms and refusal or 0)
     redis.call("HSET", state, "check_thr", check_thr)
     if check_started >= check_requests and now >= check_ms + window then
       -- What is left of the share once the cut took effect is the background: all of it when the

@@ -136,11 +136,12 @@ class FleetThrottle:
             return Admission(True, granted=int(reply[1]))
         return Admission(False, int(reply[1]), str(reply[2]))
 
-    def release(self, slot: str, outcome: Outcome, *, retry_after_s: float | None = None,
+    def release(self, slot: str, outcome: Outcome, *, ttl_ms: int, retry_after_s: float | None = None,
                 limits: ThrottleLimits = NO_CAPS) -> None:
+        """``ttl_ms``: the one the slot was acquired with (its expiry minus it is when it started)."""
         retry_after_ms = int((retry_after_s or 0) * 1000)
         self._call("release", slot, self._clock_ms(), outcome, retry_after_ms, limits.max_in_flight or 0,
-                   *self.policy.release_args())
+                   *self.policy.release_args(), ttl_ms)
 
     def snapshot(self) -> ThrottleSnapshot:
         limit, in_flight, pause_left, ok, throttled, cap, background = self._call(

@@ -143,8 +143,8 @@ def test_scrape_reports_the_fleet_throttle(midrun: redis.Redis) -> None:
     for i in range(10):
         assert throttle.acquire(f"s{i}", ttl_ms=60_000).ok
     for i in range(3):
-        throttle.release(f"s{i}", "ok")
-    throttle.release("s3", "throttled", retry_after_s=30)
+        throttle.release(f"s{i}", "ok", ttl_ms=60_000)
+    throttle.release("s3", "throttled", ttl_ms=60_000, retry_after_s=30)
     m = _parse(generate_latest(make_registry(midrun)).decode())
     assert m[("specfleet_throttle_limit", ())] == 5
     assert m[("specfleet_throttle_in_flight", ())] == 6

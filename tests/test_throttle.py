@@ -15,6 +15,11 @@ from tests.throttle_sim import T0_MS, Provider, run_fleet
 TTL_MS = 60_000
 
 
+def _frozen() -> int:
+    """A clock that stands still: the mechanics below happen within one instant."""
+    return T0_MS
+
+
 def _eager(**changes: float) -> ThrottlePolicy:
     """The cut's mechanics on a handful of slots: judge a 429 from the first answer on, with no
     allowance for chance (the judging itself, on realistic traffic, is what the simulated fleets
@@ -37,7 +42,7 @@ def test_a_fixed_cap_holds_across_callers_and_a_release_frees_a_slot(redis_clien
     _fill(b, 2, "b", cap)
     refused = a.acquire("a9", ttl_ms=TTL_MS, limits=cap)
     assert not refused.ok and refused.why == "limit"
-    b.release("b0", "other", limits=cap)
+    b.release("b0", "other", ttl_ms=TTL_MS, limits=cap)
     assert a.acquire("a9", ttl_ms=TTL_MS, limits=cap).ok
     assert a.snapshot().in_flight == 5
 
@@ -54,21 +59,24 @@ def test_the_rate_cap_spaces_requests_so_no_second_holds_more_than_the_cap(redis
 
 
 def test_a_429_cuts_the_limit_once_per_congestion_event_and_pauses_the_fleet(redis_client: redis.Redis) -> None:
-    t = FleetThrottle(redis_client, _eager(cut_gap_ms=300, beta=0.9, window_ms=100))
+    now = [T0_MS]
+    # The check keeps every cut and learns no background here (what a check decides is the simulations' part).
+    policy = _eager(cut_gap_ms=300, beta=0.9, check_ratio=100, background_max=0)
+    t = FleetThrottle(redis_client, policy, clock_ms=lambda: now[0])
     slots = _fill(t, 100)  # no cap configured: unbounded until the first 429
     assert t.snapshot().limit is None
-    t.release(slots[0], "throttled", retry_after_s=0.4)
+    t.release(slots[0], "throttled", ttl_ms=TTL_MS, retry_after_s=0.4)
     assert t.snapshot().limit == 89  # 0.9 x the 99 of the 100 in flight the provider did not refuse
-    t.release(slots[1], "throttled")  # the same event: one more refused, not a second 10% cut
+    t.release(slots[1], "throttled", ttl_ms=TTL_MS)  # the same event: one more refused, not a second 10% cut
     assert t.snapshot().limit == 88
     paused = t.acquire("new", ttl_ms=TTL_MS)
-    assert not paused.ok and paused.why == "pause" and 300 <= paused.wait_ms <= 400
-    time.sleep(0.55)  # past the pause and one window of checking the cut
+    assert not paused.ok and paused.why == "pause" and paused.wait_ms == 400
+    now[0] += 400 + POLICY.window_ms  # past the pause and one window of checking the cut
     for s in slots[2:13]:
-        t.release(s, "other")  # 87 in flight: room under the limit of 88 for one more
+        t.release(s, "other", ttl_ms=TTL_MS)  # 87 in flight: room under the limit of 88 for one more
     assert t.acquire("after", ttl_ms=TTL_MS).ok
-    t.release("after", "throttled")  # the cut is checked (all still refused: no background), and a
-    assert t.snapshot().limit == 78  # later event cuts again: 0.9 x the 87 of 88 in flight not refused
+    t.release("after", "throttled", ttl_ms=TTL_MS)  # the cut is checked and kept, and a later event
+    assert t.snapshot().limit == 78  # cuts again: 0.9 x the 87 of 88 in flight not refused
     snap = t.snapshot()
     assert (snap.throttled, snap.ok) == (3, 0) and snap.throttled_share == 1.0
 
@@ -77,27 +85,28 @@ def test_a_burst_far_over_the_capacity_lands_near_it_in_one_event(redis_client: 
     """1,500 requests start at once against a provider that serves 300: the 1,200 it refuses are
     one congestion event, and the limit lands at beta x 300, not at beta x 1,500 (which would take
     dozens of events of hundreds of 429s each to come down)."""
-    t = FleetThrottle(redis_client, _eager(cut_gap_ms=60_000))
+    t = FleetThrottle(redis_client, clock_ms=_frozen, policy=_eager(cut_gap_ms=60_000))
     slots = _fill(t, 1500)
     for s in slots[300:]:
-        t.release(s, "throttled", retry_after_s=1)
+        t.release(s, "throttled", ttl_ms=TTL_MS, retry_after_s=1)
     assert t.snapshot().limit == int(POLICY.beta * 300)
     assert t.snapshot().in_flight == 300
 
 
 def test_successes_at_the_limit_grow_it_by_one_per_round_trip_up_to_the_cap(redis_client: redis.Redis) -> None:
-    t, cap = FleetThrottle(redis_client, _eager(cut_gap_ms=0, beta=0.9)), ThrottleLimits(max_in_flight=12)
+    t = FleetThrottle(redis_client, clock_ms=_frozen, policy=_eager(cut_gap_ms=0, beta=0.9))
+    cap = ThrottleLimits(max_in_flight=12)
     slots = _fill(t, 11, limits=cap)
-    t.release(slots[0], "throttled", limits=cap)  # 0.9 x the 10 not refused -> 9
+    t.release(slots[0], "throttled", ttl_ms=TTL_MS, limits=cap)  # 0.9 x the 10 not refused -> 9
     assert t.snapshot().limit == 9
     held = slots[1:]
     for s in held[:2]:  # 10 in flight over the limit of 9: drain to it (answers at the limit grow it)
-        t.release(s, "ok", limits=cap)
+        t.release(s, "ok", ttl_ms=TTL_MS, limits=cap)
     held = held[2:]
     grown = t.snapshot().limit
     assert grown is not None and 9.2 < grown < 9.3  # 9 + 1/9 + 1/9.1
     for i in range(9):  # a round trip at the limit: 9 answers, each slot taken again at once
-        t.release(held.pop(0), "ok", limits=cap)
+        t.release(held.pop(0), "ok", ttl_ms=TTL_MS, limits=cap)
         assert t.acquire(f"again{i}", ttl_ms=TTL_MS, limits=cap).ok
         held.append(f"again{i}")
     limit = t.snapshot().limit
@@ -106,32 +115,32 @@ def test_successes_at_the_limit_grow_it_by_one_per_round_trip_up_to_the_cap(redi
         if t.acquire(f"busy{i}", ttl_ms=TTL_MS, limits=cap).ok:
             held.append(f"busy{i}")
         else:
-            t.release(held.pop(0), "ok", limits=cap)
+            t.release(held.pop(0), "ok", ttl_ms=TTL_MS, limits=cap)
     assert t.snapshot().limit == 12  # grew, and never past the configured cap
     assert t.snapshot().in_flight <= 12
 
 
 def test_an_idle_fleet_does_not_grow_its_limit(redis_client: redis.Redis) -> None:
-    t = FleetThrottle(redis_client, _eager(cut_gap_ms=0, beta=0.9))
+    t = FleetThrottle(redis_client, clock_ms=_frozen, policy=_eager(cut_gap_ms=0, beta=0.9))
     slots = _fill(t, 21)
-    t.release(slots[0], "throttled")  # limit 0.9 x 20 = 18
+    t.release(slots[0], "throttled", ttl_ms=TTL_MS)  # limit 0.9 x 20 = 18
     for s in slots[1:5]:
-        t.release(s, "ok")  # still at the limit (20 … 17 in flight): these grow it
+        t.release(s, "ok", ttl_ms=TTL_MS)  # still at the limit (20 … 17 in flight): these grow it
     at_limit = t.snapshot().limit
     assert at_limit is not None and 18.1 < at_limit < 18.3
     for s in slots[5:16]:
-        t.release(s, "ok")  # in flight falls far below the limit: no growth
+        t.release(s, "ok", ttl_ms=TTL_MS)  # in flight falls far below the limit: no growth
     assert t.snapshot().limit == at_limit
 
 
 def test_a_busy_fleet_a_few_short_of_a_large_limit_still_grows_it(redis_client: redis.Redis) -> None:
     """Slots freed in one process are refilled by another only after its next poll: a busy fleet
     of 300 sits a few under its limit, and its answers must still grow it."""
-    t = FleetThrottle(redis_client, _eager(cut_gap_ms=0, beta=0.9))
+    t = FleetThrottle(redis_client, clock_ms=_frozen, policy=_eager(cut_gap_ms=0, beta=0.9))
     slots = _fill(t, 301)
-    t.release(slots.pop(), "throttled")  # 0.9 x 300 = 270
+    t.release(slots.pop(), "throttled", ttl_ms=TTL_MS)  # 0.9 x 300 = 270
     for s in slots[:35]:
-        t.release(s, "ok")  # 300 … 266 in flight: growth while at least 97% of 270 (261.9)
+        t.release(s, "ok", ttl_ms=TTL_MS)  # 300 … 266 in flight: growth while at least 97% of 270 (261.9)
     limit = t.snapshot().limit
     assert limit is not None and 270 + 34 / 271 < limit < 270 + 36 / 270
 
@@ -143,15 +152,15 @@ def test_a_dead_workers_slots_expire_and_their_late_answers_count_for_nothing(re
     time.sleep(0.15)
     assert t.acquire("live", ttl_ms=TTL_MS, limits=cap).ok
     assert t.snapshot().in_flight == 1
-    t.release("dead1", "throttled", limits=cap)  # expired: neither counted nor cutting
+    t.release("dead1", "throttled", ttl_ms=TTL_MS, limits=cap)  # expired: neither counted nor cutting
     snap = t.snapshot()
     assert (snap.throttled, snap.limit, snap.in_flight) == (0, None, 1)
 
 
 def test_reset_forgets_the_limit_and_counters_but_not_the_requests_in_flight(redis_client: redis.Redis) -> None:
-    t = FleetThrottle(redis_client, _eager())
+    t = FleetThrottle(redis_client, clock_ms=_frozen, policy=_eager())
     slots = _fill(t, 10)
-    t.release(slots[0], "throttled", retry_after_s=5)
+    t.release(slots[0], "throttled", ttl_ms=TTL_MS, retry_after_s=5)
     t.reset()
     snap = t.snapshot()
     assert (snap.limit, snap.throttled, snap.pause_ms_left, snap.in_flight) == (None, 0, 0, 9)

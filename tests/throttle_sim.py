@@ -33,6 +33,9 @@ class Provider:
     #: Share of requests refused (429) whatever the load.
     random_429: float = 0.0
     latency_ms: int = 1000
+    #: Share of requests that hang until the client's timeout (an "other" outcome: not about capacity).
+    hang: float = 0.0
+    hang_ms: int = 8000
     error_latency_ms: int = 10
     retry_after_ms: int = 1000
 
@@ -85,6 +88,9 @@ def run_fleet(client: redis.Redis, provider: Provider, *, clients: int, duration
         if (provider.capacity is not None and admitted >= provider.capacity) or rng.random() < provider.random_429:
             heapq.heappush(events, (now + provider.error_latency_ms, next(seq), "answer", slot, "throttled"))
             return
+        if rng.random() < provider.hang:
+            heapq.heappush(events, (now + provider.hang_ms, next(seq), "answer", slot, "other"))
+            return
         admitted += 1
         latency = int(provider.latency_ms * rng.uniform(0.8, 1.2))
         heapq.heappush(events, (now + latency, next(seq), "answer", slot, "ok"))
@@ -98,12 +104,16 @@ def run_fleet(client: redis.Redis, provider: Provider, *, clients: int, duration
             if outcome == "ok":
                 admitted -= 1
                 run.rows += 1
+            if outcome == "other":
+                throttle.release(slot, "other", ttl_ms=TTL_MS)
+                heapq.heappush(events, (now, next(seq), "ready", slot, "ok"))
+                continue
             run.answers += 1
             run.refusals += outcome == "throttled"
             run.outcomes.append((now - T0_MS, outcome == "throttled"))
             retry_after_s = provider.retry_after_ms / 1000 if outcome == "throttled" else None
             told: Outcome = outcome if adaptive or outcome == "ok" else "refused"
-            throttle.release(slot, told, retry_after_s=retry_after_s)
+            throttle.release(slot, told, ttl_ms=TTL_MS, retry_after_s=retry_after_s)
             back_at = now + (provider.retry_after_ms if outcome == "throttled" else 0)
             heapq.heappush(events, (back_at, next(seq), "ready", slot, "ok"))
             next_poll = min(next_poll, now)  # a freed slot wakes the gate at once

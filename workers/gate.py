@@ -89,9 +89,9 @@ class Gate:
             outcome, retry_after_s = outcome_of(exc)
             if outcome == "throttled" and not limits.adaptive_backoff:
                 outcome = "refused"  # counted in the 429 share; no cut, no fleet-wide pause
-            self.release(slot, outcome, retry_after_s=retry_after_s, limits=limits)
+            self.release(slot, outcome, ttl_ms=ttl_ms, retry_after_s=retry_after_s, limits=limits)
             raise
-        self.release(slot, "ok", limits=limits)
+        self.release(slot, "ok", ttl_ms=ttl_ms, limits=limits)
 
     def acquire(self, *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS,
                 keepalive: Callable[[], None] | None = None) -> str:
@@ -109,7 +109,7 @@ class Gate:
                     self._pump = gevent.spawn(self._run_pump)
         except BaseException:
             if waiter.granted:  # the slot came as we gave up: hand it back
-                self.release(waiter.slot, "other", limits=limits)
+                self.release(waiter.slot, "other", ttl_ms=ttl_ms, limits=limits)
             else:
                 waiter.gone = True
             raise
@@ -150,17 +150,17 @@ class Gate:
         self._queue.remove(waiter)
         if waiter.gone:  # gave up while Redis granted it: the slot goes back at once
             if error is None:
-                self.release(waiter.slot, "other", limits=waiter.limits)
+                self.release(waiter.slot, "other", ttl_ms=waiter.ttl_ms, limits=waiter.limits)
             return
         waiter.granted, waiter.error = error is None, error
         waiter.woken.set()
 
-    def release(self, slot: str, outcome: Outcome, *, retry_after_s: float | None = None,
+    def release(self, slot: str, outcome: Outcome, *, ttl_ms: int, retry_after_s: float | None = None,
                 limits: ThrottleLimits = NO_CAPS) -> None:
         """Never raises (a paid answer must not be lost to a Redis blip): the slot expires by its TTL."""
         try:
             with deadline(RELEASE_WAIT_S):
-                self._throttle.release(slot, outcome, retry_after_s=retry_after_s, limits=limits)
+                self._throttle.release(slot, outcome, ttl_ms=ttl_ms, retry_after_s=retry_after_s, limits=limits)
         except Exception as exc:
             log.warning("throttle release failed (%s: %s); the slot expires by itself", type(exc).__name__, exc)
         self._freed.set()
