@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common.budget import Budget  # noqa: E402
+from common.throttle import FleetThrottle  # noqa: E402
 from simulator.seeding import prompt_hash  # noqa: E402
 from tests.chaos import RestartableValkey  # noqa: E402
 from tests.fleet import Fleet, read_rows, write_jsonl  # noqa: E402
@@ -108,6 +109,36 @@ class Chaos:
             time.sleep(0.2)
 
 
+class ThrottleWatch(threading.Thread):
+    """The fleet throttle's state once a second (the random 429s must not hold the fleet back)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        super().__init__(daemon=True)
+        self.throttle = FleetThrottle(client)
+        self.samples: list[tuple[float | None, bool, float]] = []  # (limit, paused, background share)
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(1.0):
+            try:
+                snap = self.throttle.snapshot()
+            except redis.RedisError:  # Redis SIGKILLed by the chaos: no sample
+                continue
+            self.samples.append((snap.limit, snap.pause_ms_left > 0, snap.background_share))
+
+    def line(self, greenlets: int) -> str:
+        n = len(self.samples)
+        if not n:
+            return "throttle: no samples"
+        limits = [limit for limit, _, _ in self.samples if limit is not None]
+        held = sum(1 for limit in limits if limit < 0.9 * greenlets)
+        paused = sum(1 for _, p, _ in self.samples if p)
+        lowest = f" (lowest {min(limits):.0f})" if limits else ""
+        return (f"throttle: limit under 90% of the fleet's {greenlets} greenlets {100 * held / n:.0f}% of the time"
+                f"{lowest}, fleet paused {100 * paused / n:.0f}% of the time, background 429 share at the end "
+                f"{100 * self.samples[-1][2]:.1f}%")
+
+
 def asked_twice(records: list[dict[str, Any]], delivered: set[str], kills: dict[str, float],
                 hash_to_id: dict[str, str]) -> tuple[Counter[str], list[float], dict[str, list[str]]]:
     """Repeats by cause, the delay from each worker kill to its prompts being asked again, examples."""
@@ -161,6 +192,7 @@ def main() -> int:
     client = redis.Redis.from_url(valkey.url, socket_timeout=30)
     items = soak_prompts(args.prompts)
     chaos = Chaos(fleet, valkey, args)
+    watch = ThrottleWatch(client)
     t0 = time.time()
     try:
         fault_args = [a for f in FAULTS for a in ("--fault", f"{f}=0.05")]
@@ -179,6 +211,7 @@ def main() -> int:
         cmd = [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "150"]
         env = fleet.env(SPECFLEET_VISIBILITY_TIMEOUT_S=str(args.visibility_timeout_s))
         producer = fleet._spawn("producer", cmd, env)
+        watch.start()
         chaos_thread = threading.Thread(target=chaos.run, args=(producer, [expect_s * 0.3, expect_s * 0.65]),
                                         daemon=True)
         chaos_thread.start()
@@ -189,6 +222,7 @@ def main() -> int:
             exit_code = -1
         chaos.stop.set()
         chaos_thread.join()
+        watch.halt.set()
         wall_s = time.time() - t0
         sim = fleet.sim_url
         records = requests.get(sim + "/_sim/requests", timeout=60).json()["requests"]
@@ -239,6 +273,7 @@ def main() -> int:
               f"{args.visibility_timeout_s} s + restore {args.restore_s:g} s + pickup")
     else:
         print("redelivery after a worker kill: no killed worker had a request in flight")
+    print(watch.line(args.workers * args.concurrency))
     print(f"requests {len(records):,} · billed {ledger.get('billed_requests', 0):,} · idle-queue sweeps "
           f"{sweeps} · end {summary.get('end_reason', '?')} · wall time {wall_s:.1f} s · dir {tmp}")
     ok = (exit_code == 0 and without == 0 and not any(c > 1 for c in ids.values())

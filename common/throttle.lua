@@ -40,8 +40,8 @@
 --            max_in_flight 0: no fixed cap (the adaptive limit alone, unbounded until a cut);
 --            max_per_s 0: no rate cap.
 --   release  slot now_ms outcome retry_after_ms max_in_flight
---            beta min_limit cut_gap_ms grow_near window_ms min_requests margin check_ratio bg_max
---            bg_half_life_ms noise_z check_requests ttl_ms   (ttl_ms: the slot's, as acquired)
+--            beta min_limit cut_gap_ms grow_near window_ms min_requests margin bg_max
+--            bg_half_life_ms noise_z check_requests check_ratio ttl_ms   (ttl_ms: the slot's, as acquired)
 --            outcome: ok | throttled | refused | other -> {"released", limit}
 --            (refused: a 429 with adaptive back-off off; counted as throttled, nothing more)
 --            ok grows the limit by 1/limit (one more request per round trip: additive increase) while
@@ -125,8 +125,8 @@ elseif op == "release" then
   local retry_after, max_in_flight = tonumber(ARGV[5]), tonumber(ARGV[6])
   local beta, min_limit, cut_gap = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
   local grow_near, window, min_requests = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
-  local margin, check_ratio, bg_max = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
-  local bg_half_life, noise_z, check_requests = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])
+  local margin, bg_max, bg_half_life = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
+  local noise_z, check_requests, check_ratio = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])
   local in_flight = redis.call("ZCARD", slots)
   local expiry = tonumber(redis.call("ZSCORE", slots, slot) or "0")
   -- A slot that expired (or was never ours) must not count as an answer: its request's fate is
@@ -154,8 +154,8 @@ elseif op == "release" then
     if check_started >= check_requests and now >= check_ms + window then
       -- What is left of the share once the cut took effect is the background: all of it when the
       -- cut did not help, the part no cut can help when it did.
-      local after = math.min(bg_max, check_thr / check_started)
-      bg = after
+      local after = check_thr / math.max(1, check_started)
+      bg = math.min(bg_max, after)
       redis.call("HSET", state, "bg", tostring(bg), "bg_ms", now)
       if after >= check_ratio * tonumber(c[3]) then
         -- The cut did not lower the share: those 429s come whatever the load. Undo it.
@@ -173,7 +173,9 @@ elseif op == "release" then
     -- its limit would otherwise raise it without bound, and the next cut would find it meaningless.
     -- "At the limit" with a margin: slots freed in one process are refilled by another only after
     -- its next poll, so a busy fleet sits a few requests under its limit most of the time.
-    if limit < UNBOUNDED and in_flight >= math.min(math.floor(limit) - 1, grow_near * limit) then
+    -- Not while a cut is being checked: the check must see the cut limit, not one grown past it.
+    if limit < UNBOUNDED and check_ms == 0
+        and in_flight >= math.min(math.floor(limit) - 1, grow_near * limit) then
       local cap = max_in_flight > 0 and max_in_flight or UNBOUNDED
       limit = math.min(cap, limit + 1 / limit)
       redis.call("HSET", state, "limit", tostring(limit))
@@ -188,8 +190,8 @@ elseif op == "release" then
   local e = redis.call("HMGET", state, "cut_ms", "event_limit", "event_in_flight", "event_throttled")
   local cut, event_limit = tonumber(e[1] or "0"), tonumber(e[2] or "0")
   local event_in_flight, refused = tonumber(e[3] or "0"), tonumber(e[4] or "0")
+  local share = math.min(1, refused_recently / math.max(started, 1))
   if now - cut >= cut_gap then  -- not within an event: does this 429 begin one?
-    local share = math.min(1, refused_recently / math.max(started, 1))
     -- Above the background by more than chance makes of it: z binomial standard deviations of a
     -- share of this many requests (and at least the margin).
     local noise = noise_z * math.sqrt(bg * (1 - bg) / math.max(started, 1))
@@ -198,8 +200,11 @@ elseif op == "release" then
     end
     cut, event_limit, event_in_flight, refused = now, limit, in_flight, 0
     redis.call("HSET", state, "check_ms", now + math.max(cut_gap, retry_after), "check_limit", tostring(limit),
-               "check_share", tostring(share), "check_started", 0, "check_thr", 0)
+               "check_started", 0, "check_thr", 0)
   end
+  -- The share the check compares with: as the event's refusals come in (judged at its first 429s,
+  -- a burst's share is still a few per cent).
+  redis.call("HSET", state, "check_share", tostring(share))
   refused = refused + 1
   local served = math.min(event_limit, event_in_flight - refused)
   limit = math.min(limit, math.max(min_limit, math.floor(served * beta)))

@@ -42,19 +42,19 @@ class ThrottlePolicy:
     window_ms: int = 1000
     #: ...and judged only once they hold this many requests: a share of three is noise.
     min_requests: int = 20
-    #: A 429 is congestion when the recent share exceeds the background by more than chance: noise_z
-    #: standard deviations of a binomial share of that many requests, and at least margin. A provider
-    #: that refuses nothing at random is cut at the first few 429s over its capacity; one that refuses
-    #: 10% at random, from ~19% over 100 answers or ~15% over 300.
+    #: A 429 is congestion when the recent share exceeds the background by more than chance:
+    #: noise_z standard deviations of a binomial share of that many requests, and at least margin.
+    #: A provider that refuses nothing at random is cut at the first few 429s over its capacity; one
+    #: that refuses 10% at random, from ~19% over 100 requests or ~15% over 300.
     margin: float = 0.02
     noise_z: float = 3.0
-    #: A cut after which the share stays at this fraction of what it was (or more) did not help:
-    #: those 429s come whatever the load, so the cut is undone. A cut that relieved congestion takes
-    #: the share to about nothing within a window.
-    check_ratio: float = 0.5
     #: A cut is checked on at least this many requests after it (and one window): the share left is
     #: the background from then on, and a share of fewer requests strays too far (±2 points at 5%).
     check_requests: int = 100
+    #: A cut after which the share stays at this fraction of what it was (or more) did not help:
+    #: those 429s come whatever the load, so it is undone. A cut that relieved congestion takes the
+    #: share to about nothing within a window.
+    check_ratio: float = 0.5
     #: A share that survives a cut counts as background only up to this: a provider refusing more
     #: whatever the load is in trouble, and backing off is the polite answer anyway.
     background_max: float = 0.25
@@ -64,8 +64,8 @@ class ThrottlePolicy:
 
     def release_args(self) -> list[float]:
         return [self.beta, self.min_limit, self.cut_gap_ms, self.grow_near, self.window_ms, self.min_requests,
-                self.margin, self.check_ratio, self.background_max, self.background_half_life_ms, self.noise_z,
-                self.check_requests]
+                self.margin, self.background_max, self.background_half_life_ms, self.noise_z,
+                self.check_requests, self.check_ratio]
 
 
 POLICY = ThrottlePolicy()

@@ -217,7 +217,8 @@ def test_429s_over_http_cut_the_fleet_limit_and_pause_every_worker(world: World,
         gevent.sleep(0.01)
     snap = throttle.snapshot()
     assert 27_000 < snap.pause_ms_left <= 30_000  # the server's Retry-After, for the whole fleet
-    assert (snap.throttled, snap.in_flight, snap.limit) == (n, 0, POLICY.min_limit)  # all n refused
+    assert (snap.throttled, snap.in_flight) == (n, 0)
+    assert snap.limit is not None and snap.limit < n / 2  # cut from what was sent to what was served
     other = throttle.acquire("another-worker", ttl_ms=1000)
     assert not other.ok and other.why == "pause"
     gevent.killall(workers)

@@ -24,7 +24,7 @@ def _eager(**changes: float) -> ThrottlePolicy:
     """The cut's mechanics on a handful of slots: judge a 429 from the first answer on, with no
     allowance for chance (the judging itself, on realistic traffic, is what the simulated fleets
     below test)."""
-    return replace(POLICY, min_requests=0, check_requests=1, noise_z=0, margin=0, **changes)
+    return replace(POLICY, min_requests=0, check_requests=0, window_ms=0, noise_z=0, margin=0, **changes)
 
 
 def _fill(t: FleetThrottle, n: int, prefix: str = "s", limits: ThrottleLimits | None = None) -> list[str]:
