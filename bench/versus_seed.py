@@ -245,6 +245,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=6000)
     ap.add_argument("--latencies-ms", default="300,15000")
     ap.add_argument("--in-flight", type=int, default=2000)
+    ap.add_argument("--fleet-only", action="store_true",
+                    help="skip the script: the fleet's figures alone (comparing two checkouts' fleets)")
     ap.add_argument("--workers", default="2",
                     help="worker processes; a list (1,2,3) runs the fleet once per count against one script run")
     args = ap.parse_args()
@@ -260,10 +262,11 @@ def main() -> int:
                 fleet.start_simulator("--latency-median-ms", str(latency_ms),
                                       "--latency-p99-ms", str(int(latency_ms * 2)))
                 data = write_jsonl(tmp / "prompts.jsonl", prompts(args.prompts))
-                seed = run_seed(fleet, data, args.in_flight, tmp / "seed-rows.jsonl")
+                seed = None if args.fleet_only else run_seed(fleet, data, args.in_flight, tmp / "seed-rows.jsonl")
                 print(f"upstream median latency {latency_ms} ms, {args.prompts:,} prompts, "
                       f"{args.in_flight:,} in flight", flush=True)
-                print(seed.line(), flush=True)
+                if seed is not None:
+                    print(seed.line(), flush=True)
                 for n, workers in enumerate(worker_counts):
                     if n:  # a fresh Redis keyspace for the next fleet: same dataset name, same output dir
                         redis.Redis.from_url(url).flushall()
@@ -273,9 +276,10 @@ def main() -> int:
                     redis_pid = server._process.pid if server._process is not None else None
                     fl = run_fleet(fleet, url, data, args.in_flight, workers, timeout_s, redis_pid)
                     print(f"  fleet: {workers} workers × {args.in_flight // workers} greenlets")
-                    print(fl.line())
-                    print(f"  fleet/script: throughput {fl.rows_per_s / seed.rows_per_s:.2f}× · "
-                          f"CPU per row {fl.cpu_ms_per_row / seed.cpu_ms_per_row:.2f}×", flush=True)
+                    print(fl.line(), flush=True)
+                    if seed is not None:
+                        print(f"  fleet/script: throughput {fl.rows_per_s / seed.rows_per_s:.2f}× · "
+                              f"CPU per row {fl.cpu_ms_per_row / seed.cpu_ms_per_row:.2f}×", flush=True)
             finally:
                 fleet.stop_all()
     return 0

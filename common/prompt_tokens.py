@@ -9,6 +9,7 @@ and tokenize it in one Rust call; others (remote-code ones such as Kimi's tiktok
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,8 +41,10 @@ def count_prompt_tokens(tokenizer: Any, prompts: Sequence[Prompt]) -> list[int]:
     if not getattr(tokenizer, "is_fast", False):
         return [len(_ids(tokenizer.apply_chat_template(p.messages, tools=p.tools, add_generation_prompt=True,
                                                       tokenize=True))) for p in prompts]
-    texts = [
-        tokenizer.apply_chat_template(p.messages, tools=p.tools, add_generation_prompt=True, tokenize=False)
-        for p in prompts
-    ]
+    # One apply_chat_template call per run of prompts with the same tools: a call's own set-up
+    # (template kwargs, special tokens) cost a fifth of rendering when paid for every prompt.
+    texts: list[str] = []
+    for tools, run in itertools.groupby(prompts, key=lambda p: p.tools):
+        texts += tokenizer.apply_chat_template([p.messages for p in run], tools=tools, add_generation_prompt=True,
+                                               tokenize=False)
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]

@@ -76,6 +76,31 @@ def test_a_row_is_one_line_for_every_reader(tmp_path: Path, redis_client: redis.
     assert json.loads(text)["content"] == tricky
 
 
+def test_rows_land_with_the_values_they_were_settled_with(tmp_path: Path, redis_client: redis.Redis) -> None:
+    """Compact JSON, one row per line, every value as the worker packed it; a row orjson refuses
+    (nested deeper than its limit of 255) is written all the same."""
+    b = Budget(redis_client, "D")
+    b.open(10_000)
+    deep: dict[str, object] = {"leaf": [1, 2.5]}
+    for _ in range(300):
+        deep = {"x": deep}
+    rows = [
+        {"id": "p0", "input_ids": [0, 151_643, 2**63 - 1], "loss_mask": [0, 1, 1], "num_tokens": 2,
+         "usage": {"cost": 1e-05, "prompt_tokens": 1}, "conversations": [{"role": "user", "content": "é \"q\" \\ ✓"}],
+         "engine_check": None, "flag": True},
+        {"id": "p1", "tools": [deep]},
+    ]
+    for row in rows:
+        b.reserve(row["id"], "L", ttl_ms=60_000, ask=Ask(3, 0, 3))
+        b.settle(row["id"], "L", 3, msgpack.packb(row, use_bin_type=True), cost_usd=0.0)
+    c = Collector(redis_client, tmp_path, shard_rows=10)
+    c.add("D")
+    c.drain_once(block_ms=10)
+    lines = shard_path(tmp_path / "D", 0).read_bytes().split(b"\n")
+    assert lines[-1] == b"" and [json.loads(x) for x in lines[:-1]] == rows
+    assert lines[0].startswith(b'{"id":"p0","input_ids":[0,151643,') and "é".encode() in lines[0]
+
+
 def _refuse_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
     def full(self: JsonlShards, cp: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
