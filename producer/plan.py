@@ -30,7 +30,10 @@ from common.errors import ConfigError, DatasetRowError
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer
 from producer.models import ModelInfo, ModelsUnavailable, fetch_model, models_url
 
-EXACT_LIMIT = 20_000
+#: Prompts counted exactly for the estimates; beyond it a seeded sample (the mean of 2,000 is within
+#: a few per cent), while every prompt that might not fit the context is still counted. Counting
+#: 20,000 cost the producer ~2 s of CPU before the first request (0.3 ms per row of a 6,000-row run).
+EXACT_LIMIT = 2_000
 _SAMPLE_SEED = 20_260_101
 _MAX_NAMED_ROWS = 20
 _COUNT_BATCH = 512
