@@ -87,7 +87,7 @@ def test_a_repeated_call_answers_as_unbatched(clients: tuple[redis.Redis, redis.
 
 
 def test_a_server_that_forgot_the_script_gets_it_again(clients: tuple[redis.Redis, redis.Redis, GroupCommit]) -> None:
-    plain, batched, committer = clients
+    plain, batched, _ = clients
     Budget(plain, "ds").open(10_000)
     assert _keep(batched, "p0") == ("ok", "kept")
     plain.script_flush()

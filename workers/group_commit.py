@@ -18,9 +18,11 @@ busy worker's calls wait for the next free slot. Failures are the same as unbatc
   into the next batch (their ``before`` commands are not sent twice);
 - a fence that failed, or Redis gone for the retry window: every caller of the batch gets the error.
 
-A caller inside ``redis_client.deadline(s)`` (a settle that spools past its lease) still gives up
-then, if Redis is away at that moment; its call may still land later, which a spooled settle or
-fail tolerates (its replay is then a ``duplicate``).
+A caller inside ``redis_client.deadline(s)`` (a settle that spools past its lease) gives up as
+unbatched: a batch retries only until the earliest deadline among its calls; then the calls past
+their deadline get the connection error (and are never sent again: the caller spools them) while
+the others go into the next batch. A call still waiting for a batch when its deadline passes with
+Redis away is withdrawn and raises at once.
 
 Workers only (gevent); ``Budget`` uses it for the clients ``common.budget.group_commit`` registered.
 """
@@ -39,7 +41,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from common.redis_client import CLOCK, WAITAOF_TIMEOUT_MS, fence_failed
+from common.redis_client import CLOCK, UNREACHABLE, WAITAOF_TIMEOUT_MS, RedisOutage, fence_failed
 
 #: Pipelines out at once.
 BATCHES_IN_FLIGHT = 2
@@ -52,13 +54,19 @@ DEADLINE_POLL_S = 0.25
 
 
 class _Call:
-    __slots__ = ("args", "before", "keys", "result", "script", "tries")
+    __slots__ = ("args", "before", "deadline", "keys", "result", "script", "sent", "tries", "withdrawn")
 
     def __init__(self, script: Any, keys: Sequence[str], args: Sequence[Any],
                  before: Callable[[Any], None] | None) -> None:
         self.script, self.keys, self.args, self.before = script, keys, args, before
         self.result: gevent.event.AsyncResult = gevent.event.AsyncResult()
         self.tries = 0
+        #: The caller's ``redis_client.deadline`` (monotonic), if any.
+        self.deadline = CLOCK.local_deadline()
+        #: In a pipeline now (its caller waits for that pipeline's outcome).
+        self.sent = False
+        #: Its caller gave up before it was sent: never send it.
+        self.withdrawn = False
 
 
 class GroupCommit:
@@ -85,15 +93,16 @@ class GroupCommit:
 
     @staticmethod
     def _wait(job: _Call) -> Any:
-        local = CLOCK.local_deadline()
-        if local is None:
+        if job.deadline is None:
             return job.result.get()
         while True:
-            timeout = max(local - time.monotonic(), DEADLINE_POLL_S)
             try:
-                return job.result.get(timeout=timeout)
+                return job.result.get(timeout=max(job.deadline - time.monotonic(), DEADLINE_POLL_S))
             except gevent.Timeout:
-                if CLOCK.down_since is not None:  # as an unbatched call under a deadline gives up
+                # Past its deadline with Redis away: an unsent call is withdrawn, as an unbatched
+                # call would have given up; a sent one ends with its batch, by that deadline.
+                if not job.sent and CLOCK.down_since is not None:
+                    job.withdrawn = True
                     raise RedisConnectionError("Redis unreachable past the caller's deadline") from None
 
     def _run(self) -> None:
@@ -103,32 +112,60 @@ class GroupCommit:
                 self._wake.wait()
             self._slots.acquire()
             batch = [self._pending.popleft() for _ in range(min(len(self._pending), BATCH_MAX_CALLS))]
-            gevent.spawn(self._send, batch)
+            batch = [job for job in batch if not job.withdrawn]
+            for job in batch:
+                job.sent = True
+            if batch:
+                gevent.spawn(self._send, batch)
+            else:
+                self._slots.release()
 
     def _send(self, batch: list[_Call]) -> None:
+        deadlines = [job.deadline for job in batch if job.deadline is not None]
         try:
-            self._commit(batch)
+            if deadlines:  # the batch gives up when its most pressed caller would have
+                with CLOCK.deadline(min(deadlines) - time.monotonic()):
+                    self._commit(batch)
+            else:
+                self._commit(batch)
         except BaseException as exc:
-            for job in batch:
-                if not job.result.ready():
-                    job.result.set_exception(exc)
+            self._failed(batch, exc)
             if not isinstance(exc, Exception):
                 raise
         finally:
             self._slots.release()
 
+    def _failed(self, batch: list[_Call], exc: BaseException) -> None:
+        """Calls past their deadline (or any, when Redis stayed away for the whole window) get the
+        error; the others, cut short by another caller's deadline, go into the next batch."""
+        now = time.monotonic()
+        again = []
+        for job in batch:
+            if job.result.ready():
+                continue
+            cut_short = isinstance(exc, UNREACHABLE) and not isinstance(exc, RedisOutage)
+            if cut_short and (job.deadline is None or now < job.deadline):
+                job.sent = False
+                again.append(job)
+            else:
+                job.result.set_exception(exc)
+        if again:
+            self._pending.extendleft(reversed(again))
+            self._wake.set()
+
     def _commit(self, batch: list[_Call]) -> None:
         pipe = self._client.pipeline(transaction=False)
         at = []
         for job in batch:
-            if job.before is not None:
+            if job.before is not None:  # until a pipeline carrying it got its replies
                 job.before(pipe)
-                job.before = None
             pipe.evalsha(job.script.sha, len(job.keys), *job.keys, *job.args)
             at.append(len(pipe) - 1)
-            job.tries += 1
         pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
         replies = pipe.execute(raise_on_error=False)
+        for job in batch:
+            job.before = None
+            job.tries += 1
         self.batches += 1
         self.calls += len(batch)
         fence = replies[-1]
@@ -136,6 +173,7 @@ class GroupCommit:
         for job, i in zip(batch, at, strict=True):
             reply = replies[i]
             if isinstance(reply, NoScriptError) and job.tries < SCRIPT_TRIES:
+                job.sent = False
                 again.append(job)
             elif isinstance(reply, NoScriptError):
                 job.result.set_exception(ResponseError("budget.lua: the server keeps forgetting the script"))
