@@ -192,8 +192,15 @@ def run_seed(fleet: Fleet, data: Path, in_flight: int, out: Path) -> Side:
     return side
 
 
+def _spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling one worker (``--profile-dir``): collapsed stacks, idle frames left out."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+    return subprocess.Popen([spy, "record", "-p", str(pid), "--format", "raw", "-r", "50", "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers: int, timeout_s: float,
-              redis_pid: int | None = None) -> Side:
+              redis_pid: int | None = None, profile_dir: Path | None = None) -> Side:
     side = Side("fleet")
     config = fleet.write_config([{"name": "V", "path": data, "length": "short", "budget_tokens": 10**12}],
                                 timeout_s=timeout_s)
@@ -207,12 +214,17 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
             raise SystemExit("workers did not come up:\n" + fleet.all_logs())
     cpu_before = {p.pid: proc_cpu_s(p.pid) for p in procs}
     redis_before = proc_cpu_s(redis_pid) if redis_pid else 0.0
+    spies = [_spy(p.pid, profile_dir / f"worker{i + 1}-{workers}.txt") for i, p in enumerate(procs)
+             if profile_dir is not None]
     sampler = Sampler(fleet.sim_url, client_url)
     sampler.start()
     side.start_t = time.monotonic()
     producer = fleet.start_producer(config)
     _, status, usage = os.wait4(producer.pid, 0)
     side.exit_t = time.monotonic()
+    for spy in spies:  # py-spy writes its profile on SIGINT
+        spy.send_signal(signal.SIGINT)
+        spy.wait()
     producer.returncode = os.waitstatus_to_exitcode(status)
     sampler.stop()
     if producer.returncode != 0:
@@ -249,7 +261,11 @@ def main() -> int:
                     help="skip the script: the fleet's figures alone (comparing two checkouts' fleets)")
     ap.add_argument("--workers", default="2",
                     help="worker processes; a list (1,2,3) runs the fleet once per count against one script run")
+    ap.add_argument("--profile-dir", type=Path,
+                    help="sample each worker with py-spy (it must be installed) into collapsed-stack files here")
     args = ap.parse_args()
+    if args.profile_dir:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
 
     worker_counts = [int(x) for x in args.workers.split(",")]
     for latency_ms in [int(x) for x in args.latencies_ms.split(",")]:
@@ -274,7 +290,7 @@ def main() -> int:
                     requests.post(fleet.sim_url + "/_sim/reset", timeout=5).raise_for_status()
                     timeout_s = max(60.0, latency_ms / 1000 * 8)
                     redis_pid = server._process.pid if server._process is not None else None
-                    fl = run_fleet(fleet, url, data, args.in_flight, workers, timeout_s, redis_pid)
+                    fl = run_fleet(fleet, url, data, args.in_flight, workers, timeout_s, redis_pid, args.profile_dir)
                     print(f"  fleet: {workers} workers × {args.in_flight // workers} greenlets")
                     print(fl.line(), flush=True)
                     if seed is not None:

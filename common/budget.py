@@ -12,10 +12,10 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.resources import files
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import redis
 from redis.exceptions import NoScriptError, ResponseError
@@ -232,12 +232,30 @@ def _script_of(client: redis.Redis) -> Any:
     return script
 
 
+class Committer(Protocol):
+    """Sends script calls of many callers behind one AOF fence (``workers/group_commit.py``)."""
+
+    def call(self, script: Any, keys: Sequence[str], args: Sequence[Any],
+             before: Callable[[Any], None] | None = None) -> Any: ...
+
+
+#: Clients whose budget calls go through a group commit (a gevent worker's): see ``group_commit``.
+_COMMITTERS: weakref.WeakKeyDictionary[redis.Redis, Committer] = weakref.WeakKeyDictionary()
+
+
+def group_commit(client: redis.Redis, committer: Committer) -> None:
+    """Every later ``Budget`` on ``client`` calls the script through ``committer``: the same
+    replies, each only once its writes are in the AOF, with one round trip and one fence per batch."""
+    _COMMITTERS[client] = committer
+
+
 class Budget:
     def __init__(self, client: redis.Redis, dataset: str, policy: BudgetPolicy = POLICY) -> None:
         self.keys = DatasetKeys(dataset)
         self.policy = policy
         self._client = client
         self._script = _script_of(client)
+        self._committer = _COMMITTERS.get(client)
 
     def _call(self, *args: Any, usage: Usage | None = None) -> list[Any]:
         """Run the script and wait until its writes are in the AOF (WAITAOF), on one connection.
@@ -252,8 +270,19 @@ class Budget:
 
         ``usage``: a billed answer's counters (``common/stats.py``), sent in the same round trip
         instead of one of their own; sent once even when the script has to be loaded again.
+
+        On a client registered with ``group_commit`` (a worker's), the call shares its pipeline and
+        its fence with the other greenlets' calls of the moment, with the same guarantees.
         """
         script = self._script
+        if self._committer is not None:
+            before = None
+            if usage is not None:
+                stats, answer = self.keys.stats, usage
+                def before(pipe: Any) -> None:
+                    queue_answer(pipe, stats, answer)
+            reply = self._committer.call(script, self.keys.budget_keys, args, before)
+            return [x.decode() if isinstance(x, bytes) else x for x in reply]
         for _ in range(3):
             pipe = self._client.pipeline(transaction=False)
             if usage is not None:

@@ -9,15 +9,18 @@ import logging
 import threading
 from functools import cached_property
 
+import gevent.monkey
 import redis
 
 from common import keys
+from common.budget import group_commit
 from common.config import WorkerView
 from common.errors import ConfigError, TokenizerError
 from common.redis_client import UNREACHABLE, WindowRetry
 from common.settings import Settings
 from common.throttle import FleetThrottle
 from workers.gate import Gate
+from workers.group_commit import GroupCommit
 from workers.openrouter import OpenRouterClient
 from workers.target import TargetTokenizer
 from workers.upstream import Upstream
@@ -59,7 +62,12 @@ class WorkerContext:
     @cached_property
     def redis(self) -> redis.Redis:
         # Bounded: an unbounded pool under 1,000 greenlets opens 1,000 sockets to Redis.
-        return _client(self.settings, max_connections=max(20, self.settings.worker_concurrency // 4))
+        client = _client(self.settings, max_connections=max(20, self.settings.worker_concurrency // 4))
+        if gevent.monkey.is_module_patched("socket"):
+            # A gevent worker: its greenlets' budget calls share pipelines and AOF fences. (An
+            # in-process context in tests runs unpatched, where a greenlet batcher cannot help.)
+            group_commit(client, GroupCommit(client))
+        return client
 
     @cached_property
     def gate(self) -> Gate:

@@ -1,4 +1,4 @@
-"""Two kombu Redis-transport tweaks for a gevent worker with 1,000 greenlets.
+"""Four kombu Redis-transport tweaks for a gevent worker with 1,000 greenlets.
 
 - **One client per channel instead of one per ack.** kombu's Redis channel builds a new
   ``redis.Redis`` object (which copies redis-py's table of ~250 response callbacks) for every
@@ -10,23 +10,77 @@
   connection's server-side id is read once per socket (``CLIENT ID``), so ``wake_consumer`` can end
   the wait with ``CLIENT UNBLOCK`` (the BRPOP returns empty, as on its timeout, and kombu starts
   over with the new queue list). Without the id (no CLIENT command allowed) it waits, as before.
+- **Messages waiting behind a BRPOP come in one call.** kombu takes one message per BRPOP and
+  then records it as unacked in a pipeline of its own: two round trips per message, 12% of a busy
+  worker. After a BRPOP delivered one, ``POP_MANY`` moves up to ``POP_BATCH`` more (within the
+  prefetch room) from the same queues into the unacked hash and its index, in one script, and
+  they are delivered as BRPOP's would be (kombu's ``QoS.append`` skips its own write for them).
+  The unacked record is exactly kombu's (``[payload, exchange, routing_key]``, scored by time),
+  so visibility-timeout restores and restores at channel close treat them alike; being written in
+  the same step as the pop, no crash can lose a message between the two.
+- **Acks of the moment share a round trip.** A late ack is a pipeline of its own per task. An ack
+  waits up to ``ACK_LINGER_S`` for others; one pipeline removes them all from the unacked hash and
+  its index, then each returns, as kombu's would, once its message is gone from there (so a task
+  still ends only after its ack, and a warm shutdown waits for it). The wait holds the finished
+  task's greenlet, not a row. Only in a gevent worker; elsewhere kombu's own ack.
 
-Nothing else changes: the same commands on the same pool, the same messages.
+Nothing else changes: the same pool, the same messages.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any
 
+import gevent
+import gevent.event
+import gevent.monkey
 import redis
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.json import loads
 
 log = logging.getLogger(__name__)
 
 _ORIGINAL_CREATE_CLIENT = kombu_redis.Channel._create_client
 _ORIGINAL_BRPOP_START = kombu_redis.Channel._brpop_start
+_ORIGINAL_BRPOP_READ = kombu_redis.Channel._brpop_read
+_ORIGINAL_QOS_APPEND = kombu_redis.QoS.append
+_ORIGINAL_QOS_ACK = kombu_redis.QoS.ack
+
+#: How long an ack waits for others to share its round trip.
+ACK_LINGER_S = 0.1
+
+#: Messages taken per call after a BRPOP, at most (and never past the prefetch room).
+POP_BATCH = 32
+
+#: KEYS: unacked hash, unacked index, then the queues' lists in BRPOP's order; ARGV: how many at
+#: most, the time to score them with. Returns [list, payload, list, payload, …]. A payload it
+#: cannot read goes back where it was, for kombu's own path to deal with.
+POP_MANY = """
+local n, now, out = tonumber(ARGV[1]), ARGV[2], {}
+for i = 3, #KEYS do
+  while #out < 2 * n do
+    local item = redis.call('RPOP', KEYS[i])
+    if not item then break end
+    local ok, msg = pcall(cjson.decode, item)
+    local props = ok and type(msg) == 'table' and msg['properties']
+    local info = type(props) == 'table' and props['delivery_info']
+    if type(info) ~= 'table' or type(props['delivery_tag']) ~= 'string' then
+      redis.call('RPUSH', KEYS[i], item)
+      return out
+    end
+    redis.call('ZADD', KEYS[2], now, props['delivery_tag'])
+    redis.call('HSET', KEYS[1], props['delivery_tag'],
+               '[' .. item .. ',' .. cjson.encode(info['exchange']) .. ',' .. cjson.encode(info['routing_key']) .. ']')
+    out[#out + 1] = KEYS[i]
+    out[#out + 1] = item
+  end
+end
+return out
+"""
 
 
 def _create_client(self: Any, asynchronous: bool = False) -> Any:
@@ -54,6 +108,88 @@ def _brpop_start(self: Any, timeout: Any = None) -> Any:
     return _ORIGINAL_BRPOP_START(self, timeout)
 
 
+def _brpop_read(self: Any, **options: Any) -> Any:
+    delivered = _ORIGINAL_BRPOP_READ(self, **options)  # raises Empty when the BRPOP timed out
+    if delivered:
+        _deliver_waiting(self)
+    return delivered
+
+
+def _deliver_waiting(channel: Any) -> None:
+    """Deliver the messages already waiting in the channel's queues, up to the prefetch room."""
+    room = channel.qos.can_consume_max_estimate()
+    n = POP_BATCH if room is None else min(POP_BATCH, room)
+    queues = channel._queue_cycle.consume(len(channel.active_queues))
+    if n <= 0 or not queues or channel.global_keyprefix:  # a prefix: kombu's own path, as before
+        return
+    keys = [channel._q_for_pri(queue, pri) for pri in channel.priority_steps for queue in queues]
+    try:
+        with channel.conn_or_acquire() as client:
+            script = channel.__dict__.get("_specfleet_pop_many")
+            if script is None:
+                script = channel.__dict__["_specfleet_pop_many"] = client.register_script(POP_MANY)
+            reply = script(keys=[channel.unacked_key, channel.unacked_index_key, *keys], args=[n, repr(time.time())],
+                           client=client)
+    except redis.RedisError as exc:  # whatever it popped is in the unacked hash: restored in time
+        log.warning("cannot take waiting messages: %s", exc)
+        return
+    recorded = channel.qos.__dict__.setdefault("_specfleet_recorded", set())
+    messages = []
+    for key, item in zip(reply[::2], reply[1::2], strict=True):
+        payload = loads(item)
+        recorded.add(payload["properties"]["delivery_tag"])
+        messages.append((key.decode().rsplit(channel.sep, 1)[0], payload))
+    for queue, payload in messages:
+        channel._queue_cycle.rotate(queue)
+        channel.connection._deliver(payload, queue)
+
+
+def _qos_append(self: Any, message: Any, delivery_tag: Any) -> None:
+    recorded = self.__dict__.get("_specfleet_recorded")
+    if recorded and delivery_tag in recorded:  # POP_MANY wrote its unacked record already
+        recorded.discard(delivery_tag)
+        virtual.QoS.append(self, message, delivery_tag)
+        return
+    _ORIGINAL_QOS_APPEND(self, message, delivery_tag)
+
+
+class _Acks:
+    """The acks of one round trip: their tags, and the moment they are done (or failed)."""
+
+    __slots__ = ("done", "tags")
+
+    def __init__(self) -> None:
+        self.tags: list[Any] = []
+        self.done: gevent.event.AsyncResult = gevent.event.AsyncResult()
+
+
+def _qos_ack(self: Any, delivery_tag: Any) -> None:
+    if not gevent.monkey.is_module_patched("socket"):
+        _ORIGINAL_QOS_ACK(self, delivery_tag)
+        return
+    acks = self.__dict__.get("_specfleet_acks")
+    if acks is None:
+        acks = self.__dict__["_specfleet_acks"] = _Acks()
+        gevent.spawn_later(ACK_LINGER_S, _remove_acked, self, acks)
+    acks.tags.append(delivery_tag)
+    acks.done.get()  # raises what the round trip met, as kombu's own ack would
+    virtual.QoS.ack(self, delivery_tag)
+
+
+def _remove_acked(qos: Any, acks: _Acks) -> None:
+    if qos.__dict__.get("_specfleet_acks") is acks:  # later acks start the next round trip
+        del qos.__dict__["_specfleet_acks"]
+    try:
+        with qos.pipe_or_acquire() as pipe:
+            pipe.zrem(qos.unacked_index_key, *acks.tags).hdel(qos.unacked_key, *acks.tags).execute()
+    except BaseException as exc:
+        acks.done.set_exception(exc)
+        if not isinstance(exc, Exception):
+            raise
+    else:
+        acks.done.set(None)
+
+
 def wake_consumer(channel: Any, client: redis.Redis) -> bool:
     """End ``channel``'s running BRPOP now, so it starts over with the queues just added."""
     client_id = getattr(channel, "__dict__", {}).get("_specfleet_brpop_id")
@@ -68,3 +204,6 @@ def install() -> None:
     # setattr: mypy forbids assigning to a method.
     setattr(kombu_redis.Channel, "_create_client", _create_client)  # noqa: B010
     setattr(kombu_redis.Channel, "_brpop_start", _brpop_start)  # noqa: B010
+    setattr(kombu_redis.Channel, "_brpop_read", _brpop_read)  # noqa: B010
+    setattr(kombu_redis.QoS, "append", _qos_append)  # noqa: B010
+    setattr(kombu_redis.QoS, "ack", _qos_ack)  # noqa: B010
