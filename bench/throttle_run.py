@@ -134,7 +134,10 @@ def main() -> int:
             first_t: float | None = None
             while producer.poll() is None:
                 time.sleep(0.2)
-                stats = fleet.sim_stats()
+                try:
+                    stats = fleet.sim_stats()
+                except requests.RequestException:  # a simulator busy with 1,500 greenlets answers late
+                    continue
                 if first_t is None and stats["requests"] > 0:
                     first_t = stats["uptime_s"]
                 if (args.join_at_s and join_t is None and first_t is not None

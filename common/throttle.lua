@@ -155,13 +155,17 @@ elseif op == "release" then
       -- What is left of the share once the cut took effect is the background: all of it when the
       -- cut did not help, the part no cut can help when it did.
       local after = check_thr / math.max(1, check_started)
-      bg = math.min(bg_max, after)
-      redis.call("HSET", state, "bg", tostring(bg), "bg_ms", now)
-      if after >= check_ratio * tonumber(c[3]) then
-        -- The cut did not lower the share: those 429s come whatever the load. Undo it.
-        limit = math.max(limit, tonumber(c[2]))
-        if limit >= UNBOUNDED then redis.call("HDEL", state, "limit")  -- unbounded again, as before the cut
-        else redis.call("HSET", state, "limit", tostring(limit)) end
+      -- Above bg_max the cut was too small (a burst judged before all of it had started) or the
+      -- provider is in trouble: the cut stays, nothing is learned, and the next 429 may cut again.
+      if after <= bg_max then
+        bg = after
+        redis.call("HSET", state, "bg", tostring(bg), "bg_ms", now)
+        if after >= check_ratio * tonumber(c[3]) then
+          -- The cut did not lower the share: those 429s come whatever the load. Undo it.
+          limit = math.max(limit, tonumber(c[2]))
+          if limit >= UNBOUNDED then redis.call("HDEL", state, "limit")  -- unbounded again, as before the cut
+          else redis.call("HSET", state, "limit", tostring(limit)) end
+        end
       end
       redis.call("HSET", state, "check_ms", 0)
       check_ms = 0
