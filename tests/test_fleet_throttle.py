@@ -112,4 +112,4 @@ def test_random_429s_are_learned_as_background_and_do_not_hold_the_fleet_back(fl
     assert 0.05 < throttle["throttled_share"] < 0.15
     # Learned as background (a check found the share did not fall); the limit at the very end may be
     # a cut still being checked, so it is not what this test reads.
-    assert throttle["background_share"] > 0.05, throttle
+    assert throttle["background_share"] > 0.02, throttle  # ~0.1, halving every 2 min after it was learned
