@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -43,30 +44,29 @@ class Provider:
 @dataclass
 class FleetRun:
     rows: int = 0
-    answers: int = 0
-    refusals: int = 0
     #: (virtual ms since start, provider's in flight, fleet limit or None, paused) every POLL_MS.
     samples: list[tuple[int, int, float | None, bool]] = field(default_factory=list)
     #: (virtual ms since start, throttled?) for every answer.
     outcomes: list[tuple[int, bool]] = field(default_factory=list)
     background_share: float = 0.0
 
-    def mean_in_flight(self, after_ms: int) -> float:
-        seen = [n for t, n, _, _ in self.samples if t >= after_ms]
+    def _mean(self, after_ms: int, pick: Callable[[tuple[int, int, float | None, bool]], float]) -> float:
+        seen = [pick(s) for s in self.samples if s[0] >= after_ms]
         return sum(seen) / len(seen)
+
+    def mean_in_flight(self, after_ms: int) -> float:
+        return self._mean(after_ms, lambda s: s[1])
+
+    def paused_share(self, after_ms: int) -> float:
+        return self._mean(after_ms, lambda s: s[3])
+
+    def unbounded_share(self, after_ms: int) -> float:
+        """Share of the time the fleet had no learned limit (none set, or a cut undone)."""
+        return self._mean(after_ms, lambda s: s[2] is None)
 
     def share_429(self, after_ms: int) -> float:
         seen = [thr for t, thr in self.outcomes if t >= after_ms]
         return sum(seen) / max(len(seen), 1)
-
-    def paused_share(self, after_ms: int) -> float:
-        seen = [p for t, _, _, p in self.samples if t >= after_ms]
-        return sum(seen) / len(seen)
-
-    def unbounded_share(self, after_ms: int) -> float:
-        """Share of the time the fleet had no learned limit (none set, or a cut undone)."""
-        seen = [limit is None for t, _, limit, _ in self.samples if t >= after_ms]
-        return sum(seen) / len(seen)
 
 
 def run_fleet(client: redis.Redis, provider: Provider, *, clients: int, duration_ms: int, adaptive: bool = True,
@@ -108,8 +108,6 @@ def run_fleet(client: redis.Redis, provider: Provider, *, clients: int, duration
                 throttle.release(slot, "other", ttl_ms=TTL_MS)
                 heapq.heappush(events, (now, next(seq), "ready", slot, "ok"))
                 continue
-            run.answers += 1
-            run.refusals += outcome == "throttled"
             run.outcomes.append((now - T0_MS, outcome == "throttled"))
             retry_after_s = provider.retry_after_ms / 1000 if outcome == "throttled" else None
             told: Outcome = outcome if adaptive or outcome == "ok" else "refused"
