@@ -408,3 +408,25 @@ def test_without_adaptive_backoff_a_429_is_counted_but_neither_cuts_nor_pauses(w
     snap = FleetThrottle(world.client).snapshot()
     assert (snap.throttled, snap.ok) == (1, 1)
     assert snap.limit is None and snap.pause_ms_left == 0
+
+
+# --- the spool ----------------------------------------------------------------------------------
+
+
+def test_a_spooled_answer_is_replayed_only_into_the_redis_that_holds_its_run(world: World, tmp_path: Any) -> None:
+    """Two fleets on one host (other Redis servers, the same dataset file) share the spool folder:
+    each answer goes back to its own run, never kept by the other fleet and deleted from its own."""
+    from workers.spool import pending, replay, write_entry
+
+    world.start(FakeUpstream(_scripted(text_answer("x"))))
+    entry = {"op": "settle", "dataset": DS, "id": "p1", "lease": "l1", "tokens": 5, "row": b"row",
+             "cost_usd": 0.0, "attempts": 1}
+    write_entry(tmp_path, {**entry, "run": world.config_id})
+    write_entry(tmp_path, {**entry, "run": "other-fleet-run"})
+    assert len(pending(tmp_path)) == 2, "the same prompt id of two runs must not share a spool file"
+
+    assert replay(world.client, tmp_path) == 1
+    assert world.client.sismember(keys.DatasetKeys(DS).done, "p1")
+    left = pending(tmp_path)
+    assert len(left) == 1 and msgpack.unpackb(left[0].read_bytes())["run"] == "other-fleet-run"
+    assert replay(world.client, tmp_path) == 0 and len(pending(tmp_path)) == 1

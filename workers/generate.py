@@ -124,9 +124,9 @@ class _Job:
     def fail(self, reason: str, detail: str) -> str:
         """Record the failure; while Redis is away it waits in the spool (workers/spool.py)."""
         usage, self.usage = self.usage, None
-        recorded = fail_or_spool(self.ctx.redis, self.ctx.settings.spool_dir, self.budget, self.pid, self.lease,
-                                 reason, self.attempts, detail, where=self.where, cost_usd=self.billed_usd,
-                                 within_s=LEASE_SLACK_S, usage=usage)
+        recorded = fail_or_spool(self.ctx.redis, self.ctx.settings.spool_dir, self.payload["run"], self.budget,
+                                 self.pid, self.lease, reason, self.attempts, detail, where=self.where,
+                                 cost_usd=self.billed_usd, within_s=LEASE_SLACK_S, usage=usage)
         if recorded != "spooled":
             self.stats.record_failure(reason)
         log.warning("%s/%s failed: %s after %d attempts: %s", self.dataset, self.pid, reason, self.attempts, detail)
@@ -380,8 +380,8 @@ def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow, turn: TurnHook | None
     row = _row(job.payload, rebuilt, answer, job.attempts)
     keep = None if turn is None else turn.finish(row, rebuilt, answer)
     usage, job.usage = job.usage, None
-    settled = settle_or_spool(job.ctx.redis, job.ctx.settings.spool_dir, job.budget, job.pid, job.lease,
-                              rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True),
+    settled = settle_or_spool(job.ctx.redis, job.ctx.settings.spool_dir, job.payload["run"], job.budget, job.pid,
+                              job.lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True),
                               cost_usd=job.billed_usd, attempts=job.attempts, within_s=LEASE_SLACK_S, turn=keep,
                               usage=usage)
     if settled == "duplicate":

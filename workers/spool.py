@@ -7,6 +7,9 @@ rename). Every worker replays the spool on start and every few seconds while it 
 (workers/recovery.py), through the same ``budget.lua`` operations: a settle replayed twice, or
 after another delivery kept the prompt, is a ``duplicate`` (the done set), so a row counts once.
 Workers on one host may share the folder; replaying a file twice is harmless for the same reason.
+Fleets on one host that use different Redis servers may share it too: an entry names its run
+config, and is replayed only into a Redis that holds that run (a dataset's prompt ids alone would
+collide between two runs of the same file, and one fleet would take the other's answers).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Literal
 
 import msgpack
 
+from common import keys
 from common.budget import Budget, TurnKeep
 from common.contract import Usage
 from common.redis_client import UNREACHABLE, deadline
@@ -34,8 +38,8 @@ SUFFIX = ".spool"
 USAGE_WAIT_S = 2.0
 
 
-def _path(spool_dir: Path, dataset: str, prompt_id: str, kind: str) -> Path:
-    digest = hashlib.sha256(f"{dataset}\0{prompt_id}".encode()).hexdigest()[:32]
+def _path(spool_dir: Path, run: str, dataset: str, prompt_id: str, kind: str) -> Path:
+    digest = hashlib.sha256(f"{run}\0{dataset}\0{prompt_id}".encode()).hexdigest()[:32]
     return spool_dir / f"{kind}-{digest}{SUFFIX}"
 
 
@@ -49,7 +53,7 @@ def _fsync_dir(path: Path) -> None:
 
 def write_entry(spool_dir: Path, entry: dict[str, Any]) -> Path:
     spool_dir.mkdir(parents=True, exist_ok=True)
-    path = _path(spool_dir, entry["dataset"], entry["id"], entry["op"])
+    path = _path(spool_dir, entry.get("run", ""), entry["dataset"], entry["id"], entry["op"])
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("wb") as fh:
         fh.write(msgpack.packb(entry, use_bin_type=True))
@@ -88,11 +92,13 @@ def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: flo
         return None
 
 
-def settle_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str, lease: str, tokens: int,
-                    row: bytes, *, cost_usd: float, attempts: int, within_s: float,
+def settle_or_spool(client: Any, spool_dir: Path, run: str, budget: Budget, prompt_id: str, lease: str,
+                    tokens: int, row: bytes, *, cost_usd: float, attempts: int, within_s: float,
                     turn: TurnKeep | None = None, usage: Usage | None = None) -> Outcome:
-    """``usage``: the answer's counters (``common/stats.py``), counted with the settle, spooled with it."""
-    entry: dict[str, Any] = {"op": "settle", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease,
+    """``run``: the run-config id of the task; ``usage``: the answer's counters
+    (``common/stats.py``), counted with the settle, spooled with it."""
+    entry: dict[str, Any] = {"op": "settle", "run": run, "dataset": budget.keys.dataset, "id": prompt_id,
+                             "lease": lease,
                              "tokens": tokens, "row": row, "cost_usd": cost_usd, "attempts": attempts,
                              "usage": usage, "t_s": time.time()}
     if turn is not None:  # a conversation's turn travels with its row, so a replay stores it too
@@ -101,12 +107,12 @@ def settle_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str
     return "spooled" if word is None else word  # type: ignore[return-value]
 
 
-def fail_or_spool(client: Any, spool_dir: Path, budget: Budget, prompt_id: str, lease: str, reason: str,
-                  attempts: int, detail: str, *, where: str, cost_usd: float, within_s: float,
+def fail_or_spool(client: Any, spool_dir: Path, run: str, budget: Budget, prompt_id: str, lease: str,
+                  reason: str, attempts: int, detail: str, *, where: str, cost_usd: float, within_s: float,
                   usage: Usage | None = None) -> Outcome:
-    entry = {"op": "fail", "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease, "reason": reason,
-             "attempts": attempts, "detail": detail, "where": where, "cost_usd": cost_usd, "usage": usage,
-             "t_s": time.time()}
+    entry = {"op": "fail", "run": run, "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease,
+             "reason": reason, "attempts": attempts, "detail": detail, "where": where, "cost_usd": cost_usd,
+             "usage": usage, "t_s": time.time()}
     word = _or_spool(client, spool_dir, entry, within_s)
     return "spooled" if word is None else word  # type: ignore[return-value]
 
@@ -116,6 +122,22 @@ def pending(spool_dir: Path) -> list[Path]:
         return sorted(spool_dir.glob(f"*{SUFFIX}"))
     except OSError:
         return []
+
+
+#: Entries of runs this Redis does not hold, already reported (one warning each, not one per replay).
+_FOREIGN: set[Path] = set()
+
+
+def _ours(client: Any, entry: dict[str, Any], path: Path) -> bool:
+    """Whether the entry's run lives in this Redis (an entry of an older version names none)."""
+    run = entry.get("run")
+    if not run or client.exists(keys.config(run)):
+        return True
+    if path not in _FOREIGN:
+        _FOREIGN.add(path)
+        log.warning("spool: %s belongs to run %s, which this Redis does not hold: left for a worker of its own "
+                    "Redis", path, run)
+    return False
 
 
 def replay(client: Any, spool_dir: Path, *, within_s: float = 2.0) -> int:
@@ -132,6 +154,8 @@ def replay(client: Any, spool_dir: Path, *, within_s: float = 2.0) -> int:
             continue
         try:
             with deadline(within_s):
+                if not _ours(client, entry, path):
+                    continue
                 answer = _apply(client, entry)
         except UNREACHABLE:
             return done
