@@ -15,6 +15,7 @@ collide between two runs of the same file, and one fleet would take the other's 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -142,29 +143,58 @@ def _ours(client: Any, entry: dict[str, Any], path: Path) -> bool:
 
 def replay(client: Any, spool_dir: Path, *, within_s: float = 2.0) -> int:
     """Settle (or fail) every spooled outcome; stops at the first sign Redis is still away.
-    Returns how many entries were replayed."""
+    Returns how many entries were replayed.
+
+    Each file is replayed under an exclusive ``flock``: the timer's replay and one at a consumer
+    restart, or two workers sharing the folder, would otherwise apply one entry twice, and its
+    usage counters with it (the second settle is a harmless ``duplicate`` for the row, not for them).
+    The lock dies with its process, so a replayer killed midway leaves the file to the next."""
     done = 0
     for path in pending(spool_dir):
         try:
-            entry = msgpack.unpackb(path.read_bytes(), raw=False)
-        except FileNotFoundError:  # another worker on this host replayed it
-            continue
-        except (ValueError, msgpack.UnpackException) as exc:  # a torn file cannot come from write_entry
-            log.error("spool: unreadable %s (%s): left in place", path, exc)
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # another replayer took it meanwhile
             continue
         try:
-            with deadline(within_s):
-                if not _ours(client, entry, path):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # being replayed right now
+                continue
+            try:
+                if os.stat(path).st_ino != os.fstat(fd).st_ino:
                     continue
-                answer = _apply(client, entry)
-        except UNREACHABLE:
+            except FileNotFoundError:  # replayed and removed while we waited for the lock
+                continue
+            outcome = _replay_one(client, path, fd, within_s)
+        finally:
+            os.close(fd)
+        if outcome is None:
             return done
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        done += 1
-        if answer in ("failed", "discarded"):  # counted where it lands, as generate counts the others
-            reason = entry["reason"] if answer == "failed" else "over_budget"
-            with contextlib.suppress(*UNREACHABLE):
-                DatasetStats(client, entry["dataset"]).record_failure(reason)
-        log.info("%s/%s %s replayed from the spool: %s", entry["dataset"], entry["id"], entry["op"], answer)
+        done += outcome
     return done
+
+
+def _replay_one(client: Any, path: Path, fd: int, within_s: float) -> int | None:
+    """1 when the entry was applied and removed, 0 when it stays (unreadable, another Redis's run),
+    None when Redis is still away."""
+    try:
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            entry = msgpack.unpackb(fh.read(), raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:  # a torn file cannot come from write_entry
+        log.error("spool: unreadable %s (%s): left in place", path, exc)
+        return 0
+    try:
+        with deadline(within_s):
+            if not _ours(client, entry, path):
+                return 0
+            answer = _apply(client, entry)
+    except UNREACHABLE:
+        return None
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    if answer in ("failed", "discarded"):  # counted where it lands, as generate counts the others
+        reason = entry["reason"] if answer == "failed" else "over_budget"
+        with contextlib.suppress(*UNREACHABLE):
+            DatasetStats(client, entry["dataset"]).record_failure(reason)
+    log.info("%s/%s %s replayed from the spool: %s", entry["dataset"], entry["id"], entry["op"], answer)
+    return 1
