@@ -430,3 +430,22 @@ def test_a_spooled_answer_is_replayed_only_into_the_redis_that_holds_its_run(wor
     left = pending(tmp_path)
     assert len(left) == 1 and msgpack.unpackb(left[0].read_bytes())["run"] == "other-fleet-run"
     assert replay(world.client, tmp_path) == 0 and len(pending(tmp_path)) == 1
+
+
+def test_a_spooled_answer_another_replayer_holds_is_left_to_it(world: World, tmp_path: Any) -> None:
+    """The consumer's timer and a restart's replay, or two workers sharing the folder, must not
+    apply one entry twice: its usage counters would count twice."""
+    import fcntl
+
+    from workers.spool import pending, replay, write_entry
+
+    world.start(FakeUpstream(_scripted(text_answer("x"))))
+    path = write_entry(tmp_path, {"op": "settle", "run": world.config_id, "dataset": DS, "id": "p1", "lease": "l1",
+                                  "tokens": 5, "row": b"row", "cost_usd": 0.0, "attempts": 1,
+                                  "usage": {"prompt_tokens": 3, "completion_tokens": 5, "reasoning_tokens": 0,
+                                            "cost": 0.0}})
+    with path.open("rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another replayer, midway
+        assert replay(world.client, tmp_path) == 0 and pending(tmp_path) == [path]
+    assert replay(world.client, tmp_path) == 1 and pending(tmp_path) == []
+    assert DatasetStats(world.client, DS).read().requests == 1
