@@ -6,7 +6,8 @@ A private Valkey, the simulator in capacity mode (429 with ``Retry-After: 1`` ab
 requests in flight, 2 s median latency), ``--workers`` celery workers × ``--greenlets`` greenlets
 started before the run (1,500 greenlets want 5× what the provider serves), ``specfleet run`` on one
 dataset whose every prompt should be kept; ``--join-at-s`` seconds after the first request one
-more worker joins.
+more worker joins (by default halfway through the steady state the capacity allows, so the 429
+shares before and after it are judged on windows of the same length).
 
 Printed, from the simulator's in-flight series (0.1 s buckets, the simulator's own clock) and the
 throttle's state in Redis (sampled every 0.5 s):
@@ -16,7 +17,10 @@ throttle's state in Redis (sampled every 0.5 s):
 - the steady state, from 30 s after the first request until the queue runs dry (the moment all but
   one capacity's worth of prompts were admitted): mean in flight, share of 0.1 s buckets within
   10% of the capacity, and the share of requests answered 429;
-- the 429 share before and after the extra worker joined, and whether every prompt was kept.
+- the 429 share before and after the extra worker joined, and whether it rose: by more than chance
+  (a one-sided two-proportion z-test at 3 standard deviations: a probe of the limit costs a few
+  429s whenever it lands, so one more 429 after the join than before is not a rise);
+- whether every prompt was kept.
 """
 
 from __future__ import annotations
@@ -95,6 +99,17 @@ def share(rows: list[list[float]]) -> tuple[float, int, int]:
     return (refused / sent if sent else 0.0), int(refused), int(sent)
 
 
+def rose(before: tuple[float, int, int], after: tuple[float, int, int], z: float = 3.0) -> bool:
+    """Whether the 429 share after exceeds the share before by more than ``z`` standard deviations
+    of their difference (pooled two-proportion test)."""
+    (_, r1, n1), (_, r2, n2) = before, after
+    if not n1 or not n2:
+        return False
+    pooled = (r1 + r2) / (n1 + n2)
+    sd = (pooled * (1 - pooled) * (1 / n1 + 1 / n2)) ** 0.5
+    return r2 / n2 - r1 / n1 > z * sd if sd else False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=12_000)
@@ -102,8 +117,12 @@ def main() -> int:
     ap.add_argument("--greenlets", type=int, default=500)
     ap.add_argument("--capacity", type=int, default=300)
     ap.add_argument("--latency-median-ms", type=int, default=2000)
-    ap.add_argument("--join-at-s", type=float, default=45.0, help="seconds after the first request (0: no join)")
+    ap.add_argument("--join-at-s", type=float, default=None,
+                    help="seconds after the first request (0: no join; default: halfway through the steady state)")
     args = ap.parse_args()
+    if args.join_at_s is None:
+        capacity_s = args.prompts / (args.capacity / (args.latency_median_ms / 1000))
+        args.join_at_s = (STEADY_AFTER_S + capacity_s) / 2
 
     tmp = Path(tempfile.mkdtemp(prefix="specfleet-throttle-"))
     with ValkeyServer(config={"appendonly": "yes", "appendfsync": "everysec",
@@ -201,11 +220,14 @@ def main() -> int:
           f"429s {refused:,} of {sent:,} requests = {100 * refused_share:.2f}%")
     ok_flight = abs(mean_in_flight - args.capacity) <= 0.1 * args.capacity
     ok_429 = refused_share < 0.05
+    ok_join = True
     if join_t is not None:
         before = share([r for r in steady if r[0] < join_t])
         after = share([r for r in steady if r[0] >= join_t])
+        ok_join = not rose(before, after)
         print(f"429 share {STEADY_AFTER_S:.0f} s → join: {100 * before[0]:.2f}% ({before[1]} of {before[2]:,}); "
-              f"join → queue dry: {100 * after[0]:.2f}% ({after[1]} of {after[2]:,})")
+              f"join → queue dry: {100 * after[0]:.2f}% ({after[1]} of {after[2]:,}): "
+              f"{'rose' if not ok_join else 'did not rise'} (z-test, 3 sd)")
     kept = summary["results"] == args.prompts and summary["failed"] == 0
     print(f"rows kept {summary['results']:,} of {args.prompts:,}, failed {summary['failed']}, "
           f"simulator max admitted in flight {sim['max_admitted_in_flight']}, "
@@ -214,9 +236,11 @@ def main() -> int:
     print(f"summary throttle: {json.dumps(summary.get('throttle'))}")
     print(f"target: in flight within 10% of {args.capacity}: {'yes' if ok_flight else 'NO'} · "
           f"429s under 5% after {STEADY_AFTER_S:.0f} s: {'yes' if ok_429 else 'NO'} · "
-          f"every prompt kept: {'yes' if kept else 'NO'}")
+          f"every prompt kept: {'yes' if kept else 'NO'}"
+          + (f" · 429 share not raised by worker {args.workers + 1}: {'yes' if ok_join else 'NO'}"
+             if join_t is not None else ""))
     print(f"bench dir {tmp}")
-    return 0 if ok_flight and ok_429 and kept else 1
+    return 0 if ok_flight and ok_429 and kept and ok_join else 1
 
 
 if __name__ == "__main__":

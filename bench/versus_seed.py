@@ -5,8 +5,9 @@
 For each upstream latency: one private Valkey (AOF on, as in production) and one simulator; the
 seed's design (``bench/seed_design.py``: one process, aiohttp, a semaphore of ``--in-flight``) runs
 first, then the simulator's counters are reset and the fleet runs the same prompts
-(``--workers`` celery worker processes × ``in_flight / workers`` greenlets, started beforehand as a
-fleet's workers are, plus ``specfleet run``). Every answer is kept on both sides (budget far away).
+(``--workers`` celery worker processes × ``in_flight / workers`` requests in flight, each worker's
+pool a quarter larger for tasks waiting on Redis (``common/worker_cmd.pool_size``), started
+beforehand as a fleet's workers are, plus ``specfleet run``). Every answer is kept on both sides (budget far away).
 ``--workers 1,2,3`` runs the fleet once per worker count (fresh Redis keyspace and output each
 time) against the one script run: the README's scaling table.
 
@@ -44,6 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common.settings import Settings  # noqa: E402
+from common.worker_cmd import pool_size  # noqa: E402
 from producer.celery_app import make_app  # noqa: E402
 from tests.fleet import DEMO_TOKENIZER, Fleet, read_rows, write_jsonl  # noqa: E402
 
@@ -93,6 +95,11 @@ class Sampler(threading.Thread):
                 self.opened_t = time.monotonic()
             time.sleep(0.05)
 
+    def mean_in_flight(self) -> float:
+        first, last = self.first_request_t(), self.last_answer_t()
+        window = [now for t, _, now, _ in self.samples if first is not None and last is not None and first <= t <= last]
+        return sum(window) / len(window) if window else 0.0
+
     def reached_t(self, in_flight: int) -> float | None:
         return next((t for t, _, now, _ in self.samples if now >= in_flight), None)
 
@@ -121,6 +128,9 @@ class Side:
     exit_t: float = 0.0
     cpu_s: float = 0.0
     max_in_flight: int = 0
+    #: Requests in flight on average from the first request to the last answer (the simulator's
+    #: samples): how well the side kept its slots busy.
+    mean_in_flight: float = 0.0
     #: From the first prompt queued (the script: its start) to ``ramp_target`` requests in flight.
     ramp_s: float | None = None
     ramp_target: int = 0
@@ -156,7 +166,8 @@ class Side:
             parts = f" (of which start-up {1000 * self.startup_cpu_s / max(self.rows, 1):.2f})"
         ramp = "never" if self.ramp_s is None else f"{self.ramp_s:.2f} s"
         return (f"  {self.name:<6} rows {self.rows:>6,} · {self.rows_per_s:7.1f} rows/s · "
-                f"{self.cpu_ms_per_row:5.2f} CPU ms/row{parts} · max in flight {self.max_in_flight:>5,} · "
+                f"{self.cpu_ms_per_row:5.2f} CPU ms/row{parts} · in flight max {self.max_in_flight:>5,} "
+                f"mean {self.mean_in_flight:,.0f} · "
                 f"first request {first} s · ≥{self.ramp_target:,} in flight after {ramp} · "
                 f"last answer → exit {tail} s · peak RSS {rss} MB")
 
@@ -186,6 +197,7 @@ def run_seed(fleet: Fleet, data: Path, in_flight: int, out: Path) -> Side:
     side.peak_rss_mb = [usage.ru_maxrss / 1024]
     side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
     side.max_in_flight = fleet.sim_stats()["max_in_flight"]
+    side.mean_in_flight = sampler.mean_in_flight()
     side.ramp_target = in_flight - 10
     reached = sampler.reached_t(side.ramp_target)
     side.ramp_s = None if reached is None else reached - side.start_t
@@ -245,6 +257,7 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
     side.rows = len(read_rows(fleet.out, "V"))
     side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
     side.max_in_flight = fleet.sim_stats()["max_in_flight"]
+    side.mean_in_flight = sampler.mean_in_flight()
     side.ramp_target = in_flight - 10
     reached = sampler.reached_t(side.ramp_target)
     if reached is not None and sampler.opened_t is not None:
@@ -291,7 +304,9 @@ def main() -> int:
                     timeout_s = max(60.0, latency_ms / 1000 * 8)
                     redis_pid = server._process.pid if server._process is not None else None
                     fl = run_fleet(fleet, url, data, args.in_flight, workers, timeout_s, redis_pid, args.profile_dir)
-                    print(f"  fleet: {workers} workers × {args.in_flight // workers} greenlets")
+                    per_worker = args.in_flight // workers
+                    print(f"  fleet: {workers} workers × {per_worker} requests in flight "
+                          f"({pool_size(per_worker)} greenlets each)")
                     print(fl.line(), flush=True)
                     if seed is not None:
                         print(f"  fleet/script: throughput {fl.rows_per_s / seed.rows_per_s:.2f}× · "

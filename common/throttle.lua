@@ -39,10 +39,12 @@
 --            allow): a process's queue of waiting requests is served in one call, not one each.
 --            max_in_flight 0: no fixed cap (the adaptive limit alone, unbounded until a cut);
 --            max_per_s 0: no rate cap.
---   release  slot now_ms outcome retry_after_ms max_in_flight
---            beta min_limit cut_gap_ms grow_near window_ms min_requests margin bg_max
---            bg_half_life_ms noise_z check_requests check_ratio ttl_ms   (ttl_ms: the slot's, as acquired)
---            outcome: ok | throttled | refused | other -> {"released", limit}
+--   release  now_ms beta min_limit cut_gap_ms grow_near window_ms min_requests margin bg_max
+--            bg_half_life_ms noise_z check_requests check_ratio
+--            then per slot given back: slot outcome retry_after_ms max_in_flight ttl_ms
+--            (ttl_ms: the slot's, as acquired) -> {"released", limit after the last}
+--            A process's answers of the moment come back in one call, in the order given.
+--            outcome: ok | throttled | refused | other
 --            (refused: a 429 with adaptive back-off off; counted as throttled, nothing more)
 --            ok grows the limit by 1/limit (one more request per round trip: additive increase) while
 --            the fleet uses its limit (in flight >= grow_near x limit, or within one of it);
@@ -90,43 +92,13 @@ local function count_window(now, window, started, refused, started_at)
   return win_started + prev_started, win_thr + prev_thr
 end
 
-if op == "acquire" then
-  local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
-  local max_in_flight, max_per_s, window = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-  local wanted = #ARGV - 6  -- slot ids: ARGV[7], ARGV[8] ...
-  redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
-  local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
-  if pause > now then return {"wait", pause - now, "pause"} end
-  local limit = current_limit(max_in_flight)
-  local grant = math.min(wanted, math.max(1, math.floor(limit)) - redis.call("ZCARD", slots))
-  if grant < 1 then return {"wait", 0, "limit"} end
-  if max_per_s > 0 then
-    -- A bucket of one: requests start at least 1/max_per_s apart, so no one-second window holds
-    -- more than max_per_s + 1 of them (a bucket of max_per_s would let 2 x max_per_s through in
-    -- the first second, which a provider counting per second answers with 429s).
-    local b = redis.call("HMGET", state, "tokens", "tokens_ms")
-    local tokens, at = tonumber(b[1] or "1"), tonumber(b[2] or now)
-    tokens = math.min(1, tokens + (now - at) * max_per_s / 1000)
-    grant = math.min(grant, math.floor(tokens))
-    if grant < 1 then
-      redis.call("HSET", state, "tokens", tostring(tokens), "tokens_ms", now)
-      return {"wait", math.ceil((1 - tokens) * 1000 / max_per_s), "rate"}
-    end
-    redis.call("HSET", state, "tokens", tostring(tokens - grant), "tokens_ms", now)
-  end
-  for i = 1, grant do redis.call("ZADD", slots, now + ttl, ARGV[6 + i]) end
-  count_window(now, window, grant, 0, 0)
-  local check_ms = tonumber(redis.call("HGET", state, "check_ms") or "0")
-  if check_ms > 0 and now >= check_ms then redis.call("HINCRBY", state, "check_started", grant) end
-  return {"ok", grant, tostring(limit)}
-
-elseif op == "release" then
-  local slot, now, outcome, ttl = ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[19])
-  local retry_after, max_in_flight = tonumber(ARGV[5]), tonumber(ARGV[6])
-  local beta, min_limit, cut_gap = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-  local grow_near, window, min_requests = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
-  local margin, bg_max, bg_half_life = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
-  local noise_z, check_requests, check_ratio = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])
+-- One slot given back with its outcome; the policy is read from ARGV[3..14] (see "release").
+-- Returns the limit after it.
+local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl)
+  local beta, min_limit, cut_gap = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+  local grow_near, window, min_requests = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+  local margin, bg_max, bg_half_life = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+  local noise_z, check_requests, check_ratio = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
   local in_flight = redis.call("ZCARD", slots)
   local expiry = tonumber(redis.call("ZSCORE", slots, slot) or "0")
   -- A slot that expired (or was never ours) must not count as an answer: its request's fate is
@@ -134,10 +106,10 @@ elseif op == "release" then
   if redis.call("ZREM", slots, slot) == 0 then outcome = "other" end
   local started_at = expiry - ttl
   local limit = current_limit(max_in_flight)
-  if outcome == "other" then return {"released", tostring(limit)} end  -- says nothing about capacity
+  if outcome == "other" then return limit end  -- says nothing about capacity
 
   redis.call("HINCRBY", state, outcome == "ok" and "ok" or "throttled", 1)
-  if outcome == "refused" then return {"released", tostring(limit)} end  -- adaptive back-off is off
+  if outcome == "refused" then return limit end  -- adaptive back-off is off
   local refusal = outcome == "throttled" and 1 or 0
   local started, refused_recently = count_window(now, window, 0, refusal, started_at)
 
@@ -184,7 +156,7 @@ elseif op == "release" then
       limit = math.min(cap, limit + 1 / limit)
       redis.call("HSET", state, "limit", tostring(limit))
     end
-    return {"released", tostring(limit)}
+    return limit
   end
 
   -- throttled. What the provider serves is what was in flight when the event began minus what it
@@ -200,7 +172,7 @@ elseif op == "release" then
     -- share of this many requests (and at least the margin).
     local noise = noise_z * math.sqrt(bg * (1 - bg) / math.max(started, 1))
     if check_ms > 0 or started < min_requests or share <= bg + math.max(margin, noise) then
-      return {"released", tostring(limit)}  -- a background 429 (or the last cut is still being checked)
+      return limit  -- a background 429 (or the last cut is still being checked)
     end
     cut, event_limit, event_in_flight, refused = now, limit, in_flight, 0
     redis.call("HSET", state, "check_ms", now + math.max(cut_gap, retry_after), "check_limit", tostring(limit),
@@ -217,6 +189,44 @@ elseif op == "release" then
   if retry_after > 0 then
     local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
     if now + retry_after > pause then redis.call("HSET", state, "pause_ms", now + retry_after) end
+  end
+  return limit
+end
+
+if op == "acquire" then
+  local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
+  local max_in_flight, max_per_s, window = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+  local wanted = #ARGV - 6  -- slot ids: ARGV[7], ARGV[8] ...
+  redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
+  local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
+  if pause > now then return {"wait", pause - now, "pause"} end
+  local limit = current_limit(max_in_flight)
+  local grant = math.min(wanted, math.max(1, math.floor(limit)) - redis.call("ZCARD", slots))
+  if grant < 1 then return {"wait", 0, "limit"} end
+  if max_per_s > 0 then
+    -- A bucket of one: requests start at least 1/max_per_s apart, so no one-second window holds
+    -- more than max_per_s + 1 of them (a bucket of max_per_s would let 2 x max_per_s through in
+    -- the first second, which a provider counting per second answers with 429s).
+    local b = redis.call("HMGET", state, "tokens", "tokens_ms")
+    local tokens, at = tonumber(b[1] or "1"), tonumber(b[2] or now)
+    tokens = math.min(1, tokens + (now - at) * max_per_s / 1000)
+    grant = math.min(grant, math.floor(tokens))
+    if grant < 1 then
+      redis.call("HSET", state, "tokens", tostring(tokens), "tokens_ms", now)
+      return {"wait", math.ceil((1 - tokens) * 1000 / max_per_s), "rate"}
+    end
+    redis.call("HSET", state, "tokens", tostring(tokens - grant), "tokens_ms", now)
+  end
+  for i = 1, grant do redis.call("ZADD", slots, now + ttl, ARGV[6 + i]) end
+  count_window(now, window, grant, 0, 0)
+  local check_ms = tonumber(redis.call("HGET", state, "check_ms") or "0")
+  if check_ms > 0 and now >= check_ms then redis.call("HINCRBY", state, "check_started", grant) end
+  return {"ok", grant, tostring(limit)}
+
+elseif op == "release" then
+  local now, limit = tonumber(ARGV[2]), 0
+  for i = 15, #ARGV, 5 do
+    limit = release_one(ARGV[i], now, ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]))
   end
   return {"released", tostring(limit)}
 

@@ -8,7 +8,7 @@ and the report.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any, Literal
@@ -78,6 +78,18 @@ NO_CAPS = ThrottleLimits()
 
 
 @dataclass(frozen=True)
+class Release:
+    """One slot given back: its outcome, the TTL it was acquired with (its start is its expiry minus
+    that), the Retry-After of a 429 and the run's caps."""
+
+    slot: str
+    outcome: Outcome
+    ttl_ms: int
+    retry_after_s: float | None = None
+    limits: ThrottleLimits = NO_CAPS
+
+
+@dataclass(frozen=True)
 class Admission:
     ok: bool
     #: When not ok: how long until asking again makes sense (0: when a slot frees), and why.
@@ -140,9 +152,14 @@ class FleetThrottle:
     def release(self, slot: str, outcome: Outcome, *, ttl_ms: int, retry_after_s: float | None = None,
                 limits: ThrottleLimits = NO_CAPS) -> None:
         """``ttl_ms``: the one the slot was acquired with (its expiry minus it is when it started)."""
-        retry_after_ms = int((retry_after_s or 0) * 1000)
-        self._call("release", slot, self._clock_ms(), outcome, retry_after_ms, limits.max_in_flight or 0,
-                   *self.policy.release_args(), ttl_ms)
+        self.release_many([Release(slot, outcome, ttl_ms, retry_after_s, limits)])
+
+    def release_many(self, releases: Sequence[Release]) -> None:
+        """Give slots back in one call, judged one after the other in this order."""
+        args: list[Any] = ["release", self._clock_ms(), *self.policy.release_args()]
+        for r in releases:
+            args += [r.slot, r.outcome, int((r.retry_after_s or 0) * 1000), r.limits.max_in_flight or 0, r.ttl_ms]
+        self._call(*args)
 
     def snapshot(self) -> ThrottleSnapshot:
         limit, in_flight, pause_left, ok, throttled, cap, background = self._call(

@@ -44,6 +44,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.config import LengthClass, RunConfig, load_config
+from common.worker_cmd import pool_size
 from tests.fleet import DEMO_TOKENIZER, free_port, prompts, read_rows, read_summary, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +53,7 @@ ENV_EXAMPLE = REPO / ".env.example"
 DOCKERFILE = REPO / "Dockerfile"
 BIN = Path(sys.executable).parent
 
-B_PROMPTS = 1100  # more than one worker's prefetch (SPECFLEET_CONCURRENCY = 1000 in .env.example)
+B_PROMPTS = 1400  # more than one worker's prefetch (pool_size(SPECFLEET_CONCURRENCY = 1000 in .env.example))
 ALL_SERVICES = {"redis", "worker", "producer", "flower", "exporter", "simulator"}
 SECRETS = ("REDIS_PASSWORD", "FLOWER_BASIC_AUTH", "OPENROUTER_API_KEY", "HF_TOKEN")
 
@@ -669,14 +670,14 @@ def test_every_compose_service_runs_from_its_rendered_command_line(local_compose
     lc.start("simulator")
     lc.wait_healthy("simulator")
     # Every answer takes ~3 s, longer than SPECFLEET_QUEUE_POLL_S (2 s): whichever replica follows B
-    # first holds at most its prefetch (= SPECFLEET_CONCURRENCY) of B's tasks while they are in
+    # first holds at most its prefetch (its pool: pool_size(SPECFLEET_CONCURRENCY)) of B's tasks while they are in
     # flight, and the other replica, looking within 2 s, finds the rest still queued. So "both
     # replicas worked" is certain, not a race. Runtime API of the simulator, not a compose change.
     sim = f"http://127.0.0.1:{lc.port('simulator', 8765)}"
     requests.post(sim + "/_sim/config", json={"latency_median_ms": 3000, "latency_p99_ms": 3300},
                   timeout=10).raise_for_status()
     concurrency = int(services["worker"]["environment"]["SPECFLEET_CONCURRENCY"])
-    assert concurrency < B_PROMPTS
+    assert pool_size(concurrency) < B_PROMPTS
 
     # Two replicas of one service: distinct hostnames (and so node names), like --scale worker=2.
     _populate_config(lc)
@@ -695,7 +696,7 @@ def test_every_compose_service_runs_from_its_rendered_command_line(local_compose
         # Exec form all the way down: the process compose signals is celery itself.
         cmdline = Path(f"/proc/{lc.procs[f'worker-{replica}'].pid}/cmdline").read_bytes().split(b"\0")
         line = b" ".join(cmdline).decode()
-        assert f"celery -A workers worker -P gevent -c {concurrency}" in line and " -E " in line, line
+        assert f"celery -A workers worker -P gevent -c {pool_size(concurrency)}" in line and " -E " in line, line
 
     producer = lc.start("producer")
     deadline = time.monotonic() + 60

@@ -78,6 +78,20 @@ def test_a_retry_after_pauses_every_worker_for_that_long(fleet: Fleet) -> None:
     assert sum(r["requests"] for r in resumed) > 0  # and then it goes on
 
 
+def test_a_worker_holds_its_concurrency_in_requests_and_its_extra_greenlets_wait_on_redis(
+        fleet: Fleet, redis_client: redis.Redis) -> None:
+    """SPECFLEET_CONCURRENCY is requests in flight per worker, whatever its pool's extra greenlets
+    (common/worker_cmd.pool_size) are doing: the simulator never sees more, and sees that many."""
+    concurrency, n = 8, 160
+    fleet.start_simulator("--latency-median-ms", "300")
+    summary = _run(fleet, n, workers=1, greenlets=concurrency)
+    fleet.assert_exactly_once(redis_client, "T", n)
+    assert summary["failed"] == 0
+    sim = fleet.sim_stats()
+    assert sim["max_in_flight"] <= concurrency, sim["max_in_flight"]
+    assert sim["max_in_flight"] == concurrency  # and the slots were used
+
+
 def test_max_in_flight_caps_the_whole_fleet(fleet: Fleet, redis_client: redis.Redis) -> None:
     cap, n = 7, 240
     fleet.start_simulator("--latency-median-ms", "100")

@@ -76,6 +76,18 @@ def test_a_good_answer_and_what_was_sent(server: str) -> None:
                                         "reasoning": {"effort": "high"}, "messages": [{"role": "user", "content": "q"}]}
 
 
+def test_each_call_sends_its_own_body_from_the_request_prepared_once(server: str) -> None:
+    _answer(200, OK)
+    _Handler.seen.clear()
+    client = _client(server)
+    for effort in ("a much longer effort than the first", "low"):
+        client.complete(_request(reasoning={"effort": effort}))
+    assert [s["body"]["reasoning"]["effort"] for s in _Handler.seen] == ["a much longer effort than the first", "low"]
+    assert [int(s["headers"]["Content-Length"]) for s in _Handler.seen] == [
+        len(json.dumps(s["body"], separators=(",", ":")).encode()) for s in _Handler.seen]
+    assert all(s["headers"]["Authorization"] == f"Bearer {KEY}" for s in _Handler.seen)
+
+
 def test_proxy_variables_are_honoured(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The client reads HTTP(S)_PROXY / NO_PROXY once, when it is built (not on every call)."""
     _answer(200, OK)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -190,6 +191,52 @@ def test_gates_of_two_processes_never_exceed_the_fleet_limit(redis_client: redis
     gevent.joinall(jobs, timeout=30, raise_error=True)
     assert done == 60
     assert peak == limit  # the limit was used, never passed
+
+
+def test_a_gate_holds_its_process_to_its_own_cap_under_an_unbounded_fleet(redis_client: redis.Redis) -> None:
+    gevent = pytest.importorskip("gevent")
+    from workers.gate import Gate
+
+    gate = Gate(FleetThrottle(redis_client), max_in_flight=5)
+    in_flight, peak, done = 0, 0, 0
+
+    def request() -> None:
+        nonlocal in_flight, peak, done
+        with gate.slot(ttl_ms=TTL_MS):
+            in_flight += 1
+            peak = max(peak, in_flight)
+            gevent.sleep(0.01)
+            in_flight -= 1
+        done += 1
+
+    jobs = [gevent.spawn(request) for _ in range(60)]
+    gevent.joinall(jobs, timeout=30, raise_error=True)
+    assert (done, peak, gate.held) == (60, 5, 0)
+
+
+def test_a_gevent_gate_gives_the_slots_of_the_moment_back_in_one_call(redis_client: redis.Redis) -> None:
+    gevent = pytest.importorskip("gevent")
+    from common.throttle import Release
+    from workers.gate import Gate
+
+    class Counting(FleetThrottle):
+        calls = 0
+
+        def release_many(self, releases: Sequence[Release]) -> None:
+            type(self).calls += 1
+            super().release_many(releases)
+
+    throttle = Counting(redis_client)
+    gate = Gate(throttle, max_in_flight=50, batch_releases=True)
+
+    def request() -> None:
+        with gate.slot(ttl_ms=TTL_MS):
+            gevent.sleep(0.01)
+
+    gevent.joinall([gevent.spawn(request) for _ in range(200)], timeout=30, raise_error=True)
+    gevent.sleep(0.05)  # the last release is on its way
+    assert gate.held == 0 and throttle.snapshot().in_flight == 0 and throttle.snapshot().ok == 200
+    assert Counting.calls <= 200 / 5  # answers that land together share a call
 
 
 # --- telling congestion from a provider's background refusals (simulated fleets, real script) ----

@@ -74,7 +74,9 @@ class WorkerContext:
         """The process's door to the fleet-wide throttle: every upstream attempt passes it."""
         # Its own few connections: budget calls hold theirs through a WAITAOF (up to a second of
         # fsync), and a pump or a release queued behind them leaves fleet slots idle.
-        return Gate(FleetThrottle(_client(self.settings, max_connections=GATE_CONNECTIONS)))
+        return Gate(FleetThrottle(_client(self.settings, max_connections=GATE_CONNECTIONS)),
+                    max_in_flight=self.settings.worker_concurrency,
+                    batch_releases=gevent.monkey.is_module_patched("socket"))
 
     @property
     def client(self) -> Upstream:

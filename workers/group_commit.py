@@ -44,7 +44,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from common.redis_client import CLOCK, UNREACHABLE, WAITAOF_TIMEOUT_MS, RedisOutage, fence_failed
 
 #: Pipelines out at once.
-BATCHES_IN_FLIGHT = 2
+BATCHES_IN_FLIGHT = 8
 #: Calls per pipeline at most.
 BATCH_MAX_CALLS = 256
 #: A script the server keeps forgetting fails its call after this many tries (as unbatched).

@@ -20,6 +20,7 @@ import re
 import time
 from typing import Any
 
+import orjson
 import requests
 from requests.adapters import HTTPAdapter
 
@@ -142,6 +143,13 @@ def request_body(request: Request) -> dict[str, Any]:
     return body
 
 
+def _dumps(body: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(body)
+    except TypeError:  # an integer past 64 bits in a tool schema: the standard encoder takes it
+        return json.dumps(body).encode()
+
+
 class OpenRouterClient:
     """One per worker process: a pooled ``requests.Session`` sized to the greenlet count."""
 
@@ -156,12 +164,13 @@ class OpenRouterClient:
         adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size, max_retries=0)
         self._session.mount("https://", adapter)
         self._session.mount("http://", adapter)
+        self._adapter = adapter
+        self._prepared: requests.PreparedRequest | None = None
         # requests reads the proxy variables (and scans os.environ for no_proxy) and the CA bundle
         # variables on every call: ~9% of a busy worker. Read them once here, for this URL.
         self._session.proxies.update(requests.utils.get_environ_proxies(self.url))
-        ca_bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
-        if ca_bundle:
-            self._session.verify = ca_bundle
+        self._verify: bool | str = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+        self._session.verify = self._verify
         self._session.trust_env = False
         self._session.headers.update(
             {
@@ -176,7 +185,7 @@ class OpenRouterClient:
     def complete(self, request: Request) -> Answer:
         timeout_s = request.timeout_s
         try:
-            resp = self._session.post(self.url, data=json.dumps(self._body(request)), timeout=(10.0, timeout_s))
+            resp = self._post(_dumps(self._body(request)), timeout=(10.0, timeout_s))
         except requests.Timeout:
             raise RetryableUpstreamError("timeout", f"no answer within {timeout_s:g} s") from None
         except requests.ConnectionError as exc:
@@ -184,6 +193,22 @@ class OpenRouterClient:
         except requests.RequestException as exc:
             raise RetryableUpstreamError("transport", type(exc).__name__) from None
         return self._parse(resp, request.model)
+
+    def _post(self, body: bytes, *, timeout: tuple[float, float]) -> requests.Response:
+        """One POST through the session's adapter, from a request the session prepared once.
+
+        ``Session.post`` would merge the session's settings, cookies and hooks again on every call
+        (9% of a busy worker) for a URL and headers that never change, and would follow redirects,
+        which an API answers with only when its URL is wrong (here: a non-200, said as such)."""
+        if self._prepared is None:  # first use: a subclass may have changed the headers meanwhile
+            self._prepared = self._session.prepare_request(requests.Request("POST", self.url, data=b""))
+        prepared = self._prepared.copy()
+        prepared.body = body
+        prepared.headers["Content-Length"] = str(len(body))
+        resp = self._adapter.send(prepared, stream=False, timeout=timeout, verify=self._verify,
+                                  proxies=self._session.proxies)
+        _ = resp.content  # read it all now, as Session.send does: the connection goes back to the pool
+        return resp
 
     def _body(self, request: Request) -> dict[str, Any]:
         return request_body(request)
