@@ -260,7 +260,8 @@ def test_specfleet_worker_execs_celery_with_gevent_and_concurrency_from_env(monk
     cli.main(["worker"])
     assert argv[1:3] == ["-m", "celery"] and argv[3:7] == ["-A", "workers", "worker", "-P"]
     joined = " ".join(argv)
-    assert "-P gevent" in joined and f"-c {pool_size(37)}" in joined and " -E" in joined and "-Q specfleet.idle" in joined
+    assert "-P gevent" in joined and f"-c {pool_size(37)}" in joined, joined
+    assert " -E" in joined and "-Q specfleet.idle" in joined, joined
     # One worker per container: the stable name, so a restarted container is the same node in Flower.
     assert "-n specfleet@%h" in joined, joined
 
