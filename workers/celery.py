@@ -15,6 +15,7 @@ from celery.signals import setup_logging
 from common import logs
 from common.celeryconf import celery_config
 from common.settings import Settings
+from workers.dns import install as install_cached_lookups
 from workers.events import BatchedTaskEvents
 from workers.queues import FollowActiveQueues
 from workers.recovery import ReplaySpool, RestoreUnacked
@@ -22,6 +23,7 @@ from workers.transport import install as install_transport
 
 _settings = Settings.from_env()
 install_transport()
+install_cached_lookups()
 
 app = Celery("specfleet", set_as_current=True, include=["workers.task"])
 app.conf.update(celery_config(_settings, _settings.require_redis_url()))
