@@ -312,8 +312,10 @@ def test_top_up_rounds_fill_the_room_a_budget_stop_left(fleet: Fleet, redis_clie
     mean = s["tokens"] / len(rows)
     print(f"T kept {s['tokens']} of {budget} ({s['tokens'] / budget:.1%}) in {len(rows)} rows, mean {mean:.0f}, "
           f"{s['rows_at_first_stop']} rows at the first stop, top-ups {s['top_ups']}")
-    assert s["end_reason"] == "budget" and 1 <= s["top_ups"] <= 3
+    assert s["end_reason"] == "budget" and s["top_ups"] <= 3
     assert s["results"] > s["rows_at_first_stop"]
-    # Filled: less than one mean row of room left (or the last round overshot a little).
+    # Filled: less than one mean row of room left (or the last round overshot a little). Most runs
+    # need a top-up round for it; once in a while what was in flight at the stop lands within a mean
+    # row of the limit by itself (seen: 99.0% with none), and then no round is the right answer.
     assert budget - mean < s["tokens"] <= budget + 0.02 * budget, s
-    assert "top-up round 1" in fleet.log("producer")
+    assert ("top-up round 1" in fleet.log("producer")) == (s["top_ups"] >= 1)
