@@ -97,7 +97,9 @@ class Sampler(threading.Thread):
 
     def mean_in_flight(self) -> float:
         first, last = self.first_request_t(), self.last_answer_t()
-        window = [now for t, _, now, _ in self.samples if first is not None and last is not None and first <= t <= last]
+        if first is None or last is None:
+            return 0.0
+        window = [now for t, _, now, _ in self.samples if first <= t <= last]
         return sum(window) / len(window) if window else 0.0
 
     def reached_t(self, in_flight: int) -> float | None:
