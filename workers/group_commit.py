@@ -43,7 +43,10 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from common.redis_client import CLOCK, UNREACHABLE, WAITAOF_TIMEOUT_MS, RedisOutage, fence_failed
 
-#: Pipelines out at once.
+#: Pipelines out at once. With ``everysec`` a fence waits ~0.5 s, and a ramp's budget reserves queue
+#: behind the pipelines already out. Measured (``bench/versus_seed.py --prompts 2000 --latencies-ms
+#: 15000 --fleet-only``, 2 runs each): with 2, the fleet never had 1,990 requests in flight before
+#: the first answers came back; with 8 it did, 6.3 and 6.7 s after start. At 300 ms, no change.
 BATCHES_IN_FLIGHT = 8
 #: Calls per pipeline at most.
 BATCH_MAX_CALLS = 256
