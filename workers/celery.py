@@ -19,10 +19,11 @@ from workers.dns import install as install_cached_lookups
 from workers.events import BatchedTaskEvents
 from workers.queues import FollowActiveQueues
 from workers.recovery import ReplaySpool, RestoreUnacked
+from workers.send_room import start as start_send_room
 from workers.transport import install as install_transport
 
 _settings = Settings.from_env()
-install_transport()
+install_transport(start_send_room(_settings.worker_concurrency))
 install_cached_lookups()
 
 app = Celery("specfleet", set_as_current=True, include=["workers.task"])

@@ -54,6 +54,7 @@ from workers.context import WorkerContext
 from workers.engine_ids import rebuild_from_engine
 from workers.rebuild import Prompt, RebuiltRow, rebuild, render_prompt
 from workers.retry import RetryPolicy
+from workers.send_room import process_room
 from workers.spool import USAGE_WAIT_S, fail_or_spool, settle_or_spool
 from workers.target import TargetTokenizer
 from workers.upstream import Answer, Request, Upstream
@@ -296,7 +297,9 @@ def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
             raise _Ended(ended)
 
     ttl_ms = int((job.length.timeout_s + LEASE_SLACK_S) * 1000)
-    with job.ctx.gate.slot(ttl_ms=ttl_ms, limits=job.view.throttle, keepalive=keepalive):
+    # The send room (workers/send_room.py) counts this task as needing a slot until it returns.
+    with process_room().requesting(), job.ctx.gate.slot(ttl_ms=ttl_ms, limits=job.view.throttle,
+                                                        keepalive=keepalive):
         job.attempts += 1
         return upstream.complete(request)
 

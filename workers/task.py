@@ -11,20 +11,24 @@ from workers.celery import app
 from workers.context import context
 from workers.conversation import handle
 from workers.generate import Busy
+from workers.send_room import process_room
 
 
 # acks_late comes from common/celeryconf.py (task_acks_late): one place says it, and tests flip it there.
 @app.task(name=TASK_NAME, bind=True, max_retries=None, ignore_result=True)
 def generate_task(self: Task, payload: TaskPayload) -> str:
-    outcome = handle(context(), payload)
-    while isinstance(outcome, Busy):
-        # Another delivery of this prompt holds a live lease (a copy kombu put back when a Redis
-        # restart closed a channel, or a visibility-timeout redelivery of a slow task). Wait it
-        # out here, keeping this message unacked: a Celery retry would go to the back of the
-        # queue, and if the holder then died its prompt would wait for the whole queue instead of
-        # the visibility timeout. A greenlet costs nothing to park.
-        gevent.sleep(outcome.wait_s)
+    room = process_room()
+    with room.task(self.request.id):
         outcome = handle(context(), payload)
+        while isinstance(outcome, Busy):
+            # Another delivery of this prompt holds a live lease (a copy kombu put back when a
+            # Redis restart closed a channel, or a visibility-timeout redelivery of a slow task).
+            # Wait it out here, keeping this message unacked: a Celery retry would go to the back
+            # of the queue, and if the holder then died its prompt would wait for the whole queue
+            # instead of the visibility timeout. A greenlet costs nothing to park.
+            with room.parked():
+                gevent.sleep(outcome.wait_s)
+            outcome = handle(context(), payload)
     return outcome
 
 

@@ -1,4 +1,4 @@
-"""Four kombu Redis-transport tweaks for a gevent worker with 1,000 greenlets.
+"""Five kombu Redis-transport tweaks for a gevent worker with 1,000 greenlets.
 
 - **One client per channel instead of one per ack.** kombu's Redis channel builds a new
   ``redis.Redis`` object (which copies redis-py's table of ~250 response callbacks) for every
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -40,7 +41,10 @@ import gevent.monkey
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from kombu.utils.eventio import READ
 from kombu.utils.json import loads
+
+from workers.send_room import SendRoom
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,14 @@ _ORIGINAL_BRPOP_START = kombu_redis.Channel._brpop_start
 _ORIGINAL_BRPOP_READ = kombu_redis.Channel._brpop_read
 _ORIGINAL_QOS_APPEND = kombu_redis.QoS.append
 _ORIGINAL_QOS_ACK = kombu_redis.QoS.ack
+_ORIGINAL_CAN_CONSUME = kombu_redis.QoS.can_consume
+_ORIGINAL_CAN_CONSUME_MAX = kombu_redis.QoS.can_consume_max_estimate
+_ORIGINAL_POLL_START = kombu_redis.MultiChannelPoller.on_poll_start
+_ORIGINAL_HANDLE_EVENT = kombu_redis.MultiChannelPoller.handle_event
+
+#: The worker's send room, and the pipe that wakes its consumer (``install``).
+_room: SendRoom | None = None
+_wake_r = _wake_w = -1
 
 #: How long an ack waits for others to share its round trip.
 ACK_LINGER_S = 0.1
@@ -145,6 +157,8 @@ def _deliver_waiting(channel: Any) -> None:
 
 
 def _qos_append(self: Any, message: Any, delivery_tag: Any) -> None:
+    if _room is not None:
+        _room.delivered(_task_id(message), delivery_tag)
     recorded = self.__dict__.get("_specfleet_recorded")
     if recorded and delivery_tag in recorded:  # POP_MANY wrote its unacked record already
         recorded.discard(delivery_tag)
@@ -163,7 +177,21 @@ class _Acks:
         self.done: gevent.event.AsyncResult = gevent.event.AsyncResult()
 
 
+def _task_id(message: Any) -> str | None:
+    headers = getattr(message, "headers", None) or {}
+    return headers.get("id")  # Celery's task id (message protocol 2)
+
+
 def _qos_ack(self: Any, delivery_tag: Any) -> None:
+    message = self._delivered.get(delivery_tag)
+    try:
+        _ack(self, delivery_tag)
+    finally:
+        if _room is not None:
+            _room.acked(_task_id(message), delivery_tag)
+
+
+def _ack(self: Any, delivery_tag: Any) -> None:
     if not gevent.monkey.is_module_patched("socket"):
         _ORIGINAL_QOS_ACK(self, delivery_tag)
         return
@@ -190,6 +218,45 @@ def _remove_acked(qos: Any, acks: _Acks) -> None:
         acks.done.set(None)
 
 
+def _can_consume(self: Any) -> bool:
+    if not _ORIGINAL_CAN_CONSUME(self):
+        able = False
+    else:
+        able = _room is None or _room.room(self._delivered, len(self._delivered) - len(self._dirty)) > 0
+    if not able and _room is not None:
+        _room.consumer_waiting = True
+    return able
+
+
+def _can_consume_max_estimate(self: Any) -> int | None:
+    estimate: int | None = _ORIGINAL_CAN_CONSUME_MAX(self)
+    if _room is None:
+        return estimate
+    room = max(0, _room.room(self._delivered, len(self._delivered) - len(self._dirty)))
+    return room if estimate is None else min(estimate, room)
+
+
+def _on_poll_start(self: Any) -> None:
+    _ORIGINAL_POLL_START(self)
+    if _wake_r >= 0 and self.__dict__.get("_specfleet_wake_poller") is not self.poller:
+        self.poller.register(_wake_r, READ)
+        self.__dict__["_specfleet_wake_poller"] = self.poller
+
+
+def _handle_event(self: Any, fileno: int, event: int) -> Any:
+    if fileno == _wake_r:  # room opened: the poll returns empty and kombu starts over, BRPOP included
+        with contextlib.suppress(BlockingIOError):
+            while os.read(_wake_r, 4096):
+                pass
+        return None
+    return _ORIGINAL_HANDLE_EVENT(self, fileno, event)
+
+
+def _wake() -> None:
+    with contextlib.suppress(BlockingIOError):  # a full pipe: the consumer is woken already
+        os.write(_wake_w, b"!")
+
+
 def wake_consumer(channel: Any, client: redis.Redis) -> bool:
     """End ``channel``'s running BRPOP now, so it starts over with the queues just added."""
     client_id = getattr(channel, "__dict__", {}).get("_specfleet_brpop_id")
@@ -200,7 +267,19 @@ def wake_consumer(channel: Any, client: redis.Redis) -> bool:
     return False
 
 
-def install() -> None:
+def install(room: SendRoom | None = None) -> None:
+    """Patch kombu in this process; with ``room``, a consumer takes messages as the room allows."""
+    global _room, _wake_r, _wake_w
+    if room is not None:
+        _room = room
+        _wake_r, _wake_w = os.pipe()
+        os.set_blocking(_wake_r, False)
+        os.set_blocking(_wake_w, False)
+        room.on_open = _wake
+        setattr(kombu_redis.QoS, "can_consume", _can_consume)  # noqa: B010
+        setattr(kombu_redis.QoS, "can_consume_max_estimate", _can_consume_max_estimate)  # noqa: B010
+        setattr(kombu_redis.MultiChannelPoller, "on_poll_start", _on_poll_start)  # noqa: B010
+        setattr(kombu_redis.MultiChannelPoller, "handle_event", _handle_event)  # noqa: B010
     # setattr: mypy forbids assigning to a method.
     setattr(kombu_redis.Channel, "_create_client", _create_client)  # noqa: B010
     setattr(kombu_redis.Channel, "_brpop_start", _brpop_start)  # noqa: B010
