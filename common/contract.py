@@ -12,6 +12,9 @@ CONTRACT_VERSION = 1
 TASK_NAME = "specfleet.generate"
 #: The queue a worker listens on before any dataset is active; nothing is ever sent to it.
 IDLE_QUEUE = "specfleet.idle"
+#: The remote-control command the producer broadcasts when the active queues change: workers
+#: follow them at once instead of at their next ``SPECFLEET_QUEUE_POLL_S`` poll.
+FOLLOW_COMMAND = "specfleet_follow"
 
 
 class TaskPayload(TypedDict):

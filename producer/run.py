@@ -26,7 +26,7 @@ from celery import Celery
 from common import keys
 from common.budget import Budget, open_run
 from common.config import DatasetConfig, RunConfig
-from common.contract import CONTRACT_VERSION, TaskPayload, conversation_of, halt_line
+from common.contract import CONTRACT_VERSION, FOLLOW_COMMAND, TaskPayload, conversation_of, halt_line
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
 from common.redis_client import CLOCK, RedisOutage
@@ -258,7 +258,7 @@ class Runner:
             f"{ds.budget_tokens:,}", f", ${ds.budget_usd:,.2f}" if ds.budget_usd else "",
             f", resuming with {kept:,} tokens in {rows:,} rows" if rows else "",
         )
-        self.client.hset(keys.ACTIVE_QUEUES, k.queue, self.config_id)
+        self._follow(k.queue)
         previous = self._runs[-2] if len(self._runs) > 1 else None
         errors: list[DatasetRowError] = []
         stats = ReadStats()
@@ -422,6 +422,14 @@ class Runner:
             n += self._enqueue(run, todo)
         return n
 
+    def _follow(self, queue: str) -> None:
+        """Make ``queue`` active; workers hear it at once (a broadcast), or at their next poll."""
+        self.client.hset(keys.ACTIVE_QUEUES, queue, self.config_id)
+        try:
+            self.app.control.broadcast(FOLLOW_COMMAND)
+        except Exception as exc:
+            log.debug("%s broadcast failed (workers follow on their next poll): %s", FOLLOW_COMMAND, exc)
+
     def _end_admission(self, run: DatasetRun, reason: str) -> None:
         run.end_reason = reason
         run.admission_ended_s = time.time()
@@ -472,7 +480,7 @@ class Runner:
             return False
         room = st.limit - st.kept_tokens
         run.budget.open(run.cfg.budget_tokens, run.cfg.budget_usd, self.cfg.run.budget_mode)
-        self.client.hset(keys.ACTIVE_QUEUES, run.budget.keys.queue, self.config_id)
+        self._follow(run.budget.keys.queue)
         queued = self._sweep(run)
         if not queued:
             self.client.hdel(keys.ACTIVE_QUEUES, run.budget.keys.queue)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.fleet import Fleet, read_summary
+from tests.fleet import Fleet, prompts, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
 
@@ -64,6 +64,30 @@ def test_a_worker_started_mid_run_finds_the_active_queue_and_takes_work(
     assert "following specfleet.q.S" in late_log
     assert late_log.count("settle: kept") > 10, late_log[-3000:]
     fleet.assert_exactly_once(redis_client, "S", 300)
+
+
+def test_workers_follow_a_new_dataset_when_the_producer_says_so_not_at_their_next_poll(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
+    """Two datasets in a row, workers polling the active queues only every 60 s: each dataset's
+    first request follows its start within seconds, because the producer broadcasts the change."""
+    fleet.start_simulator("--latency-median-ms", "100")
+    config = fleet.write_config([
+        {"name": name, "path": write_jsonl(fleet.tmp / f"{name}.jsonl", prompts(20, name.lower())),
+         "length": "short", "budget_tokens": 10_000_000} for name in ("F1", "F2")])
+    worker = fleet.start_worker("w1", concurrency=10, SPECFLEET_QUEUE_POLL_S="60")
+    deadline = time.monotonic() + 90
+    while "ready." not in fleet.log("w1"):  # its one poll (at start) has found nothing active
+        assert worker.poll() is None and time.monotonic() < deadline, fleet.log("w1")
+        time.sleep(0.2)
+    started = time.monotonic()
+    fleet.run_producer(config, timeout_s=120)
+    took_s = time.monotonic() - started
+    for name in ("F1", "F2"):
+        fleet.assert_exactly_once(redis_client, name, 20)
+    # Polling alone, the first dataset would have waited up to 60 s, the second as long again.
+    assert took_s < 30, f"{took_s:.1f} s\n{fleet.all_logs()}"
+    assert fleet.log("w1").count("following specfleet.q.") == 2
 
 
 def test_a_worker_refuses_a_tokenizer_that_fails_the_round_trip_before_any_request(

@@ -5,6 +5,11 @@ later, so instead each worker polls ``keys.ACTIVE_QUEUES`` (queue -> run-config 
 its own consumers (the ``specfleet.q.*`` ones only: other queues the worker was given are left
 alone). Before consuming a run's queue it loads and checks that run's tokenizer, so a
 broken tokenizer stops the worker before it sends a single paid request.
+
+The poll (2 s by default) would make every dataset start wait a second on average before its first
+request, so the producer also broadcasts ``FOLLOW_COMMAND`` when the active queues change, and
+a worker that hears it reads them at once; one that misses it (restarting, on a lost connection)
+still has its poll.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import signal
 from typing import Any
 
 from celery import bootsteps
+from celery.worker.control import control_command
 
 from common import keys
+from common.contract import FOLLOW_COMMAND
 from common.errors import SpecfleetError
 from common.hf import auto_tokenizer
 from workers.context import context
@@ -32,11 +39,13 @@ class FollowActiveQueues(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self._timer: Any = None
         self._refused: set[str] = set()
+        self._syncing = False
 
     def start(self, c: Any) -> None:
         # Importing transformers takes a second or two: pay it when the worker starts, not when the
         # first run arrives and 1,000 greenlets wait for its tokenizer.
         auto_tokenizer()
+        c.specfleet_follow = self  # for the producer's broadcast (follow_now below)
         self.sync(c)
         self._timer = c.timer.call_repeatedly(context().settings.queue_poll_s, self.sync, (c,), priority=10)
 
@@ -46,6 +55,15 @@ class FollowActiveQueues(bootsteps.StartStopStep):
             self._timer = None
 
     def sync(self, c: Any) -> None:
+        if self._syncing:  # the poll and a broadcast at once: one reading is enough
+            return
+        self._syncing = True
+        try:
+            self._sync(c)
+        finally:
+            self._syncing = False
+
+    def _sync(self, c: Any) -> None:
         ctx = context()
         try:
             raw = ctx.redis.hgetall(keys.ACTIVE_QUEUES)
@@ -72,3 +90,12 @@ class FollowActiveQueues(bootsteps.StartStopStep):
         for queue in sorted(q for q in consuming - active.keys() if q.startswith(keys.QUEUE_PREFIX)):
             c.cancel_task_queue(queue)
             log.info("left %s", queue)
+
+
+@control_command(name=FOLLOW_COMMAND)
+def follow_now(state: Any) -> dict[str, str]:
+    """The producer changed the active queues: follow them now, not at the next poll."""
+    step = getattr(state.consumer, "specfleet_follow", None)
+    if step is not None:
+        step.sync(state.consumer)
+    return {"ok": "synced"}
