@@ -12,8 +12,9 @@ beforehand as a fleet's workers are, plus ``specfleet run``). Every answer is ke
 time) against the one script run: the README's scaling table.
 
 The fleet runs as users run it: workers at the default log level (INFO, one line per task step),
-task events on (Flower), AOF fences on. The ramp is timed from the moment the producer opened the
-dataset (it queues the first prompts right after) to ``in_flight - 10`` requests in flight.
+task events on (Flower), AOF fences on, the default 2 s poll of the active queues. The ramp is timed
+from the moment the producer opened the dataset (it queues the first prompts right after) to
+``in_flight - 10`` requests in flight.
 
 Printed for each side: rows/s (rows over the time from start to the last answer), CPU ms per kept
 row (every process of that side: for the fleet, workers and producer; the simulator excluded),
@@ -220,7 +221,10 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
                                 timeout_s=timeout_s)
     per_worker = in_flight // workers
     # Log level as users run it (INFO, the default): the log lines are part of what a row costs.
-    procs = [fleet.start_worker(f"vs{i + 1}", concurrency=per_worker) for i in range(workers)]
+    # The default poll of the active queues too (tests use a short one): a dataset's start reaches
+    # the workers by the producer's broadcast, as in a user's fleet.
+    procs = [fleet.start_worker(f"vs{i + 1}", concurrency=per_worker,
+                                SPECFLEET_QUEUE_POLL_S=str(Settings.from_env({}).queue_poll_s)) for i in range(workers)]
     app = make_app(Settings.from_env(), client_url)
     deadline = time.monotonic() + 90
     while len(app.control.ping(timeout=0.5)) < workers:  # workers up, as a fleet's are before a run
