@@ -23,8 +23,12 @@
   its index, then each returns, as kombu's would, once its message is gone from there (so a task
   still ends only after its ack, and a warm shutdown waits for it). The wait holds the finished
   task's greenlet, not a row. Only in a gevent worker; elsewhere kombu's own ack.
+- **A message is taken only when it can be sent soon.** In a worker (``install(room)``), kombu's
+  prefetch check also asks the send room (``workers/send_room.py``), and a task leaving its request
+  wakes a consumer that found no room through a pipe registered in kombu's poller; kombu would
+  notice only when its poll next returned (~0.5 s later, measured).
 
-Nothing else changes: the same pool, the same messages.
+Nothing else changes: the same pool, the same messages; only when they are taken.
 """
 
 from __future__ import annotations
