@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import redis
 
+from common import keys
+from common.config import load_config
 from tests.fleet import Fleet, prompts, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
@@ -88,6 +90,25 @@ def test_workers_follow_a_new_dataset_when_the_producer_says_so_not_at_their_nex
     # Polling alone, the first dataset would have waited up to 60 s, the second as long again.
     assert took_s < 30, f"{took_s:.1f} s\n{fleet.all_logs()}"
     assert fleet.log("w1").count("following specfleet.q.") == 2
+
+
+def test_a_worker_that_missed_the_broadcast_follows_a_new_queue_by_its_poll(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
+    """A queue made active with no broadcast (one lost on a blip, sent while the worker reconnected)
+    is found by the worker's own poll of ``specfleet:active``, well after the worker started."""
+    config = load_config(fleet.one_dataset("Q", 5))
+    fleet.start_worker("w1", concurrency=5)
+    deadline = time.monotonic() + 90
+    while "ready." not in fleet.log("w1"):
+        assert time.monotonic() < deadline, fleet.log("w1")
+        time.sleep(0.2)
+    time.sleep(1.0)  # past its start-up reading of the active queues
+    redis_client.set(keys.config(config.config_id()), config.worker_view().model_dump_json())
+    redis_client.hset(keys.ACTIVE_QUEUES, keys.queue("Q"), config.config_id())
+    while "following specfleet.q.Q" not in fleet.log("w1"):  # the tests' poll is 0.3 s
+        assert time.monotonic() < deadline, fleet.log("w1")
+        time.sleep(0.2)
 
 
 def test_a_worker_refuses_a_tokenizer_that_fails_the_round_trip_before_any_request(
