@@ -134,6 +134,13 @@ class Fleet:
         assert proc.returncode == 0, f"producer exit {proc.returncode}\n{self.all_logs()}"
         return out
 
+    def wait_ready(self, name: str, timeout_s: float = 90) -> None:
+        """Until worker ``name`` has started consuming (Celery logs "ready.")."""
+        deadline = time.monotonic() + timeout_s
+        while "ready." not in self.log(name):
+            assert self.procs[name].poll() is None and time.monotonic() < deadline, self.log(name)
+            time.sleep(0.2)
+
     def wait_rows(self, client: Any, dataset: str, n: int, timeout_s: float = 60) -> None:
         """Until ``n`` rows of ``dataset`` are kept: a point mid-run to break something at."""
         deadline = time.monotonic() + timeout_s

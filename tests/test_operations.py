@@ -77,11 +77,8 @@ def test_workers_follow_a_new_dataset_when_the_producer_says_so_not_at_their_nex
     config = fleet.write_config([
         {"name": name, "path": write_jsonl(fleet.tmp / f"{name}.jsonl", prompts(20, name.lower())),
          "length": "short", "budget_tokens": 10_000_000} for name in ("F1", "F2")])
-    worker = fleet.start_worker("w1", concurrency=10, SPECFLEET_QUEUE_POLL_S="60")
-    deadline = time.monotonic() + 90
-    while "ready." not in fleet.log("w1"):  # its one poll (at start) has found nothing active
-        assert worker.poll() is None and time.monotonic() < deadline, fleet.log("w1")
-        time.sleep(0.2)
+    fleet.start_worker("w1", concurrency=10, SPECFLEET_QUEUE_POLL_S="60")
+    fleet.wait_ready("w1")  # its one poll (at start) has found nothing active
     started = time.monotonic()
     fleet.run_producer(config, timeout_s=120)
     took_s = time.monotonic() - started
@@ -99,11 +96,9 @@ def test_a_worker_that_missed_the_broadcast_follows_a_new_queue_by_its_poll(
     is found by the worker's own poll of ``specfleet:active``, well after the worker started."""
     config = load_config(fleet.one_dataset("Q", 5))
     fleet.start_worker("w1", concurrency=5)
-    deadline = time.monotonic() + 90
-    while "ready." not in fleet.log("w1"):
-        assert time.monotonic() < deadline, fleet.log("w1")
-        time.sleep(0.2)
+    fleet.wait_ready("w1")
     time.sleep(1.0)  # past its start-up reading of the active queues
+    deadline = time.monotonic() + 30
     redis_client.set(keys.config(config.config_id()), config.worker_view().model_dump_json())
     redis_client.hset(keys.ACTIVE_QUEUES, keys.queue("Q"), config.config_id())
     while "following specfleet.q.Q" not in fleet.log("w1"):  # the tests' poll is 0.3 s

@@ -65,7 +65,7 @@ class SendRoom:
         self._done_with_upstream.discard(tag)
         if task_id is not None and self._tag_of.get(task_id) == tag:
             del self._tag_of[task_id]
-        self._opened()
+        self._opened()  # no room of ours (its task gave its place already), but Celery's prefetch has
 
     def room(self, delivered: Collection[Any], held: int) -> int:
         """How many more messages the consumer may take: ``delivered`` the tags of the messages it

@@ -222,21 +222,22 @@ def _remove_acked(qos: Any, acks: _Acks) -> None:
         acks.done.set(None)
 
 
+def _room_left(qos: Any) -> int:
+    """What the send room lets this channel take now (installed only with a room)."""
+    assert _room is not None
+    return _room.room(qos._delivered, len(qos._delivered) - len(qos._dirty))
+
+
 def _can_consume(self: Any) -> bool:
-    if not _ORIGINAL_CAN_CONSUME(self):
-        able = False
-    else:
-        able = _room is None or _room.room(self._delivered, len(self._delivered) - len(self._dirty)) > 0
-    if not able and _room is not None:
-        _room.consumer_waiting = True
+    able = bool(_ORIGINAL_CAN_CONSUME(self)) and _room_left(self) > 0
+    if not able:
+        _room.consumer_waiting = True  # type: ignore[union-attr]
     return able
 
 
 def _can_consume_max_estimate(self: Any) -> int | None:
     estimate: int | None = _ORIGINAL_CAN_CONSUME_MAX(self)
-    if _room is None:
-        return estimate
-    room = max(0, _room.room(self._delivered, len(self._delivered) - len(self._dirty)))
+    room = max(0, _room_left(self))
     return room if estimate is None else min(estimate, room)
 
 
