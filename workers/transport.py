@@ -229,7 +229,11 @@ def _room_left(qos: Any) -> int:
 
 
 def _can_consume(self: Any) -> bool:
-    able = bool(_ORIGINAL_CAN_CONSUME(self)) and _room_left(self) > 0
+    # The room decides whether a BRPOP is sent, never whether one already sent is read: its message
+    # left the queue and is in no unacked record until delivered, so a reply kombu held back for
+    # room would be lost with the worker (seen in the soak: prompts found only by the idle sweep).
+    in_flight_brpop = bool(getattr(self.channel, "_in_poll", False))
+    able = bool(_ORIGINAL_CAN_CONSUME(self)) and (in_flight_brpop or _room_left(self) > 0)
     if not able:
         _room.consumer_waiting = True  # type: ignore[union-attr]
     return able
