@@ -30,11 +30,13 @@
 --                       tokens, tokens_ms   the requests-per-second bucket (of one) and when it was filled
 --                       ok, throttled       answers counted by kind (for progress and metrics)
 --                       cap         the run's max_in_flight, for readers (workers pass theirs)
+--                       hold        present while the producer's plan is still counting: nobody
+--                                   starts a request (prompts are queued and prepared meanwhile)
 -- KEYS[2] slots  ZSET   slot id -> expiry unix ms: requests in flight; a dead worker's slots expire
 --
 -- ARGV[1] is the operation:
 --   acquire  now_ms ttl_ms max_in_flight max_per_s window_ms slot [slot ...]
---            -> {"ok", granted, limit} | {"wait", ms, why}   why: pause | limit | rate
+--            -> {"ok", granted, limit} | {"wait", ms, why}   why: hold | pause | limit | rate
 --            grants the first ``granted`` slots (at least one; as many as the limit and the rate
 --            allow): a process's queue of waiting requests is served in one call, not one each.
 --            max_in_flight 0: no fixed cap (the adaptive limit alone, unbounded until a cut);
@@ -54,7 +56,9 @@
 --            ago and no cut is being checked: it cuts the limit to beta x what the provider served
 --            during the event (see below), and a Retry-After pauses every new request of the fleet.
 --   state    now_ms bg_half_life_ms -> {limit, in_flight, pause_ms_left, ok, throttled, cap, background_share}
---   reset    max_in_flight -> "reset": a new run learns from scratch (slots in flight stay)
+--   reset    max_in_flight hold -> "reset": a new run learns from scratch (slots in flight stay);
+--            hold "1": no request starts until "unhold" (the run's plan has not passed yet)
+--   unhold   -> "unheld": the plan passed, requests may start
 local state, slots = KEYS[1], KEYS[2]
 local op = ARGV[1]
 local UNBOUNDED = 1e9
@@ -198,6 +202,7 @@ if op == "acquire" then
   local max_in_flight, max_per_s, window = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
   local wanted = #ARGV - 6  -- slot ids: ARGV[7], ARGV[8] ...
   redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
+  if redis.call("HEXISTS", state, "hold") == 1 then return {"wait", 0, "hold"} end
   local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
   if pause > now then return {"wait", pause - now, "pause"} end
   local limit = current_limit(max_in_flight)
@@ -242,7 +247,12 @@ elseif op == "reset" then
   local cap = tonumber(ARGV[2])
   redis.call("DEL", state)
   if cap > 0 then redis.call("HSET", state, "cap", cap) end
+  if ARGV[3] == "1" then redis.call("HSET", state, "hold", "1") end
   return "reset"
+
+elseif op == "unhold" then
+  redis.call("HDEL", state, "hold")
+  return "unheld"
 end
 
 return redis.error_reply("throttle.lua: unknown operation " .. tostring(op))

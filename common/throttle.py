@@ -174,8 +174,13 @@ class FleetThrottle:
             background_share=float(background),
         )
 
-    def reset(self, limits: ThrottleLimits = NO_CAPS) -> None:
+    def reset(self, limits: ThrottleLimits = NO_CAPS, *, hold: bool = False) -> None:
         """A new run learns the provider's capacity from scratch (the last run's limit may belong
         to another model or provider, its counters to another run) and records its cap for
-        readers. Slots of requests in flight stay."""
-        self._call("reset", limits.max_in_flight or 0)
+        readers. Slots of requests in flight stay. ``hold``: no request starts until ``unhold``
+        (the run's plan is still counting; workers prepare their prompts meanwhile)."""
+        self._call("reset", limits.max_in_flight or 0, "1" if hold else "0")
+
+    def unhold(self) -> None:
+        """The plan passed: requests may start. Idempotent."""
+        self._call("unhold")

@@ -52,13 +52,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.out is not None:
         cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"dir": args.out.resolve()})})
+    plan = None
     if not args.no_plan:
-        from producer.plan import check_plan
+        from producer.plan import start_plan
 
-        cfg = check_plan(cfg, settings.openrouter_base_url, yes=args.yes)
+        # The model's entry now (an unknown model is refused here); the counts run beside the
+        # run's start, which sends nothing until they pass.
+        cfg, plan = start_plan(cfg, settings.openrouter_base_url, yes=args.yes)
     url, _server = _redis_for(settings, cfg.output.dir)
     return execute(cfg, settings, url, progress=not args.no_progress, metrics_port=args.metrics_port,
-                   stall_s=args.stall_s)
+                   stall_s=args.stall_s, plan=plan)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

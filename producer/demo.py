@@ -88,7 +88,7 @@ def _wait_for_workers(settings: Settings, redis_url: str, count: int, timeout_s:
 
 def run_demo(out_dir: Path, workers: int, concurrency: int) -> int:
     from producer.embedded import EmbeddedValkey
-    from producer.plan import check_plan
+    from producer.plan import start_plan
 
     settings = Settings.from_env()
     if settings.openrouter_api_key:
@@ -128,8 +128,8 @@ def run_demo(out_dir: Path, workers: int, concurrency: int) -> int:
         _wait_for_workers(settings, redis_url, workers)
         print(f"{workers} workers × {concurrency} greenlets, simulator on :{sim_port}, Redis {redis_url}")
         # The price before the first request, as `specfleet run` prints it (the simulator's models list).
-        cfg = check_plan(cfg, f"http://127.0.0.1:{sim_port}", yes=True)
-        return execute(cfg, settings, redis_url)
+        cfg, plan = start_plan(cfg, f"http://127.0.0.1:{sim_port}", yes=True)
+        return execute(cfg, settings, redis_url, plan=plan)
     finally:
         stop(procs)
         if valkey is not None:

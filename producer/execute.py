@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from common.config import RunConfig
 from common.errors import OutputError
 from common.redis_client import RedisOutage, connect, describe
 from common.settings import Settings
+
+if TYPE_CHECKING:
+    from producer.plan import PendingPlan
 
 log = logging.getLogger("specfleet")
 
@@ -29,8 +33,10 @@ def execute(
     progress: bool = True,
     metrics_port: int | None = None,
     stall_s: float | None = None,
+    plan: PendingPlan | None = None,
 ) -> int:
-    """Run a config to its end against ``redis_url`` and print the per-dataset report."""
+    """Run a config to its end against ``redis_url`` and print the per-dataset report. ``plan``:
+    the plan still counting (``producer/plan.start_plan``); the run holds every request until it passes."""
     from producer.celery_app import make_app
     from producer.progress import ProgressView
     from producer.report import write_report
@@ -51,6 +57,7 @@ def execute(
         make_app(settings, redis_url),
         progress=ProgressView(names) if progress else None,
         tuning=Tuning(stall_s=stall_s) if stall_s else Tuning(),
+        plan=plan,
     )
     try:
         summaries = runner.run()

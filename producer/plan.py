@@ -21,6 +21,8 @@ import json
 import math
 import random
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -150,8 +152,9 @@ def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: Mod
     return plan
 
 
-def make_plan(cfg: RunConfig, base_url: str, *, exact_limit: int = EXACT_LIMIT) -> Plan:
-    """Read the model's entry, count every dataset. ``UnknownModel`` propagates: nothing to plan."""
+def read_model(cfg: RunConfig, base_url: str) -> tuple[ModelInfo | None, str | None]:
+    """The plan's quick part: the model's entry (or why it is unknown). ``UnknownModel`` and a
+    dollar budget with no price known propagate: nothing to plan, and no need for the tokenizer."""
     missing = [f"datasets[{i}] ({d.name}).path: {d.path}: no such file"
                for i, d in enumerate(cfg.datasets) if not d.path.is_file()]
     if missing:
@@ -162,18 +165,28 @@ def make_plan(cfg: RunConfig, base_url: str, *, exact_limit: int = EXACT_LIMIT) 
         info = fetch_model(base_url, cfg.model.name)
     except ModelsUnavailable as exc:
         unavailable = str(exc)
-    pricing = cfg.model.pricing or (info.pricing if info else None)
-    # A dollar budget with no price known cannot start: say so before the slow part (the tokenizer).
-    cfg.model_copy(update={"model": cfg.model.model_copy(update={"pricing": pricing})}).require_prices()
+    apply_model(cfg, info).require_prices()
+    return info, unavailable
+
+
+def count_plan(cfg: RunConfig, base_url: str, info: ModelInfo | None, unavailable: str | None, *,
+               exact_limit: int = EXACT_LIMIT) -> Plan:
+    """The plan's slow part: the tokenizer (its import and load) and every dataset's count."""
     tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code,
                                revision=cfg.model.revision)
     datasets = [plan_dataset(cfg, ds, tokenizer, info, exact_limit=exact_limit) for ds in cfg.datasets]
     return Plan(
         model=cfg.model.name, url=models_url(base_url),
         context_length=cfg.model.context_length or (info.context_length if info else None),
-        pricing=pricing,
+        pricing=cfg.model.pricing or (info.pricing if info else None),
         datasets=datasets, unavailable=unavailable,
     )
+
+
+def make_plan(cfg: RunConfig, base_url: str, *, exact_limit: int = EXACT_LIMIT) -> Plan:
+    """Read the model's entry, count every dataset. ``UnknownModel`` propagates: nothing to plan."""
+    info, unavailable = read_model(cfg, base_url)
+    return count_plan(cfg, base_url, info, unavailable, exact_limit=exact_limit)
 
 
 def _usd(value: float | None) -> str:
@@ -236,22 +249,79 @@ def problems(plan: Plan, cfg: RunConfig, *, yes: bool) -> list[str]:
     return out
 
 
-def apply(cfg: RunConfig, plan: Plan) -> RunConfig:
-    """The run file with what the plan learned, for the worker view: context length and prices."""
+def apply_model(cfg: RunConfig, info: ModelInfo | None) -> RunConfig:
+    """The run file with what the models endpoint said, where the file is silent: context length
+    and prices, for the worker view."""
     update: dict[str, object] = {}
-    if cfg.model.context_length is None and plan.context_length is not None:
-        update["context_length"] = plan.context_length
-    if cfg.model.pricing is None and plan.pricing is not None:
-        update["pricing"] = plan.pricing
+    if info is not None and cfg.model.context_length is None and info.context_length is not None:
+        update["context_length"] = info.context_length
+    if info is not None and cfg.model.pricing is None and info.pricing is not None:
+        update["pricing"] = info.pricing
     return cfg.model_copy(update={"model": cfg.model.model_copy(update=update)}) if update else cfg
 
 
-def check_plan(cfg: RunConfig, base_url: str, *, yes: bool, out: TextIO = sys.stdout) -> RunConfig:
+class PendingPlan:
+    """The plan's slow part (the tokenizer's import and load, and the counts: ~2 s before the first
+    request of a run) in a thread, while the run queues its first prompts and workers take and
+    prepare them. Nothing is sent meanwhile: the run holds the fleet-wide throttle
+    (``FleetThrottle.reset(hold=True)``) until the plan passes; the thread lifts the hold itself
+    (``on_pass``), so the first wave leaves the moment the counts are in. A refusal leaves the hold
+    in place: the runner stops the run's datasets, and the prompts workers hold end without a request.
+    """
+
+    def __init__(self, cfg: RunConfig, base_url: str, info: ModelInfo | None, unavailable: str | None, *,
+                 yes: bool) -> None:
+        self._cfg, self._base_url, self._info, self._unavailable, self._yes = cfg, base_url, info, unavailable, yes
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._plan: Plan | None = None
+        self._problems: list[str] = []
+        self._error: BaseException | None = None
+
+    def start(self, on_pass: Callable[[], None] | None = None) -> None:
+        self._thread = threading.Thread(target=self._run, args=(on_pass,), name="plan", daemon=True)
+        self._thread.start()
+
+    def _run(self, on_pass: Callable[[], None] | None) -> None:
+        try:
+            self._plan = count_plan(self._cfg, self._base_url, self._info, self._unavailable)
+            self._problems = problems(self._plan, self._cfg, yes=self._yes)
+            if not self._problems and on_pass is not None:
+                on_pass()
+        except BaseException as exc:  # raised in the caller's thread by settle()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def settle(self, out: TextIO | None = None) -> Plan:
+        """Wait for the counts, print the plan (to stdout by default, as it is when called: live
+        progress bars redirect it above themselves); ``PlanRefused`` (or the count's own error) if
+        the run must not start."""
+        if self._thread is None:
+            self.start()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._plan is not None
+        print(render(self._plan), file=out or sys.stdout, flush=True)
+        if self._problems:
+            raise PlanRefused("refusing to start:\n  " + "\n  ".join(self._problems))
+        return self._plan
+
+
+def start_plan(cfg: RunConfig, base_url: str, *, yes: bool) -> tuple[RunConfig, PendingPlan]:
+    """The model's entry now (an unknown model is refused before anything else), the counts to come:
+    the run file with the model's context length and prices, and the plan still counting."""
+    info, unavailable = read_model(cfg, base_url)
+    return apply_model(cfg, info), PendingPlan(cfg, base_url, info, unavailable, yes=yes)
+
+
+def check_plan(cfg: RunConfig, base_url: str, *, yes: bool, out: TextIO | None = None) -> RunConfig:
     """Plan, print it, refuse with ``PlanRefused`` if the run must not start; else the run file with
     the model's context length and prices filled in."""
-    plan = make_plan(cfg, base_url)
-    print(render(plan), file=out, flush=True)
-    found = problems(plan, cfg, yes=yes)
-    if found:
-        raise PlanRefused("refusing to start:\n  " + "\n  ".join(found))
-    return apply(cfg, plan)
+    applied, pending = start_plan(cfg, base_url, yes=yes)
+    pending.settle(out)
+    return applied

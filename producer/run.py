@@ -34,6 +34,7 @@ from common.throttle import FleetThrottle
 from producer.collector import Collector
 from producer.enqueue import push
 from producer.lock import ProducerLock
+from producer.plan import PendingPlan
 from producer.rows import RowWriter, atomic_write, output_error
 from producer.state import DatasetState, read_state
 from producer.summary import Summary, report_line, throttle_summary
@@ -113,7 +114,10 @@ class Runner:
         *,
         progress: Any = None,
         tuning: Tuning | None = None,
+        plan: PendingPlan | None = None,
     ) -> None:
+        """``plan``: the plan still counting (``producer/plan.py``): prompts are queued and workers
+        prepare them meanwhile, and no request starts until it passes."""
         self.cfg = cfg
         self.client = client
         self.app = app
@@ -131,6 +135,9 @@ class Runner:
         self._outages_seen = 0
         self._outage_shown: tuple[int, float | None] = (-1, None)
         self._outage_shown_s = 0.0
+        self._plan = plan
+        self._plan_passed = plan is None
+        self._started_s = time.monotonic()
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -150,7 +157,10 @@ class Runner:
         if self.client.delete(keys.HALT):
             log.warning("cleared the halt of an earlier run: resuming")
         self.client.delete(keys.MISCONFIG_STREAK)  # a fresh start: only this run's misses count
-        self.throttle.reset(self.cfg.request.throttle())  # this run's provider, this run's 429s
+        # This run's provider, this run's 429s; and no request before the plan passes.
+        self.throttle.reset(self.cfg.request.throttle(), hold=self._plan is not None)
+        if self._plan is not None:
+            self._plan.start(on_pass=self.throttle.unhold)
         self.client.set(
             keys.CURRENT_RUN,
             json.dumps(
@@ -171,6 +181,7 @@ class Runner:
             self._warn_if_no_workers()
             for ds in self.cfg.datasets:
                 self._run_dataset(ds)
+            self._settle_plan(block=True)  # every dataset ended already (resumed, all done): still print it
             while any(r.finished_s is None for r in self._runs):
                 self._tick()
                 time.sleep(TICK_S)
@@ -188,6 +199,24 @@ class Runner:
                     self.progress.close()
                 self.lock.release()
         return [r.summary for r in self._runs if r.summary is not None]
+
+    def _settle_plan(self, *, block: bool = False) -> None:
+        """Once the plan's counts are in: print it, and either let requests start (its thread lifted
+        the throttle's hold already; again here in case Redis failed that call) or, refused, end
+        every dataset's admission (queued prompts go, those workers hold end without a request)
+        and raise."""
+        if self._plan is None or self._plan_passed or not (block or self._plan.done()):
+            return
+        try:
+            self._plan.settle()
+        except BaseException:
+            for r in self._runs:
+                if not r.end_reason:
+                    self._end_admission(r, "refused")
+            raise
+        self.throttle.unhold()
+        self._plan_passed = True
+        log.info("plan passed %.2f s after the start: requests start", time.monotonic() - self._started_s)
 
     def _outage_notice(self, elapsed_s: float) -> None:
         """Called by every failed Redis attempt of any thread while Redis is away: shown every few s."""
@@ -334,6 +363,7 @@ class Runner:
     def _admission_over(self, run: DatasetRun) -> bool:
         if self._interrupted.is_set():
             raise Interrupted("interrupted")
+        self._settle_plan()
         self._check_collector()
         return bool(run.end_reason)
 
@@ -342,6 +372,7 @@ class Runner:
     def _tick(self) -> None:
         if self._interrupted.is_set():
             raise Interrupted("interrupted")
+        self._settle_plan()
         halt = self.client.get(keys.HALT)
         if halt is not None:
             info = json.loads(halt)
@@ -373,7 +404,7 @@ class Runner:
             for name, st in states.items():
                 pipe.rpush(keys.DatasetKeys(name).timeline, json.dumps(st.to_json()))
             pipe.execute()
-            if self.progress is not None:
+            if self.progress is not None and self._plan_passed:  # the plan's table first
                 shown = [states.get(r.name) or r.final_state for r in self._runs]
                 self.progress.update([st for st in shown if st is not None], self.throttle.snapshot())
 

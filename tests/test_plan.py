@@ -8,6 +8,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,39 @@ def test_a_prompt_that_cannot_fit_the_context_is_named_and_nothing_is_sent(
     problems = [ln.strip() for ln in out.stderr.splitlines() if "prompt_too_long" in ln]
     assert problems == [f"B1: prompt_too_long: {fleet.tmp / 'b1.jsonl'}:3 ({n_long:,} prompt tokens + max_tokens "
                         f"1,024 > context {n_long + 1023:,})"]
-    assert fleet.sim_stats()["requests"] == 0 and redis_client.dbsize() == 0
+    assert fleet.sim_stats()["requests"] == 0
+    queue = keys.DatasetKeys("B1").queue
+    assert redis_client.llen(queue) == 0 and not redis_client.hexists(keys.ACTIVE_QUEUES, queue)
+
+
+@pytest.mark.timeout(240)
+def test_a_refused_plan_sends_nothing_though_workers_took_and_prepared_its_prompts(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
+    """The counts run while the first prompts are queued and workers prepare them, every request held
+    by the fleet-wide throttle: a refusal still sends nothing, leaves nothing queued, and the prompts
+    workers hold end without an outcome, so the run after the fix asks every one exactly once."""
+    fleet.start_simulator("--latency-median-ms", "50")
+    k = keys.DatasetKeys("B1")
+    # 40 prompts, 1024 max_tokens at $2.50/M: worst ≈ $0.10 against a run budget of $0.05.
+    config = _one_dataset(fleet, prompts(40), head="[run]\nbudget_usd = 0.05\n\n")
+    fleet.start_worker("w1", concurrency=10)
+    fleet.wait_ready("w1")
+    out = _cli(fleet, "run", str(config), "--no-progress")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "exceeds [run] budget_usd $0.05" in out.stderr and re.search(r"^total ", out.stdout, re.M)
+    # Not vacuous: the worker had prompts admitted and waiting for the throttle during the plan.
+    assert re.search(r"B1/\S+ reserve: ok", fleet.log("w1")), fleet.log("w1")
+    assert redis_client.llen(k.queue) == 0 and not redis_client.hexists(keys.ACTIVE_QUEUES, k.queue)
+    deadline = time.monotonic() + 20  # a held prompt looks at its dataset every 5 s (gate keepalive)
+    while redis_client.hlen(k.leases) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert redis_client.hlen(k.leases) == 0
+    assert fleet.sim_stats()["requests"] == 0
+    assert redis_client.scard(k.done) == 0 and redis_client.hlen(k.failed) == 0
+    fleet.run_producer(_one_dataset(fleet, prompts(40), head="[run]\nbudget_usd = 0.5\n\n"))  # the fix
+    fleet.assert_exactly_once(redis_client, "B1", 40)
+    assert fleet.sim_stats()["billed_requests"] == 40
 
 
 def test_a_worst_case_over_the_run_budget_needs_yes(fleet: Fleet) -> None:

@@ -48,6 +48,22 @@ def test_a_fixed_cap_holds_across_callers_and_a_release_frees_a_slot(redis_clien
     assert a.snapshot().in_flight == 5
 
 
+def test_a_run_held_for_its_plan_starts_nothing_until_unheld_and_a_reset_without_hold_frees_it(
+    redis_client: redis.Redis,
+) -> None:
+    t, cap = FleetThrottle(redis_client), ThrottleLimits(max_in_flight=5)
+    t.reset(cap, hold=True)
+    held = t.acquire_many(["h0", "h1"], ttl_ms=TTL_MS, limits=cap)
+    assert not held.ok and held.why == "hold"
+    assert t.snapshot().in_flight == 0
+    t.unhold()
+    assert t.acquire_many(["h0", "h1"], ttl_ms=TTL_MS, limits=cap).granted == 2
+    t.reset(cap, hold=True)  # a run held for its plan keeps the slots of requests already in flight
+    assert t.snapshot().in_flight == 2 and not t.acquire("h2", ttl_ms=TTL_MS, limits=cap).ok
+    t.reset(cap)  # the next run, started without a plan (--no-plan), is not held by an old one
+    assert t.acquire("h2", ttl_ms=TTL_MS, limits=cap).ok
+
+
 def test_the_rate_cap_spaces_requests_so_no_second_holds_more_than_the_cap(redis_client: redis.Redis) -> None:
     t, rate = FleetThrottle(redis_client), ThrottleLimits(max_requests_per_s=10)
     assert t.acquire("r0", ttl_ms=TTL_MS, limits=rate).ok

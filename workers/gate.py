@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 #: How often the head asks again while the fleet is at its limit and nothing here was freed.
 POLL_S = 0.05
+#: How often the head asks again while the producer's plan holds every request: a shorter wait
+#: than POLL_S, as every process's whole first wave is queued behind it (one call per process).
+HOLD_POLL_S = 0.02
 #: While queued this long, the waiting request's keepalive runs (the budget lease is renewed).
 KEEPALIVE_EVERY_S = 5.0
 #: Most slots one call asks for: bounds the script's time in Redis (a ZADD each).
@@ -164,6 +167,8 @@ class Gate:
                         self._hand_over(w)
                 elif admission.why == "limit":
                     self._freed.wait(timeout=POLL_S * random.uniform(0.5, 1.5))
+                elif admission.why == "hold":  # the run's plan is counting: its end starts the fleet's ramp
+                    gevent.sleep(HOLD_POLL_S)
                 else:  # a Retry-After pause or the rate bucket: the wait is known
                     gevent.sleep(admission.wait_ms / 1000)
         finally:
