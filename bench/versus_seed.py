@@ -103,6 +103,13 @@ class Sampler(threading.Thread):
         window = [now for t, _, now, _ in self.samples if first <= t <= last]
         return sum(window) / len(window) if window else 0.0
 
+    def ramp_after_first(self, steps_s: tuple[float, ...] = (0.25, 0.5, 1.0, 1.5, 2.0)) -> list[int]:
+        """Requests in flight this long after the first request: the shape of the first wave."""
+        first = self.first_request_t()
+        if first is None:
+            return []
+        return [next((now for t, _, now, _ in self.samples if t >= first + step), 0) for step in steps_s]
+
     def reached_t(self, in_flight: int) -> float | None:
         return next((t for t, _, now, _ in self.samples if now >= in_flight), None)
 
@@ -145,6 +152,8 @@ class Side:
     redis_cpu_s: float | None = None
     #: The script's CPU before its first request (imports, tokenizer): part of ``cpu_s``.
     startup_cpu_s: float | None = None
+    #: Requests in flight 0.25, 0.5, 1, 1.5 and 2 s after the first request.
+    first_wave: list[int] = field(default_factory=list)
 
     @property
     def rows_per_s(self) -> float:
@@ -168,10 +177,12 @@ class Side:
         elif self.startup_cpu_s is not None:
             parts = f" (of which start-up {1000 * self.startup_cpu_s / max(self.rows, 1):.2f})"
         ramp = "never" if self.ramp_s is None else f"{self.ramp_s:.2f} s"
+        wave = "/".join(f"{x:,}" for x in self.first_wave)
         return (f"  {self.name:<6} rows {self.rows:>6,} · {self.rows_per_s:7.1f} rows/s · "
                 f"{self.cpu_ms_per_row:5.2f} CPU ms/row{parts} · in flight max {self.max_in_flight:>5,} "
                 f"mean {self.mean_in_flight:,.0f} · "
-                f"first request {first} s · ≥{self.ramp_target:,} in flight after {ramp} · "
+                f"first request {first} s · in flight 0.25/0.5/1/1.5/2 s after it {wave} · "
+                f"≥{self.ramp_target:,} in flight after {ramp} · "
                 f"last answer → exit {tail} s · peak RSS {rss} MB")
 
 
@@ -201,6 +212,7 @@ def run_seed(fleet: Fleet, data: Path, in_flight: int, out: Path) -> Side:
     side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
     side.max_in_flight = fleet.sim_stats()["max_in_flight"]
     side.mean_in_flight = sampler.mean_in_flight()
+    side.first_wave = sampler.ramp_after_first()
     side.ramp_target = in_flight - 10
     reached = sampler.reached_t(side.ramp_target)
     side.ramp_s = None if reached is None else reached - side.start_t
@@ -264,6 +276,7 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
     side.first_request_t, side.last_answer_t = sampler.first_request_t(), sampler.last_answer_t()
     side.max_in_flight = fleet.sim_stats()["max_in_flight"]
     side.mean_in_flight = sampler.mean_in_flight()
+    side.first_wave = sampler.ramp_after_first()
     side.ramp_target = in_flight - 10
     reached = sampler.reached_t(side.ramp_target)
     if reached is not None and sampler.opened_t is not None:

@@ -39,7 +39,6 @@ def execute(
     the plan still counting (``producer/plan.start_plan``); the run holds every request until it passes."""
     from producer.celery_app import make_app
     from producer.progress import ProgressView
-    from producer.report import write_report
     from producer.run import Halted, Interrupted, Runner, Tuning
     from producer.state import read_timeline
     from producer.summary import report_line
@@ -72,6 +71,10 @@ def execute(
               f"{cfg.output.dir}: run the same command again once Redis is back "
               "(SPECFLEET_REDIS_RETRY_WINDOW_S sets how long to wait)", file=sys.stderr)
         return EXIT_REDIS_UNREACHABLE
+    # Imported once the run is over: matplotlib costs ~0.5 s of CPU, which at the start would delay
+    # the first prompt (and the plan) by as much.
+    from producer.report import write_report
+
     try:
         report = write_report(cfg.output.dir, summaries, {n: read_timeline(client, n) for n in names})
     except OSError as exc:  # the rows and summaries are written; only the report is missing

@@ -13,6 +13,10 @@ The estimates: an answer is expected to keep ``estimate_tokens`` of its length c
 of that many (a seeded reservoir) and extrapolated; the output says so. The context-length check
 still covers every prompt: outside the sample, each prompt whose text is long enough in bytes to
 possibly overflow is counted too (a byte-level BPE token is at least one byte).
+
+``specfleet run`` splits it: the models endpoint first (``read_model``: an unknown model stops the
+run before anything is queued), then the counts (``PendingPlan``) beside the run's start, which
+queues prompts for workers to prepare but holds every request until the counts pass.
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import gevent
 import pytest
 
 from common.errors import AccountRefusedError, FatalUpstreamError, MisconfiguredError, RetryableUpstreamError
@@ -173,3 +175,40 @@ def test_backoff_is_jittered_exponential_and_honours_retry_after() -> None:
     assert backoff_s(1, slow, base_s=1, max_s=60, rng=rng) >= 30
     assert parse_retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0
     assert parse_retry_after_s("garbage") is None
+
+
+class _KeepAliveHandler(_Handler):
+    protocol_version = "HTTP/1.1"  # connections stay open between requests, as OpenRouter's do
+    connections = 0
+
+    def setup(self) -> None:
+        type(self).connections += 1
+        super().setup()
+
+
+def _settled(client: OpenRouterClient, expected_connections: int) -> None:
+    deadline = time.monotonic() + 5
+    while (client._warming or _KeepAliveHandler.connections < expected_connections) and time.monotonic() < deadline:
+        gevent.sleep(0.01)
+    gevent.sleep(0.05)  # and nothing more arrives
+
+
+def test_warm_opens_the_connections_of_held_requests_and_the_requests_use_them() -> None:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _KeepAliveHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = _client(f"http://127.0.0.1:{httpd.server_address[1]}")  # a pool of 4
+        client.warm(3)
+        _settled(client, 3)
+        assert _KeepAliveHandler.connections == 3
+        client.warm(3)  # three are open and idle already
+        client.warm(10)  # never more than the pool keeps
+        _settled(client, 4)
+        assert _KeepAliveHandler.connections == 4
+        _answer(200, OK)
+        for _ in range(3):
+            assert client.complete(_request()).content == "hi"
+        assert _KeepAliveHandler.connections == 4  # the requests went out on the warmed connections
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

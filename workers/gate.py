@@ -27,7 +27,7 @@ import itertools
 import logging
 import random
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -71,11 +71,11 @@ def outcome_of(error: BaseException | None) -> tuple[Outcome, float | None]:
 
 
 class _Waiter:
-    __slots__ = ("error", "gone", "granted", "limits", "slot", "ttl_ms", "woken")
+    __slots__ = ("error", "gone", "granted", "limits", "slot", "ttl_ms", "warm", "woken")
 
-    def __init__(self, ttl_ms: int, limits: ThrottleLimits) -> None:
+    def __init__(self, ttl_ms: int, limits: ThrottleLimits, warm: Callable[[int], None] | None = None) -> None:
         self.slot = uuid.uuid4().hex
-        self.ttl_ms, self.limits = ttl_ms, limits
+        self.ttl_ms, self.limits, self.warm = ttl_ms, limits, warm
         self.woken = gevent.event.Event()
         self.granted = False
         self.gone = False  # gave up (keepalive raised, killed) before a slot came
@@ -100,10 +100,12 @@ class Gate:
 
     @contextmanager
     def slot(self, *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS,
-             keepalive: Callable[[], None] | None = None) -> Iterator[None]:
+             keepalive: Callable[[], None] | None = None,
+             warm: Callable[[int], None] | None = None) -> Iterator[None]:
         """One upstream attempt inside a fleet-wide slot, released with its outcome (an exception
-        of the attempt passes through)."""
-        slot = self.acquire(ttl_ms=ttl_ms, limits=limits, keepalive=keepalive)
+        of the attempt passes through). ``warm(n)``: the upstream's way to open the connections
+        of ``n`` waiting requests while the run's plan holds them (``OpenRouterClient.warm``)."""
+        slot = self.acquire(ttl_ms=ttl_ms, limits=limits, keepalive=keepalive, warm=warm)
         try:
             yield
         except BaseException as exc:
@@ -115,10 +117,11 @@ class Gate:
         self.release(slot, "ok", ttl_ms=ttl_ms, limits=limits)
 
     def acquire(self, *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS,
-                keepalive: Callable[[], None] | None = None) -> str:
+                keepalive: Callable[[], None] | None = None,
+                warm: Callable[[int], None] | None = None) -> str:
         """Wait for a fleet-wide slot; returns its id. ``keepalive`` runs every KEEPALIVE_EVERY_S of
         waiting and may raise to give up (the dataset was stopped meanwhile)."""
-        waiter = _Waiter(ttl_ms, limits)
+        waiter = _Waiter(ttl_ms, limits, warm)
         self._queue.append(waiter)
         if self._pump is None:
             self._pump = gevent.spawn(self._run_pump)
@@ -168,11 +171,21 @@ class Gate:
                 elif admission.why == "limit":
                     self._freed.wait(timeout=POLL_S * random.uniform(0.5, 1.5))
                 elif admission.why == "hold":  # the run's plan is counting: its end starts the fleet's ramp
+                    self._warm_while_held()
                     gevent.sleep(HOLD_POLL_S)
                 else:  # a Retry-After pause or the rate bucket: the wait is known
                     gevent.sleep(admission.wait_ms / 1000)
         finally:
             self._pump = None
+
+    def _warm_while_held(self) -> None:
+        """Each upstream opens the connections its held requests will use, so the whole first wave
+        leaves at once when the plan passes, none of it connecting first."""
+        for warm, waiting in Counter(w.warm for w in self._queue if w.warm is not None and not w.gone).items():
+            try:
+                warm(waiting)
+            except Exception as exc:  # an optimisation: the requests connect for themselves
+                log.debug("warming %d connections failed: %s", waiting, exc)
 
     def _hand_over(self, waiter: _Waiter, *, error: BaseException | None = None) -> None:
         self._queue.remove(waiter)

@@ -298,8 +298,11 @@ def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
 
     ttl_ms = int((job.length.timeout_s + LEASE_SLACK_S) * 1000)
     # The send room (workers/send_room.py) counts this task as needing a slot until it returns.
+    # An upstream that can open its connections ahead (OpenRouter, the engines) does so while the
+    # run's plan holds the requests; a test's in-process fake has nothing to open.
+    warm = getattr(upstream, "warm", None)
     with process_room().requesting(), job.ctx.gate.slot(ttl_ms=ttl_ms, limits=job.view.throttle,
-                                                        keepalive=keepalive):
+                                                        keepalive=keepalive, warm=warm):
         job.attempts += 1
         return upstream.complete(request)
 
