@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import queue
 import random
 import threading
 import time
@@ -11,7 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import gevent
+import gevent.queue
 import pytest
+from urllib3 import HTTPConnectionPool
 
 from common.errors import AccountRefusedError, FatalUpstreamError, MisconfiguredError, RetryableUpstreamError
 from workers.openrouter import OpenRouterClient, chat_url, parse_retry_after_s
@@ -193,7 +196,13 @@ def _settled(client: OpenRouterClient, expected_connections: int) -> None:
     gevent.sleep(0.05)  # and nothing more arrives
 
 
-def test_warm_opens_the_connections_of_held_requests_and_the_requests_use_them() -> None:
+@pytest.mark.parametrize("queue_cls", [queue.LifoQueue, gevent.queue.LifoQueue], ids=["stdlib", "gevent"])
+def test_warm_opens_the_connections_of_held_requests_and_the_requests_use_them(
+    queue_cls: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # urllib3's pool takes the queue class of the process: gevent's in a monkey-patched worker.
+    monkeypatch.setattr(HTTPConnectionPool, "QueueCls", queue_cls)
+    _KeepAliveHandler.connections = 0
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _KeepAliveHandler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:

@@ -13,6 +13,7 @@ attempts, so a stopped dataset makes no further upstream calls).
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import json
 import os
@@ -151,6 +152,13 @@ def _dumps(body: dict[str, Any]) -> bytes:
         return json.dumps(body).encode()
 
 
+def _locked(slots: Any) -> Any:
+    """The standard library's queue guards its list with a mutex; gevent's (the queue urllib3 gets
+    in a monkey-patched worker) has none and needs none: greenlets switch only where they wait."""
+    mutex = getattr(slots, "mutex", None)
+    return mutex if mutex is not None else contextlib.nullcontext()
+
+
 class OpenRouterClient:
     """One per worker process: a pooled ``requests.Session`` sized to the greenlet count."""
 
@@ -230,7 +238,7 @@ class OpenRouterClient:
         slots = pool.pool
         if slots is None:  # closed
             return
-        with slots.mutex:
+        with _locked(slots):
             idle = sum(conn is not None for conn in slots.queue)
         for _ in range(min(connections, self._pool_size) - idle - self._warming):
             self._warming += 1
@@ -244,7 +252,7 @@ class OpenRouterClient:
             slots = pool.pool
             if slots is None:
                 return
-            with slots.mutex:
+            with _locked(slots):
                 if None not in slots.queue:  # every slot holds a connection already
                     return
                 slots.queue.remove(None)
