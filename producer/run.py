@@ -157,10 +157,11 @@ class Runner:
         if self.client.delete(keys.HALT):
             log.warning("cleared the halt of an earlier run: resuming")
         self.client.delete(keys.MISCONFIG_STREAK)  # a fresh start: only this run's misses count
-        # This run's provider, this run's 429s; and no request before the plan passes.
-        self.throttle.reset(self.cfg.request.throttle(), hold=self._plan is not None)
+        # This run's provider, this run's 429s; and no request before the plan passes (the plan
+        # lifts the hold the moment it does, or at once if it has already).
+        self.throttle.reset(self.cfg.request.throttle(), hold=self._plan is not None and not self._plan.passed())
         if self._plan is not None:
-            self._plan.start(on_pass=self.throttle.unhold)
+            self._plan.on_pass(self.throttle.unhold)
         self.client.set(
             keys.CURRENT_RUN,
             json.dumps(

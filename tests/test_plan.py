@@ -3,11 +3,13 @@ and a run that cannot work refused before anything is paid for (real simulator o
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +18,10 @@ import redis
 from transformers import AutoTokenizer
 
 from common import keys
+from common.config import load_config
+from common.errors import ConfigError
 from common.datasets import ReadStats, read_prompts
+from producer.plan import start_plan
 from tests.fleet import DEMO_TOKENIZER, REPO, Fleet, free_port, prompts, write_jsonl
 
 DEMO_CONFIG = REPO / "demo" / "fleet.toml"
@@ -241,3 +246,30 @@ def test_a_sampled_dataset_still_names_every_prompt_that_cannot_fit(tmp_path: Pa
     assert [t.split(" (")[0] for t in plan.too_long] == [f"{data}:37"]
     exact = plan_dataset(cfg, cfg.datasets[0], tokenizer, None)
     assert exact.too_long == plan.too_long and not exact.sampled
+
+
+def test_the_plan_reads_the_same_counted_in_a_forked_process_or_in_a_thread(fleet: Fleet) -> None:
+    """`specfleet` counts in a forked process (its only thread at the start); a process with threads
+    (this test's) counts in a thread: one plan either way, and a count's error reaches the caller."""
+    fleet.start_simulator()
+    config = _one_dataset(fleet, [*prompts(30), {"id": "t", "messages": [{"role": "user", "content": "x"}],
+                                                 "tools": [{"type": "function", "function": {"name": "f"}}]}])
+    forked = _cli(fleet, "plan", str(config))
+    assert forked.returncode == 0, forked.stderr
+    another = threading.Event()  # a second thread: this process counts in a thread, wherever it runs
+    threading.Thread(target=another.wait, daemon=True).start()
+    try:
+        out = io.StringIO()
+        _, pending = start_plan(load_config(config), fleet.sim_url, yes=False)
+        pending.settle(out)
+    finally:
+        another.set()
+    assert out.getvalue() == forked.stdout
+    broken = config.read_text().replace(f'tokenizer = "{DEMO_TOKENIZER}"', 'tokenizer = "/nonexistent/tok"')
+    assert broken != config.read_text()
+    config.write_text(broken)
+    cli = _cli(fleet, "plan", str(config))
+    assert cli.returncode == 2 and "cannot load tokenizer '/nonexistent/tok'" in cli.stderr, cli.stderr
+    _, pending = start_plan(load_config(config), fleet.sim_url, yes=False)
+    with pytest.raises(ConfigError, match="cannot load tokenizer '/nonexistent/tok'"):
+        pending.settle(io.StringIO())
