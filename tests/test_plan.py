@@ -19,8 +19,8 @@ from transformers import AutoTokenizer
 
 from common import keys
 from common.config import load_config
-from common.errors import ConfigError
 from common.datasets import ReadStats, read_prompts
+from common.errors import ConfigError
 from producer.plan import start_plan
 from tests.fleet import DEMO_TOKENIZER, REPO, Fleet, free_port, prompts, write_jsonl
 
