@@ -38,10 +38,11 @@ def test_a_folder_that_refuses_writes_stops_cleanly_and_the_rerun_writes_each_ro
         proc = subprocess.Popen(fleet.producer_cmd(config), env=fleet.env(), stdout=log, stderr=err,
                                 preexec_fn=_limit_file_size)
     try:
-        # Paused once everything is queued, the producer finds all rows waiting in the stream when it
-        # resumes: its collector then reads them in big batches, the way a busy run does.
+        # Paused once everything is queued and its plan has let requests start, the producer finds all
+        # rows waiting in the stream when it resumes: its collector then reads them in big batches,
+        # the way a busy run does.
         deadline = time.monotonic() + 60
-        while redis_client.llen("specfleet.q.F") < n:
+        while redis_client.llen("specfleet.q.F") < n or "requests start" not in err_path.read_text():
             assert time.monotonic() < deadline and proc.poll() is None, fleet.all_logs()
             time.sleep(0.05)
         proc.send_signal(signal.SIGSTOP)
