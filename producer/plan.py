@@ -22,6 +22,7 @@ queues prompts for workers to prepare but holds every request until the counts p
 from __future__ import annotations
 
 import json
+import logging
 import math
 import multiprocessing
 import random
@@ -36,6 +37,8 @@ from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer
 from producer.models import ModelInfo, ModelsUnavailable, fetch_model, models_url
+
+log = logging.getLogger(__name__)
 
 #: Prompts counted exactly for the estimates; beyond it a seeded sample (the mean of 2,000 is within
 #: a few per cent), while every prompt that might not fit the context is still counted. Counting
@@ -321,16 +324,21 @@ class PendingPlan:
     def _run(self, counting: Callable[[], tuple[Plan, list[str]]]) -> None:
         try:
             self._plan, self._problems = counting()
-            if not self._problems:
-                with self._lock:
-                    self._passed = True
-                    callbacks, self._on_pass = self._on_pass, []
-                for callback in callbacks:
-                    callback()
         except BaseException as exc:  # raised in the caller's thread by settle()
             self._error = exc
-        finally:
             self._done.set()
+            return
+        self._done.set()
+        if self._problems:
+            return
+        with self._lock:
+            self._passed = True
+            callbacks, self._on_pass = self._on_pass, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception as exc:  # the runner lifts the hold again once it sees the plan passed
+                log.warning("after the plan passed: %s: %s", type(exc).__name__, exc)
 
     def on_pass(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when the plan passes (now, if it has)."""

@@ -19,6 +19,10 @@ The pool has more greenlets than that (``common/worker_cmd.pool_size``): a task 
 second outside its request, waiting for its budget reserve and its settle to reach the AOF, and
 with one greenlet per request slot that second would be a slot left empty every round (7% of the
 throughput at 15 s latency). Here a slot is taken only for the request itself.
+
+While a run's plan is still counting, the throttle answers every ask with "hold": the pump asks
+again every ``HOLD_POLL_S`` and meanwhile has each upstream open the connections of its waiting
+requests (``warm``), so the first wave leaves together the moment the plan passes.
 """
 
 from __future__ import annotations
