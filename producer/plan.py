@@ -16,7 +16,8 @@ possibly overflow is counted too (a byte-level BPE token is at least one byte).
 
 ``specfleet run`` splits it: the models endpoint first (``read_model``: an unknown model stops the
 run before anything is queued), then the counts (``PendingPlan``) beside the run's start, which
-queues prompts for workers to prepare but holds every request until the counts pass.
+queues prompts for workers to prepare but holds every request until the counts pass, or until a
+bound from the files' bytes alone shows they cannot refuse the run (``clears_by_bytes``).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import json
 import logging
 import math
 import multiprocessing
+import os
 import random
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 from common.config import DatasetConfig, Pricing, RunConfig
@@ -49,6 +52,12 @@ _MAX_NAMED_ROWS = 20
 _COUNT_BATCH = 512
 #: Tokens a template may add around a prompt's text (role headers, default system prompt).
 _FRAMING_TOKENS = 1_024
+#: The byte bound (``clears_by_bytes``) takes each line's bytes this many times over: a template
+#: renders some of a row's structure again (tool schemas as indented JSON, or as TypeScript), which
+#: can spell it longer than the line does. Real prompts have ~3-4 bytes per token, so the bound is
+#: loose by far; it only has to be an upper bound.
+_BYTES_BOUND_FACTOR = 2
+_SCAN_CHUNK_BYTES = 1 << 20
 
 
 class PlanRefused(ConfigError):
@@ -158,6 +167,74 @@ def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: Mod
     elif pricing is not None:
         plan.expected_usd = plan.worst_usd = 0.0
     return plan
+
+
+@dataclass(frozen=True)
+class ByteShape:
+    """A dataset file's lines, bytes, and longest line a run may send (not over ``max_line_bytes``)."""
+
+    lines: int
+    bytes: int
+    longest: int
+
+
+def byte_shape(path: Path, max_line_bytes: int) -> ByteShape:
+    """One pass over raw bytes, no JSON parsed: ~1 s per GB, against minutes for the counts."""
+    lines = total = longest = 0
+    current = 0  # bytes of the line under way, across chunks
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(_SCAN_CHUNK_BYTES), b""):
+            total += len(chunk)
+            parts = chunk.split(b"\n")
+            current += len(parts[0])
+            if len(parts) == 1:
+                continue
+            for size in (current, *map(len, parts[1:-1])):
+                lines += 1
+                if size <= max_line_bytes:
+                    longest = max(longest, size)
+            current = len(parts[-1])
+    if current:
+        lines += 1
+        if current <= max_line_bytes:
+            longest = max(longest, current)
+    return ByteShape(lines, total, longest)
+
+
+def clears_by_bytes(cfg: RunConfig, info: ModelInfo | None, *, yes: bool) -> str | None:
+    """Why the counts cannot refuse this run, from the files' bytes alone; None when they might.
+
+    A byte-level BPE token is at least one byte of the text it encodes, and a prompt's text is its
+    line's strings plus what the template adds (``_FRAMING_TOKENS``), the row's structure it renders
+    again included (``_BYTES_BOUND_FACTOR``). So no prompt can be too long when the longest line,
+    bounded so, fits the room ``max_tokens`` leaves in the context, and the worst case cannot exceed
+    ``[run] budget_usd`` when it does not with every prompt that long (or the files' bytes, whichever
+    is less). Then requests need not wait for the counts, which still run and are printed; should
+    they refuse all the same, the run stops as a refusal does (a worker refuses a prompt that cannot
+    fit by itself, before its request)."""
+    context = cfg.model.context_length or (info.context_length if info else None)
+    pricing = cfg.model.pricing or (info.pricing if info else None)
+    budget = None if yes or cfg.run.confirm_over_budget else cfg.run.budget_usd
+    worst_usd = 0.0
+    longest_tokens = 0
+    for ds in cfg.datasets:
+        shape = byte_shape(ds.path, ds.max_line_bytes)
+        length = cfg.length_for(ds.length)
+        per_prompt = _BYTES_BOUND_FACTOR * shape.longest + _FRAMING_TOKENS
+        longest_tokens = max(longest_tokens, per_prompt)
+        if context is not None and per_prompt + length.max_tokens > context:
+            return None
+        if budget is not None and pricing is not None:
+            expected = length.estimate_tokens or max(1, length.max_tokens // 4)
+            rows = min(shape.lines, math.ceil(ds.budget_tokens / expected))
+            prompt_tokens = min(rows * per_prompt, _BYTES_BOUND_FACTOR * shape.bytes + shape.lines * _FRAMING_TOKENS)
+            worst_usd += (prompt_tokens * pricing.prompt
+                          + rows * (pricing.request + length.max_tokens * pricing.completion))
+    if budget is not None and worst_usd > budget:
+        return None
+    fits = "any context" if context is None else f"the context of {context:,}"
+    dollars = "" if budget is None else f"; worst case at most {_usd(worst_usd)} of budget_usd {_usd(budget)}"
+    return f"every prompt has at most {longest_tokens:,} tokens, bounded by bytes, which fit {fits}{dollars}"
 
 
 def read_model(cfg: RunConfig, base_url: str) -> tuple[ModelInfo | None, str | None]:
@@ -271,10 +348,11 @@ def apply_model(cfg: RunConfig, info: ModelInfo | None) -> RunConfig:
 class PendingPlan:
     """The plan's slow part (the tokenizer's import and load, and the counts: ~1.7 s of CPU before
     the first request of a run), counting while the run queues its first prompts and workers take
-    and prepare them. Nothing is sent meanwhile: the run holds the fleet-wide throttle
-    (``FleetThrottle.reset(hold=True)``) until the plan passes, and lifts it from here the moment the
-    counts are in (``on_pass``), so the first wave leaves at once. A refusal leaves the hold in
-    place: the runner stops the run's datasets, and the prompts workers hold end without a request.
+    and prepare them. Until the plan clears the run, nothing is sent: the run holds the fleet-wide
+    throttle (``FleetThrottle.reset(hold=True)``) and this lifts it (``on_clear``) the moment either
+    the bound from the files' bytes shows the counts cannot refuse (``clears_by_bytes``: at once,
+    for most runs) or the counts pass. A refusal leaves the hold in place: the runner stops the
+    run's datasets, and the prompts workers hold end without a request.
 
     The counting runs in a forked process when this one has no other thread yet (the CLI, at its
     start): on a core of its own, instead of sharing this process's interpreter lock with the run's
@@ -286,8 +364,10 @@ class PendingPlan:
                  yes: bool) -> None:
         self._cfg, self._base_url, self._info, self._unavailable, self._yes = cfg, base_url, info, unavailable, yes
         self._lock = threading.Lock()
-        self._on_pass: list[Callable[[], None]] = []
-        self._passed = False
+        self._on_clear: list[Callable[[], None]] = []
+        self._cleared = False
+        #: Why requests started before the counts were in (the byte bound), if they did.
+        self.cleared_early: str | None = None
         self._done = threading.Event()
         self._plan: Plan | None = None
         self._problems: list[str] = []
@@ -295,11 +375,14 @@ class PendingPlan:
         counting = self._fork() if _may_fork() else self._count_here
         threading.Thread(target=self._run, args=(counting,), name="plan", daemon=True).start()
 
-    def _count_here(self) -> tuple[Plan, list[str]]:
+    def _count_here(self, cleared: Callable[[str], None]) -> tuple[Plan, list[str]]:
+        why = clears_by_bytes(self._cfg, self._info, yes=self._yes)
+        if why is not None:
+            cleared(why)
         plan = count_plan(self._cfg, self._base_url, self._info, self._unavailable)
         return plan, problems(plan, self._cfg, yes=self._yes)
 
-    def _fork(self) -> Callable[[], tuple[Plan, list[str]]]:
+    def _fork(self) -> Callable[[Callable[[str], None]], tuple[Plan, list[str]]]:
         """Start the count in a child now (from this, the only thread); the result, when called."""
         ctx = multiprocessing.get_context("fork")
         receive, send = ctx.Pipe(duplex=False)
@@ -307,49 +390,60 @@ class PendingPlan:
         child.start()
         send.close()
 
-        def result() -> tuple[Plan, list[str]]:
+        def result(cleared: Callable[[str], None]) -> tuple[Plan, list[str]]:
             try:
-                kind, *payload = receive.recv()
+                while (message := receive.recv())[0] == "cleared":
+                    cleared(message[1])
             except EOFError:
                 child.join()
                 raise SpecfleetError(
                     f"the plan's counting process ended without an answer (exit {child.exitcode})") from None
             child.join()
+            kind, *payload = message
             if kind == "error":
                 raise payload[0]
             return payload[0], payload[1]
 
         return result
 
-    def _run(self, counting: Callable[[], tuple[Plan, list[str]]]) -> None:
+    def _run(self, counting: Callable[[Callable[[str], None]], tuple[Plan, list[str]]]) -> None:
         try:
-            self._plan, self._problems = counting()
+            self._plan, self._problems = counting(self._clear_early)
         except BaseException as exc:  # raised in the caller's thread by settle()
             self._error = exc
             self._done.set()
             return
         self._done.set()
-        if self._problems:
-            return
+        if not self._problems:
+            self._clear()
+
+    def _clear_early(self, why: str) -> None:
+        self.cleared_early = why
+        self._clear()
+
+    def _clear(self) -> None:
         with self._lock:
-            self._passed = True
-            callbacks, self._on_pass = self._on_pass, []
+            if self._cleared:
+                return
+            self._cleared = True
+            callbacks, self._on_clear = self._on_clear, []
         for callback in callbacks:
             try:
                 callback()
             except Exception as exc:  # the runner lifts the hold again once it sees the plan passed
-                log.warning("after the plan passed: %s: %s", type(exc).__name__, exc)
+                log.warning("after the plan cleared the run: %s: %s", type(exc).__name__, exc)
 
-    def on_pass(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` when the plan passes (now, if it has)."""
+    def on_clear(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when requests may start (now, if they may)."""
         with self._lock:
-            if not self._passed:
-                self._on_pass.append(callback)
+            if not self._cleared:
+                self._on_clear.append(callback)
                 return
         callback()
 
-    def passed(self) -> bool:
-        return self._passed
+    def cleared(self) -> bool:
+        """Requests may start: the byte bound showed the counts cannot refuse, or they passed."""
+        return self._cleared
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -357,7 +451,7 @@ class PendingPlan:
     def settle(self, out: TextIO | None = None) -> Plan:
         """Wait for the counts, print the plan (to stdout by default, as it is when called: live
         progress bars redirect it above themselves); ``PlanRefused`` (or the count's own error) if
-        the run must not start."""
+        the run must not start, or go on."""
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -372,9 +466,14 @@ def _may_fork() -> bool:
     return threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
 
 
-def _count_in_child(send: Any, count: Callable[[], tuple[Plan, list[str]]]) -> None:
+def _count_in_child(send: Any, count: Callable[[Callable[[str], None]], tuple[Plan, list[str]]]) -> None:
+    def cleared(why: str) -> None:
+        send.send(("cleared", why))
+        # The counts gate nothing now but the printed plan: the workers' first wave comes first.
+        os.nice(5)
+
     try:
-        plan, found = count()
+        plan, found = count(cleared)
         send.send(("ok", plan, found))
     except BaseException as exc:
         try:

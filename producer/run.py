@@ -157,11 +157,11 @@ class Runner:
         if self.client.delete(keys.HALT):
             log.warning("cleared the halt of an earlier run: resuming")
         self.client.delete(keys.MISCONFIG_STREAK)  # a fresh start: only this run's misses count
-        # This run's provider, this run's 429s; and no request before the plan passes (the plan
+        # This run's provider, this run's 429s; and no request before the plan clears the run (it
         # lifts the hold the moment it does, or at once if it has already).
-        self.throttle.reset(self.cfg.request.throttle(), hold=self._plan is not None and not self._plan.passed())
+        self.throttle.reset(self.cfg.request.throttle(), hold=self._plan is not None and not self._plan.cleared())
         if self._plan is not None:
-            self._plan.on_pass(self.throttle.unhold)
+            self._plan.on_clear(self._plan_cleared)
         self.client.set(
             keys.CURRENT_RUN,
             json.dumps(
@@ -201,11 +201,18 @@ class Runner:
                 self.lock.release()
         return [r.summary for r in self._runs if r.summary is not None]
 
+    def _plan_cleared(self) -> None:
+        """The plan's thread, the moment requests may start."""
+        self.throttle.unhold()
+        if self._plan is not None and self._plan.cleared_early:
+            log.info("requests start %.2f s after the start, before the plan's counts: %s",
+                     time.monotonic() - self._started_s, self._plan.cleared_early)
+
     def _settle_plan(self, *, block: bool = False) -> None:
         """Once the plan's counts are in: print it, and either let requests start (its thread lifted
         the throttle's hold already; again here in case Redis failed that call) or, refused, end
-        every dataset's admission (queued prompts go, those workers hold end without a request)
-        and raise."""
+        every dataset's admission (queued prompts go, those workers hold end without a request; when
+        the byte bound let requests start early, those sent finish) and raise."""
         if self._plan is None or self._plan_passed or not (block or self._plan.done()):
             return
         try:
@@ -217,7 +224,8 @@ class Runner:
             raise
         self.throttle.unhold()
         self._plan_passed = True
-        log.info("plan passed %.2f s after the start: requests start", time.monotonic() - self._started_s)
+        log.info("plan passed %.2f s after the start: %s", time.monotonic() - self._started_s,
+                 "requests had started already" if self._plan.cleared_early else "requests start")
 
     def _outage_notice(self, elapsed_s: float) -> None:
         """Called by every failed Redis attempt of any thread while Redis is away: shown every few s."""

@@ -107,6 +107,10 @@ class Fleet:
     def sim_stats(self) -> dict[str, Any]:
         return requests.get(self.sim_url + "/_sim/stats", timeout=5).json()  # type: ignore[no-any-return]
 
+    def sim_requests(self) -> list[dict[str, Any]]:
+        """The simulator's record of every chat request: prompt, start_s, end_s, status (wall clock)."""
+        return requests.get(self.sim_url + "/_sim/requests", timeout=30).json()["requests"]  # type: ignore[no-any-return]
+
     def start_worker(self, name: str, *, concurrency: int = 50, celery_args: tuple[str, ...] | None = None,
                      **env: str) -> subprocess.Popen[bytes]:
         """A worker as ``specfleet worker`` starts it, named ``<name>@%h`` unless ``celery_args`` names it."""

@@ -21,14 +21,17 @@ from common import keys
 from common.config import load_config
 from common.datasets import ReadStats, read_prompts
 from common.errors import ConfigError
-from producer.plan import start_plan
+from producer.plan import ByteShape, byte_shape, start_plan
 from tests.fleet import DEMO_TOKENIZER, REPO, Fleet, free_port, prompts, write_jsonl
 
 DEMO_CONFIG = REPO / "demo" / "fleet.toml"
 
 
-def _cli(fleet: Fleet, *args: str, base_url: str | None = None) -> subprocess.CompletedProcess[str]:
+def _cli(fleet: Fleet, *args: str, base_url: str | None = None,
+         pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = fleet.env(OPENROUTER_BASE_URL=base_url or fleet.sim_url)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run([sys.executable, "-m", "producer.cli", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=180)
 
@@ -122,22 +125,40 @@ def test_a_prompt_that_cannot_fit_the_context_is_named_and_nothing_is_sent(
     assert redis_client.llen(queue) == 0 and not redis_client.hexists(keys.ACTIVE_QUEUES, queue)
 
 
+def _long_prompt(words: int) -> dict[str, object]:
+    return {"id": "long", "messages": [
+        {"role": "user", "content": "Summarise: " + " ".join(f"word{i}" for i in range(words))}]}
+
+
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("refusal", ["over_budget", "too_long"])
 def test_a_refused_plan_sends_nothing_though_workers_took_and_prepared_its_prompts(
-    fleet: Fleet, redis_client: redis.Redis
+    fleet: Fleet, redis_client: redis.Redis, refusal: str
 ) -> None:
     """The counts run while the first prompts are queued and workers prepare them, every request held
-    by the fleet-wide throttle: a refusal still sends nothing, leaves nothing queued, and the prompts
-    workers hold end without an outcome, so the run after the fix asks every one exactly once."""
+    by the fleet-wide throttle (the files' bytes cannot rule a refusal out here): a refusal still
+    sends nothing, leaves nothing queued, and the prompts workers hold end without an outcome, so
+    the run after the fix asks every one exactly once."""
     fleet.start_simulator("--latency-median-ms", "50")
     k = keys.DatasetKeys("B1")
-    # 40 prompts, 1024 max_tokens at $2.50/M: worst ≈ $0.10 against a run budget of $0.05.
-    config = _one_dataset(fleet, prompts(40), head="[run]\nbudget_usd = 0.05\n\n")
+    if refusal == "over_budget":
+        # 40 prompts, 1024 max_tokens at $2.50/M: worst ≈ $0.10 against a run budget of $0.05.
+        config = _one_dataset(fleet, prompts(40), head="[run]\nbudget_usd = 0.05\n\n")
+        fix = "[run]\nbudget_usd = 0.5\n\n"
+    else:
+        # 40 prompts that fit and, last, one that cannot fit prompt + max_tokens (1024) in the context.
+        config = _one_dataset(fleet, [*prompts(40), _long_prompt(600)])
+        fleet.sim_config(context_length=_prompt_tokens(fleet.tmp / "b1.jsonl")[40] + 1023)
+        fix = ""
     fleet.start_worker("w1", concurrency=10)
     fleet.wait_ready("w1")
     out = _cli(fleet, "run", str(config), "--no-progress")
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "exceeds [run] budget_usd $0.05" in out.stderr and re.search(r"^total ", out.stdout, re.M)
+    assert re.search(r"^total ", out.stdout, re.M)
+    if refusal == "over_budget":
+        assert "exceeds [run] budget_usd $0.05" in out.stderr, out.stderr
+    else:
+        assert f"B1: prompt_too_long: {fleet.tmp / 'b1.jsonl'}:41" in out.stderr, out.stderr
     # Not vacuous: the worker had prompts admitted and waiting for the throttle during the plan.
     assert re.search(r"B1/\S+ reserve: ok", fleet.log("w1")), fleet.log("w1")
     assert redis_client.llen(k.queue) == 0 and not redis_client.hexists(keys.ACTIVE_QUEUES, k.queue)
@@ -147,9 +168,59 @@ def test_a_refused_plan_sends_nothing_though_workers_took_and_prepared_its_promp
     assert redis_client.hlen(k.leases) == 0
     assert fleet.sim_stats()["requests"] == 0
     assert redis_client.scard(k.done) == 0 and redis_client.hlen(k.failed) == 0
-    fleet.run_producer(_one_dataset(fleet, prompts(40), head="[run]\nbudget_usd = 0.5\n\n"))  # the fix
+    fleet.run_producer(_one_dataset(fleet, prompts(40), head=fix))  # the fix: a budget, or the long prompt out
     fleet.assert_exactly_once(redis_client, "B1", 40)
     assert fleet.sim_stats()["billed_requests"] == 40
+
+
+# Loaded into the producer only (sitecustomize on its PYTHONPATH): the plan's tokenizer takes
+# SLOW_S to load, as a first download from the hub does.
+_SLOW_TOKENIZER = '''
+import time
+
+import producer.plan
+
+_load = producer.plan.load_tokenizer
+
+
+def _slow_load(*args, **kwargs):
+    time.sleep(SLOW_S)
+    return _load(*args, **kwargs)
+
+
+producer.plan.load_tokenizer = _slow_load
+'''
+SLOW_PLAN_S = 8.0
+
+
+@pytest.mark.timeout(240)
+def test_requests_start_before_slow_counts_when_the_files_bytes_rule_out_a_refusal(
+    fleet: Fleet, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """No prompt's line, counted a token per byte (twice over, plus the template's framing), can
+    overflow the context, and the worst case so counted is within budget_usd: the counts cannot
+    refuse, so requests start without waiting for them; the plan is still printed once they are in."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_TOKENIZER.replace("SLOW_S", str(SLOW_PLAN_S)))
+    fleet.start_simulator("--latency-median-ms", "50")
+    config = _one_dataset(fleet, prompts(30), head="[run]\nbudget_usd = 5\n\n")
+    fleet.start_worker("w1", concurrency=10)
+    fleet.wait_ready("w1")
+    started = time.time()
+    out = _cli(fleet, "run", str(config), "--no-progress", pythonpath=site)
+    assert out.returncode == 0, out.stdout + out.stderr
+    fleet.assert_exactly_once(redis_client, "B1", 30)
+    assert re.search(r"^total ", out.stdout, re.M)  # the plan, printed when its counts came in
+    log_text = out.stderr
+    early = re.search(r"requests start [\d.]+ s after the start, before the plan's counts: every prompt has at "
+                      r"most [\d,]+ tokens", log_text)
+    passed = re.search(r"plan passed ([\d.]+) s after the start: requests had started already", log_text)
+    assert early and passed and early.start() < passed.start(), log_text
+    assert float(passed.group(1)) >= SLOW_PLAN_S  # not vacuous: the counts really were slow
+    # Every answer was in before the counts were: the first request did not wait for them.
+    answered = [r["end_s"] for r in fleet.sim_requests() if r["status"] == 200]
+    assert len(answered) == 30 and max(answered) < started + SLOW_PLAN_S, (max(answered) - started, log_text)
 
 
 def test_a_worst_case_over_the_run_budget_needs_yes(fleet: Fleet) -> None:
@@ -273,3 +344,15 @@ def test_the_plan_reads_the_same_counted_in_a_forked_process_or_in_a_thread(flee
     _, pending = start_plan(load_config(config), fleet.sim_url, yes=False)
     with pytest.raises(ConfigError, match="cannot load tokenizer '/nonexistent/tok'"):
         pending.settle(io.StringIO())
+
+
+def test_the_byte_shape_reads_lines_across_chunks_and_leaves_out_lines_a_run_refuses(tmp_path: Path) -> None:
+    """The bound rests on the longest line a run may send and the lines' bytes: read in 1 MiB
+    chunks, a line straddling two chunks is one line, and one over ``max_line_bytes`` (refused as
+    line_too_long, never sent) does not count as the longest."""
+    sizes = [10, 1_048_570, 30, 2_000_000, 7, 5]  # the second line ends past the first chunk's end
+    path = tmp_path / "shape.jsonl"
+    path.write_bytes(b"".join(b"x" * n + b"\n" for n in sizes[:-1]) + b"y" * sizes[-1])  # no final newline
+    shape = byte_shape(path, max_line_bytes=1_500_000)
+    assert shape == ByteShape(lines=6, bytes=sum(sizes) + 5, longest=1_048_570)
+    assert byte_shape(path, max_line_bytes=3_000_000).longest == 2_000_000
