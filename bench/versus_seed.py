@@ -7,7 +7,8 @@ seed's design (``bench/seed_design.py``: one process, aiohttp, a semaphore of ``
 first, then the simulator's counters are reset and the fleet runs the same prompts
 (``--workers`` celery worker processes × ``in_flight / workers`` requests in flight, each worker's
 pool a quarter larger for tasks waiting on Redis (``common/worker_cmd.pool_size``), started
-beforehand as a fleet's workers are, plus ``specfleet run``). Every answer is kept on both sides (budget far away).
+beforehand as a fleet's workers are, plus ``specfleet run`` with ``[request] max_in_flight`` =
+``--in-flight``, the script's semaphore). Every answer is kept on both sides (budget far away).
 ``--workers 1,2,3`` runs the fleet once per worker count (fresh Redis keyspace and output each
 time) against the one script run: the README's scaling table.
 
@@ -229,8 +230,10 @@ def _spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
 def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers: int, timeout_s: float,
               redis_pid: int | None = None, profile_dir: Path | None = None) -> Side:
     side = Side("fleet")
+    # The script's semaphore is a fleet-wide cap: the fleet's is [request] max_in_flight (a worker
+    # lends the share it leaves unused to another, workers/gate.py).
     config = fleet.write_config([{"name": "V", "path": data, "length": "short", "budget_tokens": 10**12}],
-                                timeout_s=timeout_s)
+                                timeout_s=timeout_s, request=f"temperature = 1.0\nmax_in_flight = {in_flight}")
     per_worker = in_flight // workers
     # Log level as users run it (INFO, the default): the log lines are part of what a row costs.
     # The default poll of the active queues too (tests use a short one): a dataset's start reaches

@@ -32,15 +32,20 @@
 --                       cap         the run's max_in_flight, for readers (workers pass theirs)
 --                       hold        present while the producer's plan is still counting: nobody
 --                                   starts a request (prompts are queued and prepared meanwhile)
+--                       want_ms     unix ms until which a process within its share wanted a slot
+--                                   and found none: no borrowing (acquire, keep_free) until then
 -- KEYS[2] slots  ZSET   slot id -> expiry unix ms: requests in flight; a dead worker's slots expire
 --
 -- ARGV[1] is the operation:
---   acquire  now_ms ttl_ms max_in_flight max_per_s window_ms slot [slot ...]
+--   acquire  now_ms ttl_ms max_in_flight max_per_s window_ms keep_free slot [slot ...]
 --            -> {"ok", granted, limit} | {"wait", ms, why}   why: hold | pause | limit | rate
 --            grants the first ``granted`` slots (at least one; as many as the limit and the rate
 --            allow): a process's queue of waiting requests is served in one call, not one each.
 --            max_in_flight 0: no fixed cap (the adaptive limit alone, unbounded until a cut);
---            max_per_s 0: no rate cap.
+--            max_per_s 0: no rate cap. keep_free: slots to leave free under the limit (a process
+--            over its own share borrowing what others leave unused keeps a few for them; else 0).
+--            A process within its share that finds no slot marks the fleet wanting (want_ms, for
+--            WANT_MS): meanwhile nobody borrows, so every slot freed goes to a share.
 --   release  now_ms beta min_limit cut_gap_ms grow_near window_ms min_requests margin bg_max
 --            bg_half_life_ms noise_z check_requests check_ratio
 --            then per slot given back: slot outcome retry_after_ms max_in_flight ttl_ms
@@ -197,17 +202,27 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl)
   return limit
 end
 
+-- How long a share's unanswered want keeps borrowers off: a few of its polls (workers/gate.py POLL_S).
+local WANT_MS = 250
+
 if op == "acquire" then
   local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
   local max_in_flight, max_per_s, window = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-  local wanted = #ARGV - 6  -- slot ids: ARGV[7], ARGV[8] ...
+  local keep_free = tonumber(ARGV[7])
+  local wanted = #ARGV - 7  -- slot ids: ARGV[8], ARGV[9] ...
   redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
   if redis.call("HEXISTS", state, "hold") == 1 then return {"wait", 0, "hold"} end
   local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
   if pause > now then return {"wait", pause - now, "pause"} end
   local limit = current_limit(max_in_flight)
-  local grant = math.min(wanted, math.max(1, math.floor(limit)) - redis.call("ZCARD", slots))
-  if grant < 1 then return {"wait", 0, "limit"} end
+  if keep_free > 0 and tonumber(redis.call("HGET", state, "want_ms") or "0") > now then
+    return {"wait", 0, "limit"}
+  end
+  local grant = math.min(wanted, math.max(1, math.floor(limit)) - redis.call("ZCARD", slots) - keep_free)
+  if grant < 1 then
+    if keep_free == 0 then redis.call("HSET", state, "want_ms", now + WANT_MS) end
+    return {"wait", 0, "limit"}
+  end
   if max_per_s > 0 then
     -- A bucket of one: requests start at least 1/max_per_s apart, so no one-second window holds
     -- more than max_per_s + 1 of them (a bucket of max_per_s would let 2 x max_per_s through in
@@ -222,7 +237,7 @@ if op == "acquire" then
     end
     redis.call("HSET", state, "tokens", tostring(tokens - grant), "tokens_ms", now)
   end
-  for i = 1, grant do redis.call("ZADD", slots, now + ttl, ARGV[6 + i]) end
+  for i = 1, grant do redis.call("ZADD", slots, now + ttl, ARGV[7 + i]) end
   count_window(now, window, grant, 0, 0)
   local check_ms = tonumber(redis.call("HGET", state, "check_ms") or "0")
   if check_ms > 0 and now >= check_ms then redis.call("HINCRBY", state, "check_started", grant) end

@@ -141,10 +141,12 @@ class FleetThrottle:
     def acquire(self, slot: str, *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS) -> Admission:
         return self.acquire_many([slot], ttl_ms=ttl_ms, limits=limits)
 
-    def acquire_many(self, slots: list[str], *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS) -> Admission:
-        """Take as many of ``slots``, in order, as the limit and the rate allow (``granted``)."""
+    def acquire_many(self, slots: list[str], *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS,
+                     keep_free: int = 0) -> Admission:
+        """Take as many of ``slots``, in order, as the limit and the rate allow (``granted``),
+        leaving ``keep_free`` of the limit's slots free for others."""
         reply = self._call("acquire", self._clock_ms(), ttl_ms, limits.max_in_flight or 0,
-                           limits.max_requests_per_s or 0, self.policy.window_ms, *slots)
+                           limits.max_requests_per_s or 0, self.policy.window_ms, keep_free, *slots)
         if reply[0] == "ok":
             return Admission(True, granted=int(reply[1]))
         return Admission(False, int(reply[1]), str(reply[2]))

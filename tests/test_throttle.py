@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from common.config import ThrottleLimits
-from common.throttle import POLICY, FleetThrottle, ThrottlePolicy
+from common.throttle import POLICY, Admission, FleetThrottle, ThrottlePolicy
 from tests.throttle_sim import T0_MS, Provider, run_fleet
 
 TTL_MS = 60_000
@@ -213,7 +213,7 @@ def test_a_gate_holds_its_process_to_its_own_cap_under_an_unbounded_fleet(redis_
     gevent = pytest.importorskip("gevent")
     from workers.gate import Gate
 
-    gate = Gate(FleetThrottle(redis_client), max_in_flight=5)
+    gate = Gate(FleetThrottle(redis_client), max_in_flight=5, borrow_up_to=7)  # no fixed cap: no borrowing
     in_flight, peak, done = 0, 0, 0
 
     def request() -> None:
@@ -228,6 +228,62 @@ def test_a_gate_holds_its_process_to_its_own_cap_under_an_unbounded_fleet(redis_
     jobs = [gevent.spawn(request) for _ in range(60)]
     gevent.joinall(jobs, timeout=30, raise_error=True)
     assert (done, peak, gate.held) == (60, 5, 0)
+
+
+def test_a_share_that_found_no_slot_keeps_borrowers_off_until_it_is_served(redis_client: redis.Redis) -> None:
+    """The script's side of lending: a caller within its share (keep_free 0) that finds the cap full
+    marks the fleet wanting; for WANT_MS (250 ms) a borrower (keep_free > 0) gets nothing, however many
+    slots free meanwhile, and after it a borrower takes all but keep_free of what is free."""
+    now = [T0_MS]
+    t = FleetThrottle(redis_client, clock_ms=lambda: now[0])
+    cap = ThrottleLimits(max_in_flight=10)
+    held = _fill(t, 10, limits=cap)
+    assert t.acquire_many(["b0"], ttl_ms=TTL_MS, limits=cap) == Admission(False, 0, "limit")  # b wants
+    for slot in held[:4]:
+        t.release(slot, "ok", ttl_ms=TTL_MS, limits=cap)
+    now[0] += 100
+    assert not t.acquire_many(["a0", "a1"], ttl_ms=TTL_MS, limits=cap, keep_free=1).ok  # 4 free, b's
+    assert t.acquire_many(["b0", "b1", "b2"], ttl_ms=TTL_MS, limits=cap).granted == 3
+    now[0] += 200  # b's want is 300 ms old
+    assert t.acquire_many(["a0", "a1"], ttl_ms=TTL_MS, limits=cap, keep_free=1).ok is False  # 1 free, kept
+    t.release(held[4], "ok", ttl_ms=TTL_MS, limits=cap)
+    assert t.acquire_many(["a0", "a1", "a2"], ttl_ms=TTL_MS, limits=cap, keep_free=1).granted == 1  # 2 free
+
+
+def test_under_a_fleet_cap_a_gate_borrows_what_others_leave_unused_and_gives_way_to_their_share(
+    redis_client: redis.Redis,
+) -> None:
+    """Two processes with a share of 5 under a fleet cap of 10: alone, one goes to its pool's 7;
+    both busy, the one under its share gets all of it back (the borrower leaves a slot of the cap
+    free), and the fleet never has more than 10 in flight."""
+    gevent = pytest.importorskip("gevent")
+    from workers.gate import Gate
+
+    limits = ThrottleLimits(max_in_flight=10)
+    a = Gate(FleetThrottle(redis_client), max_in_flight=5, borrow_up_to=7)
+    b = Gate(FleetThrottle(redis_client), max_in_flight=5, borrow_up_to=7)
+    in_flight = {"a": 0, "b": 0}
+    peak = {"a": 0, "b": 0, "fleet": 0}
+
+    def request(name: str, gate: Gate, hold_s: float) -> None:
+        with gate.slot(ttl_ms=TTL_MS, limits=limits):
+            in_flight[name] += 1
+            peak[name] = max(peak[name], in_flight[name])
+            peak["fleet"] = max(peak["fleet"], sum(in_flight.values()))
+            gevent.sleep(hold_s)
+            in_flight[name] -= 1
+
+    gevent.joinall([gevent.spawn(request, "a", a, 0.05) for _ in range(30)], timeout=30, raise_error=True)
+    assert (peak["a"], peak["fleet"], a.held) == (7, 7, 0)  # b left its share unused: a borrowed 2
+
+    peak.update(a=0, b=0, fleet=0)
+    busy_a = [gevent.spawn(request, "a", a, 0.05) for _ in range(300)]  # busy from before b to after it
+    gevent.sleep(0.2)  # a is over its share when b's work arrives
+    gevent.joinall([gevent.spawn(request, "b", b, 0.05) for _ in range(60)], timeout=60, raise_error=True)
+    assert not all(job.dead for job in busy_a)  # a wanted slots the whole time b ran
+    gevent.joinall(busy_a, timeout=60, raise_error=True)
+    assert peak["fleet"] == 10 and peak["a"] <= 7
+    assert peak["b"] == 5, peak  # b got its whole share back from the borrower
 
 
 def test_a_gevent_gate_gives_the_slots_of_the_moment_back_in_one_call(redis_client: redis.Redis) -> None:

@@ -19,6 +19,7 @@ from common.errors import ConfigError, TokenizerError
 from common.redis_client import UNREACHABLE, WindowRetry
 from common.settings import Settings
 from common.throttle import FleetThrottle
+from common.worker_cmd import pool_size
 from workers.gate import Gate
 from workers.group_commit import GroupCommit
 from workers.openrouter import OpenRouterClient
@@ -76,6 +77,7 @@ class WorkerContext:
         # fsync), and a pump or a release queued behind them leaves fleet slots idle.
         return Gate(FleetThrottle(_client(self.settings, max_connections=GATE_CONNECTIONS)),
                     max_in_flight=self.settings.worker_concurrency,
+                    borrow_up_to=pool_size(self.settings.worker_concurrency),
                     batch_releases=gevent.monkey.is_module_patched("socket"))
 
     @property
@@ -99,12 +101,17 @@ class WorkerContext:
                     engine = self._engines[kind] = self._engine(kind)
         return engine
 
+    def _connections(self) -> int:
+        """Upstream connections to keep: the requests this process may have in flight, borrowing
+        included (``Gate``); a connection over the pool's size would be closed after each use."""
+        return pool_size(self.settings.worker_concurrency)
+
     def _engine(self, kind: EngineKind) -> EngineClient:
         url = self.settings.engine_url
         if not url:
             raise ConfigError(
                 f"the run's model.upstream is {kind!r} but SPECFLEET_ENGINE_URL is not set on this worker")
-        return EngineClient(kind, url, self.settings.engine_api_key, pool_size=self.settings.worker_concurrency)
+        return EngineClient(kind, url, self.settings.engine_api_key, pool_size=self._connections())
 
     def _openrouter(self) -> OpenRouterClient:
         key = self.settings.openrouter_api_key
@@ -113,7 +120,7 @@ class WorkerContext:
         return OpenRouterClient(
             self.settings.openrouter_base_url,
             key,
-            pool_size=self.settings.worker_concurrency,
+            pool_size=self._connections(),
             app_url=self.settings.app_url,
             app_title=self.settings.app_title,
         )

@@ -20,6 +20,16 @@ second outside its request, waiting for its budget reserve and its settle to rea
 with one greenlet per request slot that second would be a slot left empty every round (7% of the
 throughput at 15 s latency). Here a slot is taken only for the request itself.
 
+Under a fixed fleet-wide cap (``[request] max_in_flight``), a process whose own slots are all taken
+borrows what other processes leave unused, up to ``borrow_up_to`` (its pool's greenlets): when a
+dataset's queue runs dry, one worker still holds prepared prompts (about a second's worth, see
+``workers/send_room.py``) while another's slots empty, and at 15 s latency that idled ~450
+slot-seconds of a 78 s run (the script's single semaphore: ~40). A borrower leaves a few slots of
+the cap free (``keep_free``) and borrows nothing while a process within its share has just asked in
+vain (``throttle.lua``'s ``want_ms``), so a process under its share is not kept waiting by one over
+it; and without a fixed cap nobody borrows (the adaptive limit alone would let
+every process run a quarter over what its operator sized it for).
+
 While a run's plan is still counting, the throttle answers every ask with "hold": the pump asks
 again every ``HOLD_POLL_S`` and meanwhile has each upstream open the connections of its waiting
 requests (``warm``), so the first wave leaves together the moment the plan passes.
@@ -54,6 +64,9 @@ HOLD_POLL_S = 0.02
 KEEPALIVE_EVERY_S = 5.0
 #: Most slots one call asks for: bounds the script's time in Redis (a ZADD each).
 MAX_BATCH = 200
+#: A process borrowing over its own share leaves this many slots of the fleet's cap free (fewer
+#: under a small cap: one per 50 slots, at least one), for processes under theirs.
+LEND_MARGIN = 8
 #: A release waits at most this long for an unreachable Redis: the slot expires by its TTL, and the
 #: paid answer has its settle (and the spool) to reach, within the lease's slack.
 RELEASE_WAIT_S = 2.0
@@ -88,9 +101,11 @@ class _Waiter:
 
 class Gate:
     def __init__(self, throttle: FleetThrottle, *, max_in_flight: int | None = None,
-                 batch_releases: bool = False) -> None:
-        """``batch_releases``: in a gevent worker (a releaser greenlet needs a hub that runs while
-        tasks wait on sockets); otherwise each release is its own call."""
+                 borrow_up_to: int | None = None, batch_releases: bool = False) -> None:
+        """``max_in_flight``: this process's share; ``borrow_up_to``: how far over it the process may
+        go on slots others leave unused, under a fixed fleet-wide cap. ``batch_releases``: in a
+        gevent worker (a releaser greenlet needs a hub that runs while tasks wait on sockets);
+        otherwise each release is its own call."""
         self._throttle = throttle
         self._batch_releases = batch_releases
         self._releases: list[Release] = []
@@ -98,8 +113,10 @@ class Gate:
         self._queue: deque[_Waiter] = deque()
         self._pump: gevent.Greenlet[[], None] | None = None
         self._freed = gevent.event.Event()
-        #: This process's cap on requests in flight (None: the fleet's limit alone), and its slots held.
+        #: This process's share of requests in flight (None: the fleet's limit alone), how far over it
+        #: it may borrow, and its slots held.
         self._cap = max_in_flight
+        self._borrow_cap = max(borrow_up_to or 0, max_in_flight or 0)
         self.held = 0
 
     @contextmanager
@@ -152,18 +169,18 @@ class Gate:
                     self._queue.popleft()
                     continue
                 self._freed.clear()  # before asking: a slot freed while Redis answers still wakes us
-                room = MAX_BATCH if self._cap is None else min(MAX_BATCH, self._cap - self.held)
+                head = self._queue[0]
+                room, keep_free = self._room(head.limits)
                 if room <= 0:  # this process's own cap: only a release here can make room
                     self._freed.wait(timeout=KEEPALIVE_EVERY_S)
                     continue
-                head = self._queue[0]
                 # One call serves the waiters that ask alike (the same run's caps and TTL).
                 batch = list(itertools.islice(
                     (w for w in self._queue if not w.gone and (w.limits, w.ttl_ms) == (head.limits, head.ttl_ms)),
                     room))
                 try:
                     admission = self._throttle.acquire_many([w.slot for w in batch], ttl_ms=head.ttl_ms,
-                                                            limits=head.limits)
+                                                            limits=head.limits, keep_free=keep_free)
                 except Exception as exc:  # Redis down: those asking get the error, as a call of their own would
                     for w in batch:
                         self._hand_over(w, error=exc)
@@ -181,6 +198,17 @@ class Gate:
                     gevent.sleep(admission.wait_ms / 1000)
         finally:
             self._pump = None
+
+    def _room(self, limits: ThrottleLimits) -> tuple[int, int]:
+        """How many slots to ask for now, and how many of the fleet's cap to leave free."""
+        if self._cap is None:
+            return MAX_BATCH, 0
+        if self.held < self._cap:
+            return min(MAX_BATCH, self._cap - self.held), 0
+        cap = limits.max_in_flight
+        if cap is None or self.held >= self._borrow_cap:
+            return 0, 0
+        return min(MAX_BATCH, self._borrow_cap - self.held), max(1, min(LEND_MARGIN, cap // 50))
 
     def _warm_while_held(self) -> None:
         """Each upstream opens the connections its held requests will use, so the whole first wave
