@@ -176,8 +176,10 @@ def test_a_refused_plan_sends_nothing_though_workers_took_and_prepared_its_promp
 # Loaded into the producer only (sitecustomize on its PYTHONPATH): the plan's tokenizer takes
 # SLOW_S to load, as a first download from the hub does.
 _SLOW_TOKENIZER = '''
+import sys
 import time
 
+sys.path.insert(0, REPO)  # this checkout's producer, as `python -m` from it would import
 import producer.plan
 
 _load = producer.plan.load_tokenizer
@@ -202,7 +204,8 @@ def test_requests_start_before_slow_counts_when_the_files_bytes_rule_out_a_refus
     refuse, so requests start without waiting for them; the plan is still printed once they are in."""
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(_SLOW_TOKENIZER.replace("SLOW_S", str(SLOW_PLAN_S)))
+    slow = _SLOW_TOKENIZER.replace("SLOW_S", str(SLOW_PLAN_S)).replace("REPO", repr(str(REPO)))
+    (site / "sitecustomize.py").write_text(slow)
     fleet.start_simulator("--latency-median-ms", "50")
     config = _one_dataset(fleet, prompts(30), head="[run]\nbudget_usd = 5\n\n")
     fleet.start_worker("w1", concurrency=10)
