@@ -35,6 +35,8 @@ def test_flower_shows_every_task_outcome_and_every_worker(fleet: Fleet, redis_cl
     flower = _start_flower(fleet)
     for name in ("fa", "fb"):
         fleet.start_worker(name, concurrency=20)
+    for name in ("fa", "fb"):  # both consuming before the run: a run's first requests need not wait for the plan
+        fleet.wait_ready(name)
     config = fleet.one_dataset("F", 60)
     fleet.run_producer(config)
     rows = fleet.assert_exactly_once(redis_client, "F", 60)
