@@ -264,7 +264,10 @@ class Runner:
 
     def _ping_workers(self) -> None:
         try:
-            replies = self.app.control.ping(timeout=1.0)
+            # A connection of its own: on the pooled one the run's enqueue also uses, the wait for
+            # replies lasted until the run ended (seen in `specfleet demo`: the warning came last).
+            with self.app.connection_for_write() as conn:
+                replies = self.app.control.ping(timeout=1.0, connection=conn)
         except Exception:  # control needs the broker only; a failure here is not fatal
             replies = []
         if not replies:
