@@ -461,7 +461,9 @@ class Runner:
             todo = [p for p in batch if p.id not in failed]
             if n < 10 and todo:  # which ones, so a lost message can be traced
                 done = self.client.smismember(_outcome_key(run), [p.id for p in todo])
-                log.info("%s: sweeping %s", run.name, ", ".join(p.id for p, d in zip(todo, done, strict=True) if not d))
+                missing = [p.id for p, d in zip(todo, done, strict=True) if not d]
+                if missing:  # a batch of prompts that all have their outcome says nothing
+                    log.info("%s: sweeping %s", run.name, ", ".join(missing))
             n += self._enqueue(run, todo)
         return n
 

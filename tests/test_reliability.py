@@ -244,3 +244,31 @@ def test_the_producer_lock_is_kept_taken_back_or_given_up_after_an_outage(redis_
         lock.refresh()
     lock.release()  # not ours: left alone
     assert redis_client.get("specfleet:producer:lock") == b"otherhost:1"
+
+
+@pytest.mark.timeout(180)
+def test_a_message_lost_from_the_queue_is_asked_again_by_the_idle_queue_sweep(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
+    """A message can leave Redis without reaching a worker (a BRPOP reply lost with a SIGKILLed
+    Redis, kombu records a message as unacked only once the reply arrives): when the queue goes idle
+    with prompts lacking an outcome, the producer enqueues those again, names them, and each ends
+    exactly once."""
+    fleet.start_simulator("--latency-median-ms", "20")
+    n = 2_500  # three of the sweep's batches of 1,000: only the one that lacks a prompt names it
+    config = fleet.one_dataset("W", n)
+    queue = keys.DatasetKeys("W").queue
+    producer = fleet.start_producer(config)  # --stall-s 5: the sweep comes 5 s after the queue idles
+    deadline = time.monotonic() + 60
+    while redis_client.llen(queue) < n:  # no worker yet: every prompt waits in the queue
+        assert producer.poll() is None and time.monotonic() < deadline, fleet.log("producer")
+        time.sleep(0.1)
+    lost = redis_client.rpop(queue)  # the next message a consumer would have taken
+    assert lost is not None
+    fleet.start_worker("w1", concurrency=100)
+    assert producer.wait(timeout=120) == 0, fleet.all_logs()
+    log = fleet.log("producer")
+    swept = [line.split("sweeping ", 1)[1].strip() for line in log.splitlines() if ": sweeping " in line]
+    assert len(swept) == 1 and swept[0].startswith("w"), log  # the one lost prompt, by its id
+    assert "re-enqueued 1 (sweep 1)" in log, log
+    fleet.assert_exactly_once(redis_client, "W", n)
