@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from common.config import DatasetConfig, Pricing, RunConfig
+from common.config import DatasetConfig, LengthClass, Pricing, RunConfig
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer
@@ -124,6 +124,12 @@ def _payload_bytes(prompt: Prompt) -> int:
     return len(json.dumps([prompt.messages, prompt.tools], ensure_ascii=False).encode())
 
 
+def _rows_to_budget(ds: DatasetConfig, length: LengthClass, prompts: int) -> tuple[int, int]:
+    """The completion tokens a row is expected to keep, and the rows that reach the token budget."""
+    expected = length.estimate_tokens or max(1, length.max_tokens // 4)
+    return expected, min(prompts, math.ceil(ds.budget_tokens / expected))
+
+
 def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: ModelInfo | None, *,
                  exact_limit: int = EXACT_LIMIT) -> DatasetPlan:
     length = cfg.length_for(ds.length)
@@ -151,8 +157,7 @@ def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: Mod
         too_long = [f"{p.where} ({n:,} prompt tokens + max_tokens {length.max_tokens:,} > context {context:,})"
                     for p, n in checked if n > room]
     prompt_tokens = round(sum(counts) * stats.prompts / len(counts)) if counts else 0
-    expected = length.estimate_tokens or max(1, length.max_tokens // 4)
-    rows = min(stats.prompts, math.ceil(ds.budget_tokens / expected))
+    expected, rows = _rows_to_budget(ds, length, stats.prompts)
     plan = DatasetPlan(
         name=ds.name, prompts=stats.prompts, malformed=stats.malformed + stats.duplicates, counted=len(counts),
         prompt_tokens=prompt_tokens, max_prompt_tokens=max(counts, default=0), max_tokens=length.max_tokens,
@@ -225,8 +230,7 @@ def clears_by_bytes(cfg: RunConfig, info: ModelInfo | None, *, yes: bool) -> str
         if context is not None and per_prompt + length.max_tokens > context:
             return None
         if budget is not None and pricing is not None:
-            expected = length.estimate_tokens or max(1, length.max_tokens // 4)
-            rows = min(shape.lines, math.ceil(ds.budget_tokens / expected))
+            _, rows = _rows_to_budget(ds, length, shape.lines)
             prompt_tokens = min(rows * per_prompt, _BYTES_BOUND_FACTOR * shape.bytes + shape.lines * _FRAMING_TOKENS)
             worst_usd += (prompt_tokens * pricing.prompt
                           + rows * (pricing.request + length.max_tokens * pricing.completion))
@@ -345,6 +349,10 @@ def apply_model(cfg: RunConfig, info: ModelInfo | None) -> RunConfig:
     return cfg.model_copy(update={"model": cfg.model.model_copy(update=update)}) if update else cfg
 
 
+#: Counts the plan; calls its argument with why, if the byte bound clears the run first.
+Counting = Callable[[Callable[[str], None]], tuple["Plan", list[str]]]
+
+
 class PendingPlan:
     """The plan's slow part (the tokenizer's import and load, and the counts: ~1.7 s of CPU before
     the first request of a run), counting while the run queues its first prompts and workers take
@@ -382,7 +390,7 @@ class PendingPlan:
         plan = count_plan(self._cfg, self._base_url, self._info, self._unavailable)
         return plan, problems(plan, self._cfg, yes=self._yes)
 
-    def _fork(self) -> Callable[[Callable[[str], None]], tuple[Plan, list[str]]]:
+    def _fork(self) -> Counting:
         """Start the count in a child now (from this, the only thread); the result, when called."""
         ctx = multiprocessing.get_context("fork")
         receive, send = ctx.Pipe(duplex=False)
@@ -406,7 +414,7 @@ class PendingPlan:
 
         return result
 
-    def _run(self, counting: Callable[[Callable[[str], None]], tuple[Plan, list[str]]]) -> None:
+    def _run(self, counting: Counting) -> None:
         try:
             self._plan, self._problems = counting(self._clear_early)
         except BaseException as exc:  # raised in the caller's thread by settle()
@@ -466,7 +474,7 @@ def _may_fork() -> bool:
     return threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
 
 
-def _count_in_child(send: Any, count: Callable[[Callable[[str], None]], tuple[Plan, list[str]]]) -> None:
+def _count_in_child(send: Any, count: Counting) -> None:
     def cleared(why: str) -> None:
         send.send(("cleared", why))
         # The counts gate nothing now but the printed plan: the workers' first wave comes first.

@@ -77,7 +77,7 @@ class WorkerContext:
         # fsync), and a pump or a release queued behind them leaves fleet slots idle.
         return Gate(FleetThrottle(_client(self.settings, max_connections=GATE_CONNECTIONS)),
                     max_in_flight=self.settings.worker_concurrency,
-                    borrow_up_to=pool_size(self.settings.worker_concurrency),
+                    borrow_up_to=self._most_in_flight(),
                     batch_releases=gevent.monkey.is_module_patched("socket"))
 
     @property
@@ -101,9 +101,9 @@ class WorkerContext:
                     engine = self._engines[kind] = self._engine(kind)
         return engine
 
-    def _connections(self) -> int:
-        """Upstream connections to keep: the requests this process may have in flight, borrowing
-        included (``Gate``); a connection over the pool's size would be closed after each use."""
+    def _most_in_flight(self) -> int:
+        """Requests this process may have in flight, borrowing included (``Gate``): also the
+        upstream connections it keeps (one over the HTTP pool's size is closed after each use)."""
         return pool_size(self.settings.worker_concurrency)
 
     def _engine(self, kind: EngineKind) -> EngineClient:
@@ -111,7 +111,7 @@ class WorkerContext:
         if not url:
             raise ConfigError(
                 f"the run's model.upstream is {kind!r} but SPECFLEET_ENGINE_URL is not set on this worker")
-        return EngineClient(kind, url, self.settings.engine_api_key, pool_size=self._connections())
+        return EngineClient(kind, url, self.settings.engine_api_key, pool_size=self._most_in_flight())
 
     def _openrouter(self) -> OpenRouterClient:
         key = self.settings.openrouter_api_key
@@ -120,7 +120,7 @@ class WorkerContext:
         return OpenRouterClient(
             self.settings.openrouter_base_url,
             key,
-            pool_size=self._connections(),
+            pool_size=self._most_in_flight(),
             app_url=self.settings.app_url,
             app_title=self.settings.app_title,
         )
