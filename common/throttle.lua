@@ -47,10 +47,13 @@
 --            A process within its share that finds no slot marks the fleet wanting (want_ms, for
 --            WANT_MS): meanwhile nobody borrows, so every slot freed goes to a share.
 --   release  now_ms beta min_limit cut_gap_ms grow_near window_ms min_requests margin bg_max
---            bg_half_life_ms noise_z check_requests check_ratio
+--            bg_half_life_ms noise_z check_requests check_ratio wanting
 --            then per slot given back: slot outcome retry_after_ms max_in_flight ttl_ms
 --            (ttl_ms: the slot's, as acquired) -> {"released", limit after the last}
 --            A process's answers of the moment come back in one call, in the order given.
+--            wanting "1": the process giving them back is then under its share with requests
+--            waiting; it marks the fleet wanting (as a vain acquire does), so no borrower takes
+--            these slots in the moment before that process asks for them again.
 --            outcome: ok | throttled | refused | other
 --            (refused: a 429 with adaptive back-off off; counted as throttled, nothing more)
 --            ok grows the limit by 1/limit (one more request per round trip: additive increase) while
@@ -245,9 +248,10 @@ if op == "acquire" then
 
 elseif op == "release" then
   local now, limit = tonumber(ARGV[2]), 0
-  for i = 15, #ARGV, 5 do
+  for i = 16, #ARGV, 5 do
     limit = release_one(ARGV[i], now, ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]))
   end
+  if ARGV[15] == "1" then redis.call("HSET", state, "want_ms", now + WANT_MS) end
   return {"released", tostring(limit)}
 
 elseif op == "state" then

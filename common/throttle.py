@@ -156,9 +156,10 @@ class FleetThrottle:
         """``ttl_ms``: the one the slot was acquired with (its expiry minus it is when it started)."""
         self.release_many([Release(slot, outcome, ttl_ms, retry_after_s, limits)])
 
-    def release_many(self, releases: Sequence[Release]) -> None:
-        """Give slots back in one call, judged one after the other in this order."""
-        args: list[Any] = ["release", self._clock_ms(), *self.policy.release_args()]
+    def release_many(self, releases: Sequence[Release], *, wanting: bool = False) -> None:
+        """Give slots back in one call, judged one after the other in this order. ``wanting``: the
+        caller is then under its share with requests waiting; borrowers keep off for a while."""
+        args: list[Any] = ["release", self._clock_ms(), *self.policy.release_args(), "1" if wanting else "0"]
         for r in releases:
             args += [r.slot, r.outcome, int((r.retry_after_s or 0) * 1000), r.limits.max_in_flight or 0, r.ttl_ms]
         self._call(*args)

@@ -250,6 +250,23 @@ def test_a_share_that_found_no_slot_keeps_borrowers_off_until_it_is_served(redis
     assert t.acquire_many(["a0", "a1", "a2"], ttl_ms=TTL_MS, limits=cap, keep_free=1).granted == 1  # 2 free
 
 
+def test_a_share_giving_slots_back_with_requests_waiting_keeps_borrowers_off_them(redis_client: redis.Redis) -> None:
+    """The moment between a process's release and its next ask: released "wanting" (its share not
+    full, requests queued), the slots wait for it; released otherwise, a borrower may take them."""
+    from common.throttle import Release
+
+    now = [T0_MS]
+    t = FleetThrottle(redis_client, clock_ms=lambda: now[0])
+    cap = ThrottleLimits(max_in_flight=10)
+    held = _fill(t, 10, limits=cap)
+    t.release_many([Release(slot, "ok", TTL_MS, None, cap) for slot in held[:5]], wanting=True)
+    assert not t.acquire_many(["b0", "b1"], ttl_ms=TTL_MS, limits=cap, keep_free=1).ok
+    assert t.acquire_many([f"a{i}" for i in range(5)], ttl_ms=TTL_MS, limits=cap).granted == 5
+    now[0] += 300  # the want has lapsed
+    t.release_many([Release(slot, "ok", TTL_MS, None, cap) for slot in held[5:]])
+    assert t.acquire_many([f"b{i}" for i in range(5)], ttl_ms=TTL_MS, limits=cap, keep_free=1).granted == 4
+
+
 def test_under_a_fleet_cap_a_gate_borrows_what_others_leave_unused_and_gives_way_to_their_share(
     redis_client: redis.Redis,
 ) -> None:
@@ -286,6 +303,38 @@ def test_under_a_fleet_cap_a_gate_borrows_what_others_leave_unused_and_gives_way
     assert peak["b"] == 5, peak  # b got its whole share back from the borrower
 
 
+def test_a_gate_under_its_share_gets_back_the_slots_it_frees_before_any_borrower(redis_client: redis.Redis) -> None:
+    """Another host's borrower asks the very moment after each of this gate's releases (before the
+    gate's pump can ask again): while the gate still has requests to send, it finds nothing."""
+    gevent = pytest.importorskip("gevent")
+    from common.throttle import Release
+    from workers.gate import Gate
+
+    cap = ThrottleLimits(max_in_flight=10)
+    borrower = FleetThrottle(redis_client)
+    _fill(borrower, 5, prefix="other", limits=cap)  # another host at its share of 5
+    started, grabbed_while_sending = [0], []
+
+    class RacedByABorrower(FleetThrottle):
+        def release_many(self, releases: Sequence[Release], *, wanting: bool = False) -> None:
+            super().release_many(releases, wanting=wanting)
+            slots = [f"borrowed{started[0]}-{i}" for i in range(5)]
+            granted = borrower.acquire_many(slots, ttl_ms=TTL_MS, limits=cap, keep_free=1).granted
+            borrower.release_many([Release(slot, "ok", TTL_MS, None, cap) for slot in slots[:granted]])
+            if started[0] < 20:
+                grabbed_while_sending.append(granted)
+
+    gate = Gate(RacedByABorrower(redis_client), max_in_flight=5, borrow_up_to=5, batch_releases=True)
+
+    def request() -> None:
+        with gate.slot(ttl_ms=TTL_MS, limits=cap):
+            started[0] += 1
+            gevent.sleep(0.02)
+
+    gevent.joinall([gevent.spawn(request) for _ in range(20)], timeout=30, raise_error=True)
+    assert started[0] == 20 and grabbed_while_sending and not any(grabbed_while_sending), grabbed_while_sending
+
+
 def test_a_gevent_gate_gives_the_slots_of_the_moment_back_in_one_call(redis_client: redis.Redis) -> None:
     gevent = pytest.importorskip("gevent")
     from common.throttle import Release
@@ -294,9 +343,9 @@ def test_a_gevent_gate_gives_the_slots_of_the_moment_back_in_one_call(redis_clie
     class Counting(FleetThrottle):
         calls = 0
 
-        def release_many(self, releases: Sequence[Release]) -> None:
+        def release_many(self, releases: Sequence[Release], *, wanting: bool = False) -> None:
             type(self).calls += 1
-            super().release_many(releases)
+            super().release_many(releases, wanting=wanting)
 
     throttle = Counting(redis_client)
     gate = Gate(throttle, max_in_flight=50, batch_releases=True)

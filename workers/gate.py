@@ -26,9 +26,9 @@ dataset's queue runs dry, one worker still holds prepared prompts (about a secon
 ``workers/send_room.py``) while another's slots empty, and at 15 s latency that idled ~450
 slot-seconds of a 78 s run (the script's single semaphore: ~40). A borrower leaves a few slots of
 the cap free (``keep_free``) and borrows nothing while a process within its share has just asked in
-vain (``throttle.lua``'s ``want_ms``), so a process under its share is not kept waiting by one over
-it; and without a fixed cap nobody borrows (the adaptive limit alone would let
-every process run a quarter over what its operator sized it for).
+vain or given slots back with requests waiting (``throttle.lua``'s ``want_ms``), so a process under
+its share is not kept waiting by one over it; and without a fixed cap nobody borrows (the adaptive
+limit alone would let every process run a quarter over what its operator sized it for).
 
 While a run's plan is still counting, the throttle answers every ask with "hold": the pump asks
 again every ``HOLD_POLL_S`` and meanwhile has each upstream open the connections of its waiting
@@ -210,6 +210,12 @@ class Gate:
             return 0, 0
         return min(MAX_BATCH, self._borrow_cap - self.held), max(1, min(LEND_MARGIN, cap // 50))
 
+    def _wants_back(self, releasing: int) -> bool:
+        """Whether, once ``releasing`` slots are given back, this process is under its share with
+        requests waiting: the release then marks the fleet wanting, or a borrower's poll could take
+        the freed slots in the moment before this process's pump asks for them."""
+        return self._cap is not None and bool(self._queue) and self.held - releasing < self._cap
+
     def _warm_while_held(self) -> None:
         """Each upstream opens the connections its held requests will use, so the whole first wave
         leaves at once when the plan passes, none of it connecting first."""
@@ -249,7 +255,7 @@ class Gate:
         batch, self._releases = self._releases[:MAX_BATCH], self._releases[MAX_BATCH:]
         try:
             with deadline(RELEASE_WAIT_S):
-                self._throttle.release_many(batch)
+                self._throttle.release_many(batch, wanting=self._wants_back(len(batch)))
         except Exception as exc:
             log.warning("throttle release of %d slot(s) failed (%s: %s); they expire by themselves",
                         len(batch), type(exc).__name__, exc)
