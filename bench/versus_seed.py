@@ -221,7 +221,7 @@ def run_seed(fleet: Fleet, data: Path, in_flight: int, out: Path) -> Side:
 
 
 def _spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
-    """py-spy sampling one worker (``--profile-dir``): collapsed stacks, idle frames left out."""
+    """py-spy sampling one fleet process (``--profile-dir``): collapsed stacks, idle frames left out."""
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
     return subprocess.Popen([spy, "record", "-p", str(pid), "--format", "raw", "-r", "50", "-o", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -253,6 +253,8 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
     sampler.start()
     side.start_t = time.monotonic()
     producer = fleet.start_producer(config)
+    if profile_dir is not None:
+        spies.append(_spy(producer.pid, profile_dir / f"producer-{workers}.txt"))
     _, status, usage = os.wait4(producer.pid, 0)
     side.exit_t = time.monotonic()
     for spy in spies:  # py-spy writes its profile on SIGINT
@@ -297,7 +299,7 @@ def main() -> int:
     ap.add_argument("--workers", default="2",
                     help="worker processes; a list (1,2,3) runs the fleet once per count against one script run")
     ap.add_argument("--profile-dir", type=Path,
-                    help="sample each worker with py-spy (it must be installed) into collapsed-stack files here")
+                    help="sample each worker and the producer with py-spy (it must be installed) into collapsed-stack files here")
     args = ap.parse_args()
     if args.profile_dir:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
