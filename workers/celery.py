@@ -10,13 +10,14 @@ import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import setup_logging
+from celery.signals import setup_logging, worker_ready
 
 from common import logs
 from common.celeryconf import celery_config
 from common.settings import Settings
 from workers.dns import install as install_cached_lookups
 from workers.events import BatchedTaskEvents
+from workers.heap import settle_long_lived
 from workers.queues import FollowActiveQueues
 from workers.recovery import ReplaySpool, RestoreUnacked
 from workers.send_room import start as start_send_room
@@ -45,3 +46,8 @@ def _logging(**_: Any) -> None:
         # succeeded. With SPECFLEET_LOG_LEVEL=DEBUG they are back.
         for name in ("celery.worker.strategy", "celery.app.trace"):
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@worker_ready.connect
+def _heap(**_: Any) -> None:
+    settle_long_lived("worker ready")

@@ -22,6 +22,7 @@ from common.throttle import FleetThrottle
 from common.worker_cmd import pool_size
 from workers.gate import Gate
 from workers.group_commit import GroupCommit
+from workers.heap import settle_long_lived
 from workers.openrouter import OpenRouterClient
 from workers.target import TargetTokenizer
 from workers.upstream import Upstream
@@ -148,6 +149,7 @@ class WorkerContext:
                         model.tokenizer, trust_remote_code=model.trust_remote_code, revision=model.revision
                     )
                     self._tokenizers[key] = tok
+                    settle_long_lived(f"tokenizer {model.tokenizer} loaded")
         return tok
 
     def prepare(self, config_id: str) -> None:
