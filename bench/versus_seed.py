@@ -299,7 +299,8 @@ def main() -> int:
     ap.add_argument("--workers", default="2",
                     help="worker processes; a list (1,2,3) runs the fleet once per count against one script run")
     ap.add_argument("--profile-dir", type=Path,
-                    help="sample each worker and the producer with py-spy (it must be installed) into collapsed-stack files here")
+                    help="sample each worker and the producer with py-spy (it must be installed) "
+                         "into collapsed-stack files here")
     args = ap.parse_args()
     if args.profile_dir:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
