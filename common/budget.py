@@ -128,11 +128,20 @@ class BudgetPolicy:
         return Ask(self.worst_tokens(max_tokens), self.worst_nusd(price, prompt_tokens, max_tokens),
                    self.prior_tokens(max_tokens, estimate_tokens))
 
-    def should_top_up(self, snap: BudgetSnapshot) -> bool:
-        """After a budget stop, once nothing is in flight: is the room left worth another round?"""
+    def row_estimate(self, snap: BudgetSnapshot, prior_tokens: int) -> float:
+        """The projected rule's estimate of a row once nothing is in flight: what ``reserve`` holds
+        for the next request (budget.lua: the prior weighing as prior_weight_rows rows)."""
+        weight = self.prior_weight_rows
+        return (prior_tokens * weight + snap.kept) / (weight + snap.rows)
+
+    def should_top_up(self, snap: BudgetSnapshot, prior_tokens: int) -> bool:
+        """After a budget stop, once nothing is in flight: is the room left worth another round?
+        Judged by the estimate a request of the round is admitted against (``prior_tokens``: the
+        length class's, ``prior_tokens()``), not the plain mean: between the two a round would
+        admit nothing."""
         if snap.rule != "projected" or snap.ended_by != "tokens" or not snap.rows:
             return False
-        return snap.limit - snap.kept >= self.top_up_min_rows * snap.kept / snap.rows
+        return snap.limit - snap.kept >= self.top_up_min_rows * math.ceil(self.row_estimate(snap, prior_tokens))
 
 
 POLICY = BudgetPolicy()

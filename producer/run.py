@@ -521,7 +521,9 @@ class Runner:
         """
         if run.end_reason != "budget" or run.top_ups >= self.tuning.max_top_ups:
             return False
-        if not run.budget.policy.should_top_up(run.budget.snapshot()):
+        length = self.cfg.length_for(run.cfg.length)
+        prior = run.budget.policy.prior_tokens(length.max_tokens, length.estimate_tokens)
+        if not run.budget.policy.should_top_up(run.budget.snapshot(), prior):
             return False
         room = st.limit - st.kept_tokens
         run.budget.open(run.cfg.budget_tokens, run.cfg.budget_usd, self.cfg.run.budget_mode)

@@ -277,10 +277,13 @@ def test_projected_top_up_rule_and_none_for_hard(redis_client: redis.Redis) -> N
         b.settle(f"p{i}", "L", 200, _row(f"p{i}"), cost_usd=0)
     b.reserve("x", "L", ttl_ms=TTL_MS, ask=ask(900, prior=900))  # kept 800 + 900 > 1,000: over
     assert b.snapshot().ended_by == "tokens"
-    assert POLICY.should_top_up(b.snapshot())  # 200 left, one mean row
+    # 200 left: a round when its requests would be admitted (the estimate, prior weighing as two
+    # rows: (2 x 100 + 800) / 6 = 167 <= 200), none when they would not ((2 x 300 + 800) / 6 = 234).
+    assert POLICY.should_top_up(b.snapshot(), prior_tokens=100)
+    assert not POLICY.should_top_up(b.snapshot(), prior_tokens=300)
     h = opened(redis_client, "hard", tokens=1_000)
     h.reserve("x", "L", ttl_ms=TTL_MS, ask=ask(2_000))
-    assert h.snapshot().ended_by == "tokens" and not POLICY.should_top_up(h.snapshot())
+    assert h.snapshot().ended_by == "tokens" and not POLICY.should_top_up(h.snapshot(), prior_tokens=100)
 
 
 # --- producer operations -------------------------------------------------------------------------
