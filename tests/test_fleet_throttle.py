@@ -6,12 +6,15 @@ provider saw), not in the throttle's own state.
 
 from __future__ import annotations
 
+import statistics
+import threading
 from typing import Any
 
 import pytest
 import redis
 import requests
 
+from common.throttle import FleetThrottle
 from tests.fleet import Fleet, read_summary
 
 pytestmark = pytest.mark.fleet
@@ -44,7 +47,25 @@ def test_a_fleet_over_a_providers_capacity_keeps_its_429s_few_and_its_limit_near
     capacity, n = 30, 1200
     fleet.start_simulator("--latency-median-ms", "300", "--capacity-in-flight", str(capacity),
                           "--capacity-retry-after-s", "1")
-    summary = _run(fleet, n, request=ADAPTIVE)
+    # The limit as it stood through the run, not only at its end: a probe's 429 in the last second
+    # cuts it with nothing after to grow it back (seen once inside the whole suite: 20 at the end).
+    limits: list[float] = []
+    sampling = threading.Event()
+
+    def sample() -> None:
+        throttle = FleetThrottle(redis_client)
+        while not sampling.wait(0.2):
+            snap = throttle.snapshot()
+            if snap.in_flight and snap.limit is not None:
+                limits.append(snap.limit)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        summary = _run(fleet, n, request=ADAPTIVE)
+    finally:
+        sampling.set()
+        sampler.join(timeout=5)
     fleet.assert_exactly_once(redis_client, "T", n)
     assert summary["failed"] == 0
     sim = fleet.sim_stats()
@@ -57,8 +78,12 @@ def test_a_fleet_over_a_providers_capacity_keeps_its_429s_few_and_its_limit_near
     # reactions); with the shared limit bypassed, 24.8%.
     assert share < 0.12
     assert summary["throttle"]["throttled"] == sim["capacity_429s"]  # the fleet counted what it got
-    limit = summary["throttle"]["limit"]
-    assert limit is not None and 0.8 * capacity <= limit <= 1.25 * capacity
+    assert summary["throttle"]["limit"] is not None
+    learned = limits[len(limits) // 4:]  # after the first quarter of the run: the first wave's lesson
+    assert learned, "the throttle's limit was never seen while requests were in flight"
+    median = statistics.median(learned)
+    print(f"limit while busy: median {median:.1f}, {min(learned):.1f}..{max(learned):.1f} over {len(learned)} samples")
+    assert 0.8 * capacity <= median <= 1.25 * capacity, learned
 
 
 def test_a_retry_after_pauses_every_worker_for_that_long(fleet: Fleet) -> None:
