@@ -56,8 +56,10 @@ def test_a_worker_started_mid_run_finds_the_active_queue_and_takes_work(
 ) -> None:
     fleet.start_simulator("--latency-median-ms", "300")
     config = fleet.one_dataset("S", 300)
-    fleet.start_worker("early1", concurrency=5)
-    fleet.start_worker("early2", concurrency=5)
+    # Two slow workers alone would need ~25 s for the run: time enough for a late worker to start
+    # on a busy CI box (it took 8 s there once, against a run of 9 s with five slots each).
+    fleet.start_worker("early1", concurrency=2)
+    fleet.start_worker("early2", concurrency=2)
     producer = fleet.start_producer(config)
     fleet.wait_rows(redis_client, "S", 10)
     fleet.start_worker("late", concurrency=30)  # no broadcast reaches it: it must look by itself
