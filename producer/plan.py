@@ -38,7 +38,7 @@ from typing import Any, TextIO
 from common.config import DatasetConfig, LengthClass, Pricing, RunConfig
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
-from common.prompt_tokens import count_prompt_tokens, load_tokenizer
+from common.prompt_tokens import BYTES_BOUND_FACTOR, FRAMING_TOKENS, count_prompt_tokens, load_tokenizer, tokens_bound
 from producer.models import ModelInfo, ModelsUnavailable, fetch_model, models_url
 
 log = logging.getLogger(__name__)
@@ -50,13 +50,6 @@ EXACT_LIMIT = 2_000
 _SAMPLE_SEED = 20_260_101
 _MAX_NAMED_ROWS = 20
 _COUNT_BATCH = 512
-#: Tokens a template may add around a prompt's text (role headers, default system prompt).
-_FRAMING_TOKENS = 1_024
-#: The byte bound (``clears_by_bytes``) takes each line's bytes this many times over: a template
-#: renders some of a row's structure again (tool schemas as indented JSON, or as TypeScript), which
-#: can spell it longer than the line does. Real prompts have ~3-4 bytes per token, so the bound is
-#: loose by far; it only has to be an upper bound.
-_BYTES_BOUND_FACTOR = 2
 _SCAN_CHUNK_BYTES = 1 << 20
 
 
@@ -145,7 +138,7 @@ def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: Mod
     for seen, prompt in enumerate(read_prompts(ds.path, errors, stats, limit=ds.max_prompts,
                                                max_line_bytes=ds.max_line_bytes), start=1):
         _sample(sample, seen, prompt, rng, exact_limit)
-        if room is not None and _payload_bytes(prompt) + _FRAMING_TOKENS > room:
+        if room is not None and tokens_bound(_payload_bytes(prompt)) > room:
             suspects.append(prompt)
     counts = _count(tokenizer, sample)
     too_long: list[str] = []
@@ -210,8 +203,9 @@ def clears_by_bytes(cfg: RunConfig, info: ModelInfo | None, *, yes: bool) -> str
     """Why the counts cannot refuse this run, from the files' bytes alone; None when they might.
 
     A byte-level BPE token is at least one byte of the text it encodes, and a prompt's text is its
-    line's strings plus what the template adds (``_FRAMING_TOKENS``), the row's structure it renders
-    again included (``_BYTES_BOUND_FACTOR``). So no prompt can be too long when the longest line,
+    line's strings plus what the template adds (``FRAMING_TOKENS``), the row's structure it renders
+    again included (``BYTES_BOUND_FACTOR``,
+    ``common/prompt_tokens.py``). So no prompt can be too long when the longest line,
     bounded so, fits the room ``max_tokens`` leaves in the context, and the worst case cannot exceed
     ``[run] budget_usd`` when it does not with every prompt that long (or the files' bytes, whichever
     is less). Then requests need not wait for the counts, which still run and are printed; should
@@ -225,13 +219,13 @@ def clears_by_bytes(cfg: RunConfig, info: ModelInfo | None, *, yes: bool) -> str
     for ds in cfg.datasets:
         shape = byte_shape(ds.path, ds.max_line_bytes)
         length = cfg.length_for(ds.length)
-        per_prompt = _BYTES_BOUND_FACTOR * shape.longest + _FRAMING_TOKENS
+        per_prompt = tokens_bound(shape.longest)
         longest_tokens = max(longest_tokens, per_prompt)
         if context is not None and per_prompt + length.max_tokens > context:
             return None
         if budget is not None and pricing is not None:
             _, rows = _rows_to_budget(ds, length, shape.lines)
-            prompt_tokens = min(rows * per_prompt, _BYTES_BOUND_FACTOR * shape.bytes + shape.lines * _FRAMING_TOKENS)
+            prompt_tokens = min(rows * per_prompt, BYTES_BOUND_FACTOR * shape.bytes + shape.lines * FRAMING_TOKENS)
             worst_usd += (prompt_tokens * pricing.prompt
                           + rows * (pricing.request + length.max_tokens * pricing.completion))
     if budget is not None and worst_usd > budget:
