@@ -10,11 +10,8 @@ and tokenize it in one Rust call; others (remote-code ones such as Kimi's tiktok
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from typing import Any
-
-import orjson
 
 from common.datasets import Prompt
 from common.errors import ConfigError
@@ -33,15 +30,6 @@ def tokens_bound(json_bytes: int) -> int:
     """At most this many prompt tokens, for a prompt (messages and tools) of ``json_bytes`` UTF-8
     bytes of JSON: a byte-level BPE token is at least one byte of the text it encodes."""
     return BYTES_BOUND_FACTOR * json_bytes + FRAMING_TOKENS
-
-
-def prompt_tokens_bound(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-    """``tokens_bound`` of one prompt, from its JSON (orjson: a few microseconds, no tokenizer)."""
-    try:
-        encoded = orjson.dumps([messages, tools])
-    except orjson.JSONEncodeError:  # nesting deeper than orjson's 255: json spells it the same
-        encoded = json.dumps([messages, tools], ensure_ascii=False, separators=(",", ":")).encode()
-    return tokens_bound(len(encoded))
 
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool, revision: str | None = None) -> Any:

@@ -191,20 +191,17 @@ def test_a_rebuild_that_fails_its_self_check_keeps_the_engines_row(
 def test_a_prompt_rendered_unlike_the_engines_and_a_trimmed_stop_token(world: World, tok: Tokenizer) -> None:
     """In-process fake engine: prompt ids that differ from the worker's render are counted on their
     own; a completion without its stop token (SGLang trims it) gets the end-of-turn id back."""
-    rendered: list[int] = []
-
     def engine(request: Request) -> Answer:
-        prompt = list(rendered)
+        prompt = list(request.prompt_ids or [])
         prompt[3] += 1
         return Answer(reasoning=REASONING, content=CONTENT, tool_calls=None, finish_reason="stop",
                       prompt_ids=prompt, completion_ids=_encode(tok, TURN)[:-1], provider="fake-engine")
 
     fake = FakeUpstream(engine)
     ctx = world.start("sglang", engine_url=None, fake=fake)
-    payload = world.payload("p1", {})
-    rendered += ctx.tokenizer(ctx.run(payload["run"])).prompt_ids(payload["messages"], payload.get("tools"))
-    assert generate(ctx, payload) == "kept"
+    assert generate(ctx, world.payload("p1", {})) == "kept"
     row = world.rows()["p1"]
+    rendered = list(fake.requests[0].prompt_ids or [])
     assert row["engine_check"] == {"match": True, "prompt_match": False, "prompt_position": 3, "end_appended": True}
     assert row["input_ids"][:3] == rendered[:3] and row["input_ids"][3] == rendered[3] + 1  # the engine's prompt
     assert _split(row)[1] == _encode(tok, TURN)

@@ -1,13 +1,10 @@
 """One prompt, start to end, in five steps: prepare → reserve → call (with retries) → rebuild → settle.
 
-- **prepare**: bound the prompt's tokens by its bytes (``common/prompt_tokens.py``); when the bound
-  fits the length class's ``max_prompt_tokens`` and the model's context, the prompt is rendered and
-  counted with its answer, in the rebuild: at 15 s latency that took a quarter of a worker's CPU in
-  the first wave, before its requests could leave. Otherwise it is rendered and counted now, and a
-  prompt over either is failed (``prompt_too_long``) before any money is spent.
+- **prepare**: render the prompt with the target's template and count its ids; a prompt over the
+  length class's ``max_prompt_tokens`` or the model's context length is failed
+  (``prompt_too_long``) before any money is spent. The ids are reused by the rebuild.
 - **reserve**: ask the budget (``common/budget.py``) for admission with the request's worst case
-  (``max_tokens``, and its dollars from the model's price and the prompt's tokens, or their bound
-  while uncounted: a few per cent more dollars held per request in flight); parked while
+  (``max_tokens``, and its dollars from the model's price and the prompt's tokens); parked while
   the budget is committed to requests that may land smaller.
 - **call**: one ``Upstream.complete`` per attempt, each inside a slot of the fleet-wide throttle
   (``workers/gate.py``); after a failed one ``workers/retry.py`` decides (retry after a backoff,
@@ -51,7 +48,6 @@ from common.contract import (
     Usage,
 )
 from common.errors import MisconfiguredError, TokenMismatch, UpstreamError
-from common.prompt_tokens import prompt_tokens_bound
 from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
 from workers.context import WorkerContext
@@ -82,17 +78,15 @@ class Busy:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What the prepare step hands on: the target and the prompt as the model will see it, or,
-    when its bound fitted, the bound alone (the prompt is rendered and counted with the answer)."""
+    """What the prepare step hands on: the target and the prompt as the model will see it."""
 
     target: TargetTokenizer
-    prompt: Prompt | None
-    tokens_bound: int
+    prompt: Prompt
 
     @property
     def prompt_tokens(self) -> int:
-        """Prompt ids counted with the target tokenizer, else their bound (what a dollar reserve prices)."""
-        return self.tokens_bound if self.prompt is None else len(self.prompt.ids)
+        """Prompt ids counted with the target tokenizer (what a dollar reserve can price)."""
+        return len(self.prompt.ids)
 
 
 class TurnHook(Protocol):
@@ -191,18 +185,17 @@ def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = N
 
 
 def prepare(job: _Job) -> Prepared:
-    """Bound the prompt, or render and count it when the bound does not fit; raise
-    ``_Failed(prompt_too_long)`` when it cannot fit."""
+    """Render and count the prompt; raise ``_Failed(prompt_too_long)`` when it cannot fit."""
     target = job.ctx.tokenizer(job.view)
-    max_tokens = job.length.max_tokens
+    try:
+        prompt = _off_hub(render_prompt, (target, job.payload["messages"], job.payload.get("tools")),
+                          _chars(job.payload["messages"]) + (1000 if job.payload.get("tools") else 0))
+    except Exception as exc:  # a template that cannot render this conversation: the row's problem
+        detail = f"{job.where}: the chat template cannot render it: {type(exc).__name__}: {exc}"
+        raise _Failed(FAIL_INTERNAL, detail) from None
+    prepared = Prepared(target, prompt)
+    n, max_tokens = prepared.prompt_tokens, job.length.max_tokens
     limit, context = job.length.max_prompt_tokens, job.view.model.context_length
-    bound = prompt_tokens_bound(job.payload["messages"], job.payload.get("tools"))
-    if (limit is None or bound <= limit) and (context is None or bound + max_tokens <= context):
-        log.info("%s/%s prepare: at most %d prompt tokens (by bytes; counted with the answer)",
-                 job.dataset, job.pid, bound)
-        return Prepared(target, None, bound)
-    prepared = Prepared(target, _render(job, target), bound)
-    n = prepared.prompt_tokens
     length_name = job.view.datasets[job.dataset]
     if limit is not None and n > limit:
         raise _Failed(FAIL_PROMPT_TOO_LONG,
@@ -213,16 +206,6 @@ def prepare(job: _Job) -> Prepared:
                       f"model.context_length = {context:,}")
     log.info("%s/%s prepare: %d prompt tokens", job.dataset, job.pid, n)
     return prepared
-
-
-def _render(job: _Job, target: TargetTokenizer) -> Prompt:
-    """The prompt as the model sees it, and its ids; ``_Failed`` when the template cannot render it."""
-    messages, tools = job.payload["messages"], job.payload.get("tools")
-    try:
-        return _off_hub(render_prompt, (target, messages, tools), _chars(messages) + (1000 if tools else 0))
-    except Exception as exc:  # a template that cannot render this conversation: the row's problem
-        detail = f"{job.where}: the chat template cannot render it: {type(exc).__name__}: {exc}"
-        raise _Failed(FAIL_INTERNAL, detail) from None
 
 
 # --- 2. reserve ---------------------------------------------------------------------------------
@@ -266,7 +249,7 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
         max_tokens=job.length.max_tokens,
         params=job.view.request,
         timeout_s=job.length.timeout_s,
-        prompt_ids=None if prepared.prompt is None else prepared.prompt.ids,
+        prompt_ids=prepared.prompt.ids,
     )
     upstream = job.ctx.upstream(job.view)
     while True:
@@ -365,15 +348,13 @@ def _halt(job: _Job, reason: str, exc: UpstreamError) -> str:
 
 
 def rebuild_row(job: _Job, prepared: Prepared, answer: Answer) -> RebuiltRow:
-    """The answer as token-exact ids after the prepared prompt (rendered and counted now if the
-    prepare step only bounded it); raises ``TokenMismatch``."""
-    prompt = prepared.prompt or _render(job, prepared.target)
+    """The answer as token-exact ids after the prepared prompt; raises ``TokenMismatch``."""
     # Tokenizing a 32k-token answer is CPU work: a real thread keeps the hub serving others.
     args = (prepared.target, job.payload["messages"], job.payload.get("tools"), answer)
     # An engine's ids are the row; the text rebuild becomes their cross-check (engine_ids.py).
     step = rebuild if answer.completion_ids is None else rebuild_from_engine
     size = len(answer.reasoning or "") + len(answer.content or "") + (1000 if answer.tool_calls else 0)
-    rebuilt: RebuiltRow = _off_hub(step, args, size, {"prompt": prompt})
+    rebuilt: RebuiltRow = _off_hub(step, args, size, {"prompt": prepared.prompt})
     return rebuilt
 
 
