@@ -98,6 +98,20 @@ def test_a_429_cuts_the_limit_once_per_congestion_event_and_pauses_the_fleet(red
     assert (snap.throttled, snap.ok) == (3, 0) and snap.throttled_share == 1.0
 
 
+def test_429s_that_reach_the_throttle_seconds_after_their_requests_started_still_cut(
+        redis_client: redis.Redis) -> None:
+    """On a starved host a 429 can reach the throttle seconds after its slot was granted: it still
+    counts in the recent share (it was left out, and a fleet sent at 60% 429s without one cut)."""
+    now = [T0_MS]
+    t = FleetThrottle(redis_client, clock_ms=lambda: now[0])  # the real policy: windows, noise, margins
+    early = _fill(t, 100, "early")
+    now[0] += 3 * POLICY.window_ms  # both windows have passed since those started
+    _fill(t, 40, "late")  # the fleet goes on starting requests meanwhile
+    for s in early[:30]:
+        t.release(s, "throttled", ttl_ms=TTL_MS)
+    assert t.snapshot().limit is not None  # cut: no longer unbounded
+
+
 def test_a_burst_far_over_the_capacity_lands_near_it_in_one_event(redis_client: redis.Redis) -> None:
     """1,500 requests start at once against a provider that serves 300: the 1,200 it refuses are
     one congestion event, and the limit lands at beta x 300, not at beta x 1,500 (which would take
