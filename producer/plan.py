@@ -203,9 +203,8 @@ def clears_by_bytes(cfg: RunConfig, info: ModelInfo | None, *, yes: bool) -> str
     """Why the counts cannot refuse this run, from the files' bytes alone; None when they might.
 
     A byte-level BPE token is at least one byte of the text it encodes, and a prompt's text is its
-    line's strings plus what the template adds (``FRAMING_TOKENS``), the row's structure it renders
-    again included (``BYTES_BOUND_FACTOR``,
-    ``common/prompt_tokens.py``). So no prompt can be too long when the longest line,
+    line's strings plus what the template adds, the row's structure it renders again included
+    (``common/prompt_tokens.tokens_bound``). So no prompt can be too long when the longest line,
     bounded so, fits the room ``max_tokens`` leaves in the context, and the worst case cannot exceed
     ``[run] budget_usd`` when it does not with every prompt that long (or the files' bytes, whichever
     is less). Then requests need not wait for the counts, which still run and are printed; should
