@@ -13,9 +13,9 @@ import json
 import os
 import re
 import socket
-import uuid
 from collections.abc import Iterable
 from json.encoder import encode_basestring_ascii
+from operator import itemgetter
 from typing import Any
 
 import msgpack
@@ -69,7 +69,7 @@ def _envelope(app: Celery, queue: str, task_id: str, argsrepr: str, body: str, t
 class MessageTemplate:
     """The kombu/Redis envelope ``generate_task.apply_async(queue=queue)`` would push, as a JSON
     template: Celery builds the headers once, and each message only fills in its task id, argsrepr,
-    delivery tag and body (a third of the cost of building every envelope with ``as_task_v2``)."""
+    delivery tag and body (a sixth of the cost of building every envelope with ``as_task_v2``)."""
 
     def __init__(self, app: Celery, queue: str) -> None:
         content_type, content_encoding, _ = dumps(((), {}, {}), serializer="msgpack")
@@ -77,29 +77,40 @@ class MessageTemplate:
         envelope["content-type"], envelope["content-encoding"] = content_type, content_encoding
         text = json.dumps(envelope, separators=(",", ":"))
         parts = _MARKER.split(text)  # literal, name, literal, name, …, literal
-        # One str.format call per message: the literals with their braces doubled, the names as fields.
-        self._format = "".join(
-            part.replace("{", "{{").replace("}", "}}") if i % 2 == 0 else "{" + part + "}"
-            for i, part in enumerate(parts)
-        )
+        # One bytes %-format per message (half the cost of str.format, and no encode after it): the
+        # literals with their % doubled, a %s per field, the fields picked in template order.
+        self._format = "%s".join(part.replace("%", "%%") for part in parts[0::2]).encode()
+        self._pick = itemgetter(*parts[1::2])
         _, _, embed = app.amqp.as_task_v2(_ID, TASK_NAME, args=(), kwargs={}).body
         self._embed = embed
 
     def render(self, payload: TaskPayload, task_id: str, tag: str) -> bytes:
-        # Celery would put repr(args) here: the whole prompt again. The id is enough for Flower.
-        argsrepr = f"({payload['dataset']}/{payload['id']})"
+        quoted_id = b'"' + task_id.encode() + b'"'
         # kombu's msgpack serializer is exactly this call (kombu/serialization.py).
         body = msgpack.packb(((payload,), {}, self._embed), use_bin_type=True)
-        return self._format.format(
-            id=f'"{task_id}"', tag=f'"{tag}"', argsrepr=encode_basestring_ascii(argsrepr),
-            body='"' + base64.b64encode(body).decode("ascii") + '"',
-        ).encode()
+        fields = {
+            "id": quoted_id, "tag": b'"' + tag.encode() + b'"',
+            # Celery would put repr(args) here: the whole prompt again. The id is enough for Flower.
+            "argsrepr": encode_basestring_ascii(f"({payload['dataset']}/{payload['id']})").encode(),
+            "body": b'"' + base64.b64encode(body) + b'"',
+        }
+        return self._format % self._pick(fields)
+
+
+#: Byte maps that set a random UUID's version (4) and variant (RFC 4122) bits, as ``uuid.UUID`` does.
+_VERSION_4 = bytes((b & 0x0F) | 0x40 for b in range(256))
+_VARIANT_RFC_4122 = bytes((b & 0x3F) | 0x80 for b in range(256))
 
 
 def random_uuids(n: int) -> list[str]:
-    """``n`` random (version 4) UUIDs from one read of the OS's randomness."""
-    raw = os.urandom(16 * n)
-    return [str(uuid.UUID(bytes=raw[16 * i:16 * i + 16], version=4)) for i in range(n)]
+    """``n`` random (version 4) UUIDs from one read of the OS's randomness, formatted from one hex
+    string (``str(uuid.UUID(…))`` per id was 40% of building a batch)."""
+    raw = bytearray(os.urandom(16 * n))
+    raw[6::16] = raw[6::16].translate(_VERSION_4)
+    raw[8::16] = raw[8::16].translate(_VARIANT_RFC_4122)
+    h = raw.hex()
+    return [f"{h[i:i + 8]}-{h[i + 8:i + 12]}-{h[i + 12:i + 16]}-{h[i + 16:i + 20]}-{h[i + 20:i + 32]}"
+            for i in range(0, 32 * n, 32)]
 
 
 def push(client: redis.Redis, app: Celery, queue: str, payloads: Iterable[TaskPayload]) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import uuid
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from celery import Celery, Task
 from common.contract import CONTRACT_VERSION, TASK_NAME, TaskPayload
 from common.settings import Settings
 from producer.celery_app import make_app
-from producer.enqueue import push
+from producer.enqueue import push, random_uuids
 
 QUEUE = "specfleet.q.E"
 
@@ -25,8 +26,8 @@ PER_MESSAGE_HEADERS = {"id", "root_id", "origin"}
 PER_MESSAGE_PROPERTIES = {"correlation_id", "delivery_tag", "reply_to"}
 
 
-def _payload() -> TaskPayload:
-    return {"v": CONTRACT_VERSION, "run": "cfg123", "dataset": "E", "id": "p1", "where": "e.jsonl:1",
+def _payload(prompt_id: str = "p1") -> TaskPayload:
+    return {"v": CONTRACT_VERSION, "run": "cfg123", "dataset": "E", "id": prompt_id, "where": "e.jsonl:1",
             "messages": [{"role": "user", "content": "héllo ✓ {{ jinja }}"}], "tools": None}
 
 
@@ -59,10 +60,12 @@ def _worker_task(monkeypatch: pytest.MonkeyPatch, app: Celery) -> Task:
     return generate_task
 
 
-def test_the_hand_built_message_is_what_apply_async_pushes(redis_client: redis.Redis,
+# An id with what could break a hand-built template: a format directive, a quote, non-ASCII.
+@pytest.mark.parametrize("prompt_id", ["p1", 'row %s "7" ✓ {0}'])
+def test_the_hand_built_message_is_what_apply_async_pushes(redis_client: redis.Redis, prompt_id: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     app = _app(redis_client)
-    payload = _payload()
+    payload = _payload(prompt_id)
     assert push(redis_client, app, QUEUE, [payload]) == 1
     ours = _pop(redis_client)
 
@@ -84,3 +87,12 @@ def test_a_batch_is_pushed_in_order_with_one_id_per_message(redis_client: redis.
     popped = [json.loads(redis_client.rpop(QUEUE)) for _ in range(5)]  # type: ignore[arg-type]
     assert [m["headers"]["argsrepr"] for m in popped] == [f"(E/p{i})" for i in range(5)]  # FIFO for BRPOP
     assert len({m["headers"]["id"] for m in popped}) == 5
+
+
+def test_the_ids_are_distinct_random_version_4_uuids() -> None:
+    ids = random_uuids(2_000)
+    parsed = [uuid.UUID(i) for i in ids]
+    assert [str(u) for u in parsed] == ids  # canonical form, as uuid4() prints it
+    assert {u.version for u in parsed} == {4} and {u.variant for u in parsed} == {uuid.RFC_4122}
+    assert len(set(ids)) == len(ids)
+    assert len({i[:8] for i in ids}) > 1_900  # random bits, not a counter
