@@ -279,11 +279,21 @@ class SimApp:
             call.status = "dropped"
             return []
 
-        try:
-            gen = generate(req, s, script, self.state.counter, attempt=attempt)
-        except EngineIdsError as exc:
-            call.status = "400"
-            return _json(start_response, 400, error_body(400, str(exc)))
+        def generated() -> Generation:
+            return generate(req, s, script, self.state.counter, attempt=attempt)
+
+        # A plain answer is generated when it is due, not when its request arrives: a provider's
+        # work is not the client's box's, and 2,000 requests arriving at once made this process
+        # take a core for seconds on the box whose ramp it measures. Engine ids are built first:
+        # a template that cannot render the prompt answers 400 at once.
+        deferred = not req.stream and not req.return_token_ids and fault != "error200"
+        gen = None
+        if not deferred:
+            try:
+                gen = generated()
+            except EngineIdsError as exc:
+                call.status = "400"
+                return _json(start_response, 400, error_body(400, str(exc)))
         call.gen_id = _new_id()
         ttft_ms = base_latency_ms(rng, s)
         if script is not None and script.latency_ms is not None:
@@ -297,6 +307,8 @@ class SimApp:
             body = error200_body(gen_id=call.gen_id, created=int(call.created),
                                  model=req.model, provider=provider)
             return _json(start_response, 200, body, [("X-Generation-Id", call.gen_id)])
+        if gen is None:
+            return self._plain(call, environ, start_response, req, generated, provider, ttft_ms)
         if req.stream:
             start_response(_status_line(200), [
                 ("Content-Type", "text/event-stream; charset=utf-8"), ("Cache-Control", "no-cache"),
@@ -304,7 +316,7 @@ class SimApp:
             ])
             call.status = "200"
             return _StreamBody(self._stream(call, req, gen, provider, ttft_ms), call)
-        return self._plain(call, environ, start_response, req, gen, provider, ttft_ms)
+        return self._plain(call, environ, start_response, req, lambda: gen, provider, ttft_ms)
 
     def _over_capacity(self, call: _Call, start_response: StartResponse, req: ChatRequest,
                        limit: str) -> list[bytes]:
@@ -341,10 +353,12 @@ class SimApp:
         return fault
 
     def _plain(self, call: _Call, environ: dict[str, Any], start_response: StartResponse,
-               req: ChatRequest, gen: Generation, provider: str, ttft_ms: float) -> list[bytes]:
+               req: ChatRequest, generated: Callable[[], Generation], provider: str,
+               ttft_ms: float) -> list[bytes]:
         s = call.settings
-        latency_ms = ttft_ms + s.per_token_ms * gen.usage.completion_tokens
-        gevent.sleep(latency_ms / 1000)
+        gevent.sleep(ttft_ms / 1000)
+        gen = generated()
+        gevent.sleep(s.per_token_ms * gen.usage.completion_tokens / 1000)
         # Generated means billed, whether or not the client is still waiting (openrouter.md).
         self._bill(call, req, gen, provider, gen.usage, streamed=False,
                    abandoned=environ[CONNECTION_KEY].peer_gone())

@@ -23,6 +23,7 @@ import pytest
 import requests
 
 from simulator import Settings, SimHandle, predict, start_in_thread
+from simulator import server as server_module
 from simulator.__main__ import settings_from_args
 from simulator.kimi import render_prompt
 from simulator.seeding import rng_for
@@ -944,3 +945,32 @@ def test_hf_tokenizer_counts(tmp_path: Path) -> None:
     prompt = render_prompt(payload["messages"], [])
     assert data["usage"]["prompt_tokens"] == len(tok.encode(prompt, add_special_tokens=False).ids)
     assert data["usage"]["completion_tokens"] == 3 + 1 + 2 + 1  # specials are one token each
+
+
+def test_a_plain_answer_is_generated_when_it_is_due_not_when_its_request_arrives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A provider generates on its own hardware: the simulator, which shares the client's box,
+    spends its answer's CPU at the end of the latency, not in a burst as a wave of requests lands
+    (a wave of 2,000 made it take a core for seconds). A stream's deltas are built up front."""
+    real = server_module.generate
+    generated_at: list[float] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        generated_at.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "generate", recording)
+    latency = Settings(port=0, latency_median_ms=800, latency_p99_ms=800, keepalive_s=0.05)
+    with start_in_thread(latency) as handle:
+        sent = time.monotonic()
+        plain = chat(handle, body("due later"))
+        answered = time.monotonic()
+        assert plain.status_code == 200 and answered - sent >= 0.8
+        assert generated_at[-1] - sent >= 0.7, generated_at[-1] - sent
+        sent = time.monotonic()
+        streamed = chat(handle, body("due now", stream=True))
+        assert streamed.status_code == 200 and time.monotonic() - sent >= 0.8
+        assert generated_at[-1] - sent < 0.5, generated_at[-1] - sent
+    expected = predict(body("due later"), latency)
+    assert plain.json()["choices"][0]["message"]["content"] == expected["message"]["content"]
+    assert plain.json()["usage"] == expected["usage"]
