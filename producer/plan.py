@@ -51,6 +51,8 @@ _SAMPLE_SEED = 20_260_101
 _MAX_NAMED_ROWS = 20
 _COUNT_BATCH = 512
 _SCAN_CHUNK_BYTES = 1 << 20
+#: Counts the byte bound made optional wait at most this long for the first wave to leave.
+COUNTS_WAIT_MAX_S = 10.0
 
 
 class PlanRefused(ConfigError):
@@ -359,6 +361,11 @@ class PendingPlan:
     start): on a core of its own, instead of sharing this process's interpreter lock with the run's
     start-up and first enqueue. Otherwise (forking a process with threads can inherit a lock another
     thread held) in a thread of this process.
+
+    Once the byte bound has cleared the run, the counts gate nothing but the printed table, so they
+    wait for ``start_counts`` (the runner calls it when the first wave has left) or ``settle``, or
+    ``COUNTS_WAIT_MAX_S``: counted beside the first wave, they took a core's share of the 2-core
+    box's ramp (the tokenizer's import alone is ~1.6 s of CPU).
     """
 
     def __init__(self, cfg: RunConfig, base_url: str, info: ModelInfo | None, unavailable: str | None, *,
@@ -373,13 +380,17 @@ class PendingPlan:
         self._plan: Plan | None = None
         self._problems: list[str] = []
         self._error: BaseException | None = None
-        counting = self._fork() if _may_fork() else self._count_here
+        fork = _may_fork()
+        #: Set when counts held back by the byte bound may start (shared with a forked child).
+        self._go: Any = multiprocessing.get_context("fork").Event() if fork else threading.Event()
+        counting = self._fork() if fork else self._count_here
         threading.Thread(target=self._run, args=(counting,), name="plan", daemon=True).start()
 
     def _count_here(self, cleared: Callable[[str], None]) -> tuple[Plan, list[str]]:
         why = clears_by_bytes(self._cfg, self._info, yes=self._yes)
         if why is not None:
             cleared(why)
+            self._go.wait(COUNTS_WAIT_MAX_S)
         plan = count_plan(self._cfg, self._base_url, self._info, self._unavailable)
         return plan, problems(plan, self._cfg, yes=self._yes)
 
@@ -442,6 +453,14 @@ class PendingPlan:
                 return
         callback()
 
+    def awaiting_start(self) -> bool:
+        """The byte bound cleared the run and the counts have not been told to start."""
+        return self.cleared_early is not None and not self._go.is_set()
+
+    def start_counts(self) -> None:
+        """Let counts held back by the byte bound start now."""
+        self._go.set()
+
     def cleared(self) -> bool:
         """Requests may start: the byte bound showed the counts cannot refuse, or they passed."""
         return self._cleared
@@ -453,6 +472,7 @@ class PendingPlan:
         """Wait for the counts, print the plan (to stdout by default, as it is when called: live
         progress bars redirect it above themselves); ``PlanRefused`` (or the count's own error) if
         the run must not start, or go on."""
+        self._go.set()
         self._done.wait()
         if self._error is not None:
             raise self._error

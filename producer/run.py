@@ -138,6 +138,8 @@ class Runner:
         self._plan = plan
         self._plan_passed = plan is None
         self._started_s = time.monotonic()
+        #: Leases of every dataset at the last sample: the first wave has left once they stop growing.
+        self._last_in_flight = 0
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -226,6 +228,20 @@ class Runner:
         self._plan_passed = True
         log.info("plan passed %.2f s after the start: %s", time.monotonic() - self._started_s,
                  "requests had started already" if self._plan.cleared_early else "requests start")
+
+    def _start_deferred_counts(self, states: dict[str, DatasetState]) -> None:
+        """Counts the byte bound made optional (``PendingPlan``) start once the first wave has left:
+        requests in flight stopped growing between two samples, or every queued prompt was taken."""
+        in_flight = sum(st.in_flight for st in states.values())
+        previous, self._last_in_flight = self._last_in_flight, in_flight
+        if self._plan is None or not self._plan.awaiting_start():
+            return
+        taken = bool(self._runs) and all(r.enqueue_done for r in self._runs) and not any(
+            st.queued for st in states.values())
+        if (in_flight and in_flight <= previous) or taken:
+            log.info("the first wave has left %.2f s after the start (%s in flight): the plan's counts start",
+                     time.monotonic() - self._started_s, f"{in_flight:,}")
+            self._plan.start_counts()
 
     def _outage_notice(self, elapsed_s: float) -> None:
         """Called by every failed Redis attempt of any thread while Redis is away: shown every few s."""
@@ -416,6 +432,7 @@ class Runner:
             for name, st in states.items():
                 pipe.rpush(keys.DatasetKeys(name).timeline, json.dumps(st.to_json()))
             pipe.execute()
+            self._start_deferred_counts(states)
             if self.progress is not None and self._plan_passed:  # the plan's table first
                 shown = [states.get(r.name) or r.final_state for r in self._runs]
                 self.progress.update([st for st in shown if st is not None], self.throttle.snapshot())

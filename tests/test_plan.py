@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,54 @@ def test_requests_start_before_slow_counts_when_the_files_bytes_rule_out_a_refus
     # Every answer was in before the counts were: the first request did not wait for them.
     answered = [r["end_s"] for r in fleet.sim_requests() if r["status"] == 200]
     assert len(answered) == 30 and max(answered) < started + SLOW_PLAN_S, (max(answered) - started, log_text)
+
+
+_RECORD_COUNTS_START = '''
+import sys
+import time
+
+sys.path.insert(0, REPO)  # this checkout's producer, as `python -m` from it would import
+import producer.plan
+
+_load = producer.plan.load_tokenizer
+
+
+def _recording_load(*args, **kwargs):
+    with open(STAMP, "w") as f:
+        f.write(repr(time.time()))
+    return _load(*args, **kwargs)
+
+
+producer.plan.load_tokenizer = _recording_load
+'''
+
+
+@pytest.mark.timeout(240)
+def test_counts_the_byte_bound_made_optional_wait_for_the_first_wave_to_leave(
+    fleet: Fleet, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Once the byte bound has cleared the run, the counts only print the plan: they start when the
+    run's requests stop ramping up (here: all 30 in flight for the simulator's 4 s), not beside
+    them, nor at the run's end or their fallback (COUNTS_WAIT_MAX_S)."""
+    site, stamp = tmp_path / "site", tmp_path / "counts-started"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        _RECORD_COUNTS_START.replace("STAMP", repr(str(stamp))).replace("REPO", repr(str(REPO))))
+    fleet.start_simulator("--latency-median-ms", "4000", "--latency-p99-ms", "4000")
+    config = _one_dataset(fleet, prompts(30))
+    fleet.start_worker("w1", concurrency=50)
+    fleet.wait_ready("w1")
+    out = _cli(fleet, "run", str(config), "--no-progress", pythonpath=site)
+    assert out.returncode == 0, out.stdout + out.stderr
+    fleet.assert_exactly_once(redis_client, "B1", 30)
+    assert re.search(r"^total ", out.stdout, re.M)  # the plan, printed all the same
+    wave = re.search(r"^(\S+ \S+) INFO .*the first wave has left [\d.]+ s after the start \((\d+) in flight\): "
+                     r"the plan's counts start", out.stderr, re.M)
+    assert wave and int(wave.group(2)) == 30, out.stderr
+    wave_t = datetime.strptime(wave.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    counts_t = float(stamp.read_text())
+    first_answer_t = min(r["end_s"] for r in fleet.sim_requests() if r["status"] == 200)
+    assert wave_t - 0.05 <= counts_t < first_answer_t, (wave_t, counts_t, first_answer_t)
 
 
 def test_a_worst_case_over_the_run_budget_needs_yes(fleet: Fleet) -> None:
