@@ -71,3 +71,30 @@ def test_the_prefetch_room_bounds_what_one_call_takes(broker: Connection, redis_
         for m in got:
             m.ack()
     ch.close()
+
+
+def test_a_cancel_kombu_put_off_leaves_the_queue_consumed_again_meanwhile_alone(broker: Connection) -> None:
+    """kombu puts off a cancel asked for during its poller's read until the read ends; under gevent
+    a timer greenlet cancels while the consumer sits in that read, and the read can deliver the
+    broadcast that consumes the queue again. The late cancel must not take the new consumer's
+    callback (kombu then requeued the queue's every message to itself, "No consumers", forever)."""
+    got: list[int] = []
+    queue = Queue(QUEUE, Exchange(QUEUE), QUEUE)
+    ch = broker.channel()
+    ch.basic_qos(0, 10, False)
+    consumer = Consumer(ch, [queue], callbacks=[lambda body, m: (got.append(body["i"]), m.ack())])
+    consumer.consume()
+    cycle = broker.transport.cycle
+    cycle._in_protected_read = True  # the consumer's greenlet is inside the poller's read
+    consumer.cancel_by_queue(QUEUE)  # the active-queue poll leaves the queue: put off by kombu
+    assert cycle.after_read, "kombu did not put the cancel off: the test no longer sets the race up"
+    consumer.add_queue(queue)  # the producer's broadcast, read in that same read, rejoins it
+    consumer.consume()
+    cycle._in_protected_read = False
+    while cycle.after_read:  # the read ends: kombu runs what it put off
+        cycle.after_read.pop()()
+    assert ch._active_queues == [QUEUE] and QUEUE in broker.transport._callbacks
+    _publish(broker, 3)
+    broker.drain_events(timeout=2)
+    assert got == [0, 1, 2]
+    ch.close()

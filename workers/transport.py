@@ -1,4 +1,4 @@
-"""Five kombu Redis-transport tweaks for a gevent worker with 1,000 greenlets.
+"""Six kombu Redis-transport tweaks for a gevent worker with 1,000 greenlets.
 
 - **One client per channel instead of one per ack.** kombu's Redis channel builds a new
   ``redis.Redis`` object (which copies redis-py's table of ~250 response callbacks) for every
@@ -27,6 +27,14 @@
   prefetch check also asks the send room (``workers/send_room.py``), and a task leaving its request
   wakes a consumer that found no room through a pipe registered in kombu's poller; kombu would
   notice only when its poll next returned (~0.5 s later, measured).
+
+- **A late cancel leaves a queue consumed again alone.** kombu puts off a cancel asked for while
+  its poller reads (celery/celery#1773) until that read ends. Under gevent a timer greenlet (the
+  active-queue poll) cancels while the consumer's greenlet sits in that read, and the read can
+  deliver the broadcast that consumes the queue again, under a new tag: the late cancel then took
+  the new consumer's callback and left the queue in the BRPOP, and the worker requeued every
+  message of it to itself, forever ("No consumers"; seen after a halt and a resume a second
+  apart). Now such a cancel only forgets its own tag.
 
 Nothing else changes: the same pool, the same messages; only when they are taken.
 """
@@ -61,6 +69,7 @@ _ORIGINAL_CAN_CONSUME = kombu_redis.QoS.can_consume
 _ORIGINAL_CAN_CONSUME_MAX = kombu_redis.QoS.can_consume_max_estimate
 _ORIGINAL_POLL_START = kombu_redis.MultiChannelPoller.on_poll_start
 _ORIGINAL_HANDLE_EVENT = kombu_redis.MultiChannelPoller.handle_event
+_ORIGINAL_BASIC_CANCEL_NOW = kombu_redis.Channel._basic_cancel
 
 #: The worker's send room, and the pipe that wakes its consumer (``install``).
 _room: SendRoom | None = None
@@ -158,6 +167,20 @@ def _deliver_waiting(channel: Any) -> None:
     for queue, payload in messages:
         channel._queue_cycle.rotate(queue)
         channel.connection._deliver(payload, queue)
+
+
+def _basic_cancel_now(self: Any, consumer_tag: Any) -> Any:
+    queue = self._tag_to_queue.get(consumer_tag)
+    if queue is None or not any(q == queue for t, q in self._tag_to_queue.items() if t != consumer_tag):
+        return _ORIGINAL_BASIC_CANCEL_NOW(self, consumer_tag)
+    # Consumed again under another tag since this cancel was asked for: forget this tag and the
+    # queue's entry it added; the callback and the other entry are the new consumer's.
+    del self._tag_to_queue[consumer_tag]
+    self._consumers.discard(consumer_tag)
+    with contextlib.suppress(ValueError):
+        self._active_queues.remove(queue)
+    self._update_queue_cycle()
+    return None
 
 
 def _qos_append(self: Any, message: Any, delivery_tag: Any) -> None:
@@ -293,5 +316,6 @@ def install(room: SendRoom | None = None) -> None:
     setattr(kombu_redis.Channel, "_create_client", _create_client)  # noqa: B010
     setattr(kombu_redis.Channel, "_brpop_start", _brpop_start)  # noqa: B010
     setattr(kombu_redis.Channel, "_brpop_read", _brpop_read)  # noqa: B010
+    setattr(kombu_redis.Channel, "_basic_cancel", _basic_cancel_now)  # noqa: B010
     setattr(kombu_redis.QoS, "append", _qos_append)  # noqa: B010
     setattr(kombu_redis.QoS, "ack", _qos_ack)  # noqa: B010
