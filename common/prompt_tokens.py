@@ -26,10 +26,11 @@ FRAMING_TOKENS = 1_024
 BYTES_BOUND_FACTOR = 2
 
 
-def tokens_bound(json_bytes: int) -> int:
-    """At most this many prompt tokens, for a prompt (messages and tools) of ``json_bytes`` UTF-8
-    bytes of JSON: a byte-level BPE token is at least one byte of the text it encodes."""
-    return BYTES_BOUND_FACTOR * json_bytes + FRAMING_TOKENS
+def tokens_bound(json_bytes: int, prompts: int = 1) -> int:
+    """At most this many prompt tokens, for ``prompts`` prompts (messages and tools) of
+    ``json_bytes`` UTF-8 bytes of JSON in all: a byte-level BPE token is at least one byte of the
+    text it encodes, and each prompt gets its template's framing."""
+    return BYTES_BOUND_FACTOR * json_bytes + prompts * FRAMING_TOKENS
 
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool, revision: str | None = None) -> Any:

@@ -85,11 +85,10 @@ class MessageTemplate:
         self._embed = embed
 
     def render(self, payload: TaskPayload, task_id: str, tag: str) -> bytes:
-        quoted_id = b'"' + task_id.encode() + b'"'
         # kombu's msgpack serializer is exactly this call (kombu/serialization.py).
         body = msgpack.packb(((payload,), {}, self._embed), use_bin_type=True)
         fields = {
-            "id": quoted_id, "tag": b'"' + tag.encode() + b'"',
+            "id": b'"' + task_id.encode() + b'"', "tag": b'"' + tag.encode() + b'"',
             # Celery would put repr(args) here: the whole prompt again. The id is enough for Flower.
             "argsrepr": encode_basestring_ascii(f"({payload['dataset']}/{payload['id']})").encode(),
             "body": b'"' + base64.b64encode(body) + b'"',

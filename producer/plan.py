@@ -38,7 +38,7 @@ from typing import Any, TextIO
 from common.config import DatasetConfig, LengthClass, Pricing, RunConfig
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, SpecfleetError
-from common.prompt_tokens import BYTES_BOUND_FACTOR, FRAMING_TOKENS, count_prompt_tokens, load_tokenizer, tokens_bound
+from common.prompt_tokens import count_prompt_tokens, load_tokenizer, tokens_bound
 from producer.models import ModelInfo, ModelsUnavailable, fetch_model, models_url
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ def clears_by_bytes(cfg: RunConfig, info: ModelInfo | None, *, yes: bool) -> str
             return None
         if budget is not None and pricing is not None:
             _, rows = _rows_to_budget(ds, length, shape.lines)
-            prompt_tokens = min(rows * per_prompt, BYTES_BOUND_FACTOR * shape.bytes + shape.lines * FRAMING_TOKENS)
+            prompt_tokens = min(rows * per_prompt, tokens_bound(shape.bytes, shape.lines))
             worst_usd += (prompt_tokens * pricing.prompt
                           + rows * (pricing.request + length.max_tokens * pricing.completion))
     if budget is not None and worst_usd > budget:

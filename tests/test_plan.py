@@ -174,9 +174,9 @@ def test_a_refused_plan_sends_nothing_though_workers_took_and_prepared_its_promp
     assert fleet.sim_stats()["billed_requests"] == 40
 
 
-# Loaded into the producer only (sitecustomize on its PYTHONPATH): the plan's tokenizer takes
-# SLOW_S to load, as a first download from the hub does.
-_SLOW_TOKENIZER = '''
+# Loaded into the producer only (sitecustomize on its PYTHONPATH): the plan's tokenizer load
+# writes when it began to STAMP (if given), then takes SLOW_S, as a first download from the hub does.
+_PLAN_LOAD_HOOK = '''
 import sys
 import time
 
@@ -186,13 +186,27 @@ import producer.plan
 _load = producer.plan.load_tokenizer
 
 
-def _slow_load(*args, **kwargs):
+def _hooked_load(*args, **kwargs):
+    if STAMP is not None:
+        with open(STAMP, "w") as f:
+            f.write(repr(time.time()))
     time.sleep(SLOW_S)
     return _load(*args, **kwargs)
 
 
-producer.plan.load_tokenizer = _slow_load
+producer.plan.load_tokenizer = _hooked_load
 '''
+
+
+def _plan_load_hook(tmp_path: Path, *, slow_s: float = 0.0, stamp: Path | None = None) -> Path:
+    """A PYTHONPATH folder whose sitecustomize hooks the plan's tokenizer load (``_PLAN_LOAD_HOOK``)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_PLAN_LOAD_HOOK.replace("SLOW_S", repr(slow_s)).replace(
+        "STAMP", repr(None if stamp is None else str(stamp))).replace("REPO", repr(str(REPO))))
+    return site
+
+
 SLOW_PLAN_S = 8.0
 
 
@@ -203,10 +217,7 @@ def test_requests_start_before_slow_counts_when_the_files_bytes_rule_out_a_refus
     """No prompt's line, counted a token per byte (twice over, plus the template's framing), can
     overflow the context, and the worst case so counted is within budget_usd: the counts cannot
     refuse, so requests start without waiting for them; the plan is still printed once they are in."""
-    site = tmp_path / "site"
-    site.mkdir()
-    slow = _SLOW_TOKENIZER.replace("SLOW_S", str(SLOW_PLAN_S)).replace("REPO", repr(str(REPO)))
-    (site / "sitecustomize.py").write_text(slow)
+    site = _plan_load_hook(tmp_path, slow_s=SLOW_PLAN_S)
     fleet.start_simulator("--latency-median-ms", "50")
     config = _one_dataset(fleet, prompts(30), head="[run]\nbudget_usd = 5\n\n")
     fleet.start_worker("w1", concurrency=10)
@@ -227,26 +238,6 @@ def test_requests_start_before_slow_counts_when_the_files_bytes_rule_out_a_refus
     assert len(answered) == 30 and max(answered) < started + SLOW_PLAN_S, (max(answered) - started, log_text)
 
 
-_RECORD_COUNTS_START = '''
-import sys
-import time
-
-sys.path.insert(0, REPO)  # this checkout's producer, as `python -m` from it would import
-import producer.plan
-
-_load = producer.plan.load_tokenizer
-
-
-def _recording_load(*args, **kwargs):
-    with open(STAMP, "w") as f:
-        f.write(repr(time.time()))
-    return _load(*args, **kwargs)
-
-
-producer.plan.load_tokenizer = _recording_load
-'''
-
-
 @pytest.mark.timeout(240)
 def test_counts_the_byte_bound_made_optional_wait_for_the_first_wave_to_leave(
     fleet: Fleet, redis_client: redis.Redis, tmp_path: Path
@@ -254,10 +245,8 @@ def test_counts_the_byte_bound_made_optional_wait_for_the_first_wave_to_leave(
     """Once the byte bound has cleared the run, the counts only print the plan: they start when the
     run's requests stop ramping up (here: all 30 in flight for the simulator's 4 s), not beside
     them, nor at the run's end or their fallback (COUNTS_WAIT_MAX_S)."""
-    site, stamp = tmp_path / "site", tmp_path / "counts-started"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        _RECORD_COUNTS_START.replace("STAMP", repr(str(stamp))).replace("REPO", repr(str(REPO))))
+    stamp = tmp_path / "counts-started"
+    site = _plan_load_hook(tmp_path, stamp=stamp)
     fleet.start_simulator("--latency-median-ms", "4000", "--latency-p99-ms", "4000")
     config = _one_dataset(fleet, prompts(30))
     fleet.start_worker("w1", concurrency=50)
