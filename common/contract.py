@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
-CONTRACT_VERSION = 1
+#: 2: the producer records every id it enqueues (``keys.DatasetKeys.ids``) and a worker runs only
+#: those (``workers/poison.py``); a version-1 producer records none, so its messages are refused by
+#: their version, not one by one as unknown ids.
+CONTRACT_VERSION = 2
 TASK_NAME = "specfleet.generate"
 #: The queue a worker listens on before any dataset is active; nothing is ever sent to it.
 IDLE_QUEUE = "specfleet.idle"
@@ -92,6 +95,8 @@ FAIL_TOKEN_MISMATCH = "token_mismatch"
 #: Refused before any request: the prompt is over the length class's or the model's limit.
 FAIL_PROMPT_TOO_LONG = "prompt_too_long"
 FAIL_INTERNAL = "internal_error"
+#: The answer's body was over SPECFLEET_MAX_ANSWER_BYTES: billed and counted, not kept.
+FAIL_ANSWER_TOO_LARGE = "answer_too_large"
 
 # The per-dataset stats hash's fields are named in common/stats.py only.
 

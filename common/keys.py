@@ -6,6 +6,8 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:active                HASH    queue name -> run-config id: what workers consume now (they poll it)
     specfleet:ds:<ds>:budget        HASH    the dataset's budget counters (fields: see budget.lua)
     specfleet:ds:<ds>:done          SET     prompt ids whose row was kept (the exactly-once guard)
+    specfleet:ds:<ds>:ids           SET     every prompt id the producer enqueued (written with the messages): a
+                                            worker runs only a message whose id is in it (workers/poison.py)
     specfleet:ds:<ds>:leases        HASH    prompt id -> "<lease>|<hold tokens>|<hold nano-usd>|<expires_ms>"
     specfleet:ds:<ds>:orphans       HASH    lease -> nano-usd still held for a reaped lease (it may be billed)
     specfleet:ds:<ds>:failed        HASH    prompt id -> JSON {reason, attempts, detail, where} (cleared if kept later)
@@ -18,7 +20,10 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:ds:<ds>:results       STREAM  kept rows (field ``row``: msgpack), drained by the collector
     specfleet:ds:<ds>:stats         HASH    counters for reports and metrics (billed tokens, errors by class…)
     specfleet:ds:<ds>:timeline      LIST    JSON samples of progress over time, for the run report's plot
-    specfleet:producer:lock         STRING  one producer per Redis at a time
+    specfleet:producer:lock         STRING  one producer per Redis at a time: "<generation>|<host>:<pid>", expires 10 s
+                                            after its last refresh (producer/lock.py)
+    specfleet:producer:generation   STRING  the token of the last producer that took the lock (no expiry): its
+                                            generation fences every older producer's writes
     specfleet:run:current           STRING  JSON {config_id, datasets, started_s, out_dir} of the run in progress
     specfleet:collector:fence       STRING  a counter the collector bumps so WAITAOF covers the rows it read
     specfleet:run:budget            HASH    the run's dollars across all its datasets (spent, held, limit; see
@@ -36,6 +41,13 @@ Celery's own keys (the queue lists ``specfleet.q.<ds>``, ``unacked``, ``_kombu.*
 
 from __future__ import annotations
 
+    specfleet:deadletter            LIST    messages a worker refused to run (workers/poison.py), newest first, the
+                                            last DEAD_LETTER_MAX: JSON {reason, detail, queue, received_at, worker,
+                                            bytes, truncated, raw_b64 (the first DEAD_LETTER_RAW_BYTES, secrets
+                                            scrubbed)}
+    specfleet:deadletter:counts     HASH    queue -> messages refused from it, in all runs (summary, status)
+    specfleet:writes:probe          STRING  a worker's test write while Redis refuses writes (workers/writes.py);
+                                            expires in seconds
 PREFIX = "specfleet"
 
 ACTIVE_QUEUES = f"{PREFIX}:active"
@@ -55,6 +67,13 @@ QUEUE_PREFIX = f"{PREFIX}.q."
 
 def config(config_id: str) -> str:
     return f"{PREFIX}:config:{config_id}"
+DEAD_LETTERS = f"{PREFIX}:deadletter"
+DEAD_LETTER_COUNTS = f"{PREFIX}:deadletter:counts"
+#: Entries ``DEAD_LETTERS`` keeps (older ones are trimmed; the counts keep counting), and the bytes
+#: of the refused message each keeps: enough to see what it was, never a queue's worth of memory.
+DEAD_LETTER_MAX = 1000
+DEAD_LETTER_RAW_BYTES = 2048
+WRITE_PROBE = f"{PREFIX}:writes:probe"
 
 
 def queue(dataset: str) -> str:
@@ -76,6 +95,7 @@ class DatasetKeys:
         self.turns = f"{base}:turns"
         self.ended = f"{base}:ended"
         self.stats = f"{base}:stats"
+        self.ids = f"{base}:ids"
         self.timeline = f"{base}:timeline"
         self.queue = queue(dataset)
 

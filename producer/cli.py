@@ -22,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-from common import logs
+from common import keys, logs
 from common.config import load_config
 from common.datasets import ReadStats, read_prompts
 from common.errors import DatasetRowError, SpecfleetError
@@ -83,7 +83,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from producer.progress import ProgressView
     from producer.state import current_run, read_state
 
-    client = redis.Redis.from_url(Settings.from_env().require_redis_url())
+    client = connect(Settings.from_env().require_redis_url(), SCRAPE_REDIS_WINDOW_S)
     run = current_run(client)
     if run is None:
         print("no run in this Redis")
@@ -104,7 +104,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         pass
     finally:
         view.close()
+    print(_dead_letters(client))
     return 0
+
+
+def _dead_letters(client: redis.Redis) -> str:
+    """The dead-letter list in one line: how many messages workers refused, and the newest."""
+    counts = client.hgetall(keys.DEAD_LETTER_COUNTS)
+    total = sum(int(v) for v in counts.values())
+    line = f"dead letters: {total:,} (messages workers refused to run, none a prompt; {keys.DEAD_LETTERS})"
+    newest = client.lindex(keys.DEAD_LETTERS, 0)
+    if newest is not None:
+        entry = json.loads(newest)
+        line += f"; newest: {entry['reason']} from {entry['queue']}: {entry['detail']}"
+    return line
 
 
 def cmd_exporter(args: argparse.Namespace) -> int:

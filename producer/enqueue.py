@@ -24,6 +24,7 @@ from celery import Celery
 from kombu.serialization import dumps
 
 from common.contract import TASK_NAME, TaskPayload
+from common.keys import DatasetKeys
 
 _ORIGIN = f"specfleet-producer@{socket.gethostname()}:{os.getpid()}"
 
@@ -120,5 +121,7 @@ def push(client: redis.Redis, app: Celery, queue: str, payloads: Iterable[TaskPa
     template = MessageTemplate(app, queue)
     ids = random_uuids(2 * len(batch))
     messages = [template.render(p, ids[2 * i], ids[2 * i + 1]) for i, p in enumerate(batch)]
-    client.lpush(queue, *messages)
+    # The ids before their messages: a worker runs only an id it finds there (workers/poison.py).
+    known = ("SADD", DatasetKeys(batch[0]["dataset"]).ids, *{p["id"] for p in batch})
+    client.pipeline(transaction=False).execute_command(*known).lpush(queue, *messages).execute()
     return len(messages)

@@ -627,6 +627,7 @@ class Runner:
 
 def _outcome_key(run: DatasetRun) -> str:
     """The set of ids with an outcome other than a failure: kept prompts, or ended conversations."""
+            dead_letters=st.dead_letters,
     k = run.budget.keys
     return k.ended if run.cfg.regenerate == "all" else k.done
 

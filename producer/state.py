@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from common.budget import NUSD_PER_USD, SNAPSHOT_COMMANDS, parse_snapshot, queue_snapshot
-from common.keys import CURRENT_RUN, DatasetKeys
+from common.keys import CURRENT_RUN, DEAD_LETTER_COUNTS, DatasetKeys
 from common.stats import DatasetStats
 
 
@@ -54,6 +54,9 @@ class DatasetState:
     #: Upstream errors by class (``http_429``, ``timeout`` …) and final failures by reason.
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
+    #: Messages workers refused from the dataset's queue, in all runs (workers/poison.py): none of
+    #: them is one of its prompts.
+    dead_letters: int = 0
 
     @property
     def budget_fraction(self) -> float:
@@ -74,9 +77,10 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
     pipe.hlen(k.failed)
     pipe.llen(k.queue)
     pipe.hgetall(k.stats)
+    pipe.hget(DEAD_LETTER_COUNTS, k.queue)
     replies = pipe.execute()
     b = parse_snapshot(replies)
-    failed, queued, stats_raw = replies[SNAPSHOT_COMMANDS:]
+    failed, queued, stats_raw, dead_letters = replies[SNAPSHOT_COMMANDS:]
     stats = DatasetStats.parse(stats_raw)
     return DatasetState(
         dataset=dataset,
@@ -109,6 +113,7 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
         engine_prompt_mismatch=stats.engine_prompt_mismatch,
         errors=stats.errors,
         failures=stats.failures,
+        dead_letters=int(dead_letters or 0),
     )
 
 

@@ -37,6 +37,8 @@ class Summary:
     cost_usd: float
     requests: int
     duplicates: int
+    #: Messages refused from the dataset's queue (not its prompts: a dead-letter list's entries).
+    dead_letters: int = 0
     #: hard: never over a budget; projected: tokens admitted on an estimate (see common/budget.py).
     budget_mode: str = "hard"
     #: Dollars: the dataset's limit (None: none) and what it spent, kept or not; dollars still held
@@ -111,6 +113,7 @@ def report_line(s: Summary) -> str:
         f"failed {s.failed:,} · malformed {s.malformed:,} · billed {s.billed_completion_tokens:,} "
         f"completion tokens · {s.wall_s:.1f} s"
         + (f" · 429s {100 * s.throttle['throttled_share']:.1f}%" if s.throttle else "")
+        + (f" · dead letters {s.dead_letters:,} (not prompts: `specfleet status`)" if s.dead_letters else "")
     )
 
 

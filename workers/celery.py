@@ -15,6 +15,8 @@ from celery.signals import setup_logging, worker_ready
 from common import logs
 from common.celeryconf import celery_config
 from common.settings import Settings
+from workers import poison
+from workers.context import context
 from workers.dns import install as install_cached_lookups
 from workers.events import BatchedTaskEvents
 from workers.heap import settle_long_lived
@@ -24,7 +26,13 @@ from workers.send_room import start as start_send_room
 from workers.transport import install as install_transport
 
 _settings = Settings.from_env()
-install_transport(start_send_room(_settings.worker_concurrency))
+
+
+def _admit(raw: bytes, queue: str, unacked: tuple[str, str] | None = None) -> dict[str, Any] | None:
+    return poison.admit(context().redis, raw, queue, unacked=unacked)
+
+
+install_transport(start_send_room(_settings.worker_concurrency), admit=_admit)
 install_cached_lookups()
 
 app = Celery("specfleet", set_as_current=True, include=["workers.task"])

@@ -31,6 +31,14 @@ from workers.transport import wake_consumer
 
 log = logging.getLogger(__name__)
 
+#: Queue -> the run-config id it serves, as this worker last read ``keys.ACTIVE_QUEUES``: the run a
+#: task of that queue must name (workers/poison.py asks Redis again before refusing one).
+_serving: dict[str, str] = {}
+
+
+def serving(queue: str) -> str | None:
+    return _serving.get(queue)
+
 
 class FollowActiveQueues(bootsteps.StartStopStep):
     requires = {"celery.worker.consumer.tasks:Tasks"}
@@ -71,6 +79,8 @@ class FollowActiveQueues(bootsteps.StartStopStep):
             log.warning("cannot read active queues: %s", exc)
             return
         active = {k.decode(): v.decode() for k, v in raw.items()}
+        _serving.clear()
+        _serving.update(active)
         consuming = {q.name for q in c.task_consumer.queues}
         for queue, config_id in sorted(active.items()):
             if queue in consuming or config_id in self._refused:

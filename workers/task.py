@@ -3,15 +3,28 @@
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Collection
+from typing import Any
+
 import gevent
 from celery import Task
 
 from common.contract import TASK_NAME, TaskPayload
+from common.errors import ConfigError
+from workers import poison
 from workers.celery import app
-from workers.context import context
+from workers.context import WorkerContext, context
 from workers.conversation import handle
 from workers.generate import Busy
+from workers.queues import serving
 from workers.send_room import process_room
+
+#: The task's outcome word for a message moved to the dead-letter list.
+DEAD_LETTER = "dead_letter"
+#: How long a refused message waits, unacked, for Redis to take its dead-letter entry.
+DEAD_LETTER_WAIT_S = 30.0
 
 
 # acks_late comes from common/celeryconf.py (task_acks_late): one place says it, and tests flip it there.
@@ -19,7 +32,10 @@ from workers.send_room import process_room
 def generate_task(self: Task, payload: TaskPayload) -> str:
     room = process_room()
     with room.task(self.request.id):
-        outcome = handle(context(), payload)
+        ctx = context()
+        if _refused(ctx, payload, self.request.delivery_info):
+            return DEAD_LETTER
+        outcome = handle(ctx, payload)
         while isinstance(outcome, Busy):
             # Another delivery of this prompt holds a live lease (a copy kombu put back when a
             # Redis restart closed a channel, or a visibility-timeout redelivery of a slow task).
@@ -30,6 +46,29 @@ def generate_task(self: Task, payload: TaskPayload) -> str:
                 gevent.sleep(outcome.wait_s)
             outcome = handle(context(), payload)
     return outcome
+
+
+def _refused(ctx: WorkerContext, payload: TaskPayload, delivery_info: dict[str, Any] | None) -> bool:
+    """Whether the payload is not one of ours (workers/poison.py): then it is dead-lettered here.
+    The transport checked its envelope and shape already; this needs Redis (run, dataset, id)."""
+    queue = (delivery_info or {}).get("routing_key")
+    refusal = poison.check_task(ctx.redis, dict(payload), queue, serving(queue) if queue else None,
+                                lambda run: _datasets(ctx, run))
+    if refusal is None:
+        return False
+    raw = json.dumps(payload, ensure_ascii=False, default=str).encode()
+    # Unacked until recorded: a Redis that cannot take the entry now may in a moment.
+    give_up = time.monotonic() + DEAD_LETTER_WAIT_S
+    while not poison.dead_letter(ctx.redis, raw, queue or "", refusal) and time.monotonic() < give_up:
+        gevent.sleep(1.0)
+    return True
+
+
+def _datasets(ctx: WorkerContext, run: str) -> Collection[str] | None:
+    try:
+        return ctx.run(run).datasets.keys()
+    except ConfigError:  # no such run in this Redis
+        return None
 
 
 # Celery looks the result backend up per task through a thread-local, which gevent makes

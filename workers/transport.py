@@ -1,4 +1,4 @@
-"""Six kombu Redis-transport tweaks for a gevent worker with 1,000 greenlets.
+"""Seven kombu Redis-transport tweaks for a gevent worker with 1,000 greenlets.
 
 - **One client per channel instead of one per ack.** kombu's Redis channel builds a new
   ``redis.Redis`` object (which copies redis-py's table of ~250 response callbacks) for every
@@ -36,7 +36,13 @@
   message of it to itself, forever ("No consumers"; seen after a halt and a resume a second
   apart). Now such a cancel only forgets its own tag.
 
-Nothing else changes: the same pool, the same messages; only when they are taken.
+- **A message is checked before kombu reads it** (``install(admit=…)``, workers/poison.py): kombu
+  parses what BRPOP returns inside its read, and a message that is not a task's envelope (a JSON
+  list, stray bytes) raised there and ended the worker ("Unrecoverable error"). Here the BRPOP's
+  reply, and each message the multi-pop took, is handed to ``admit`` first; one it refuses is moved
+  to the dead-letter list (with its unacked record, for the multi-pop's) and never delivered.
+
+Nothing else changes for a good message: the same pool, the same messages; only when they are taken.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
+from queue import Empty
 from typing import Any
 
 import gevent
@@ -53,6 +61,7 @@ import gevent.monkey
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
 from kombu.utils.eventio import READ
 from kombu.utils.json import loads
 
@@ -71,8 +80,14 @@ _ORIGINAL_POLL_START = kombu_redis.MultiChannelPoller.on_poll_start
 _ORIGINAL_HANDLE_EVENT = kombu_redis.MultiChannelPoller.handle_event
 _ORIGINAL_BASIC_CANCEL_NOW = kombu_redis.Channel._basic_cancel
 
+#: Checks a message read from a queue: its envelope to deliver, or None when it was moved aside
+#: (workers/poison.py). Arguments: the raw message, its queue, and the unacked hash and index the
+#: multi-pop already recorded it in (None for a BRPOP's message, recorded only once delivered).
+Admit = Callable[..., "dict[str, Any] | None"]
+
 #: The worker's send room, and the pipe that wakes its consumer (``install``).
 _room: SendRoom | None = None
+_admit: Admit | None = None
 _wake_r = _wake_w = -1
 
 #: How long an ack waits for others to share its round trip.
@@ -134,10 +149,39 @@ def _brpop_start(self: Any, timeout: Any = None) -> Any:
 
 
 def _brpop_read(self: Any, **options: Any) -> Any:
-    delivered = _ORIGINAL_BRPOP_READ(self, **options)  # raises Empty when the BRPOP timed out
+    if _admit is None:
+        delivered = _ORIGINAL_BRPOP_READ(self, **options)  # raises Empty when the BRPOP timed out
+    else:
+        delivered = _checked_brpop_read(self, _admit, **options)
     if delivered:
         _deliver_waiting(self)
     return delivered
+
+
+def _checked_brpop_read(self: Any, admit: Admit, **options: Any) -> bool:
+    """kombu's ``_brpop_read``, with the message checked before kombu parses it: kombu's own
+    ``loads`` and ``Message`` raise on a message that is not a task's envelope, and any exception
+    there ends the worker ("Unrecoverable error") or its broker connection."""
+    try:
+        try:
+            dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+        except self.connection_errors:
+            self.client.connection.disconnect()  # as kombu: the next poll reconnects
+            raise
+        if not dest__item:
+            raise Empty()
+        dest, item = dest__item
+        dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
+        self._queue_cycle.rotate(dest)
+        envelope = admit(item, dest)
+        if envelope is not None:  # None: moved to the dead-letter list
+            self.connection._deliver(envelope, dest)
+        return True
+    finally:
+        self._in_poll = None
+        flush = getattr(self, "_flush_brpop_reauth", None)  # kombu 5.7: a re-auth token waits for this moment
+        if flush is not None:
+            flush()
 
 
 def _deliver_waiting(channel: Any) -> None:
@@ -161,9 +205,13 @@ def _deliver_waiting(channel: Any) -> None:
     recorded = channel.qos.__dict__.setdefault("_specfleet_recorded", set())
     messages = []
     for key, item in zip(reply[::2], reply[1::2], strict=True):
-        payload = loads(item)
+        queue = key.decode().rsplit(channel.sep, 1)[0]
+        if _admit is None:
+            payload = loads(item)
+        elif (payload := _admit(item, queue, (channel.unacked_key, channel.unacked_index_key))) is None:
+            continue  # dead-lettered, and its unacked record with it
         recorded.add(payload["properties"]["delivery_tag"])
-        messages.append((key.decode().rsplit(channel.sep, 1)[0], payload))
+        messages.append((queue, payload))
     for queue, payload in messages:
         channel._queue_cycle.rotate(queue)
         channel.connection._deliver(payload, queue)
@@ -299,9 +347,11 @@ def wake_consumer(channel: Any, client: redis.Redis) -> bool:
     return False
 
 
-def install(room: SendRoom | None = None) -> None:
-    """Patch kombu in this process; with ``room``, a consumer takes messages as the room allows."""
-    global _room, _wake_r, _wake_w
+def install(room: SendRoom | None = None, admit: Admit | None = None) -> None:
+    """Patch kombu in this process; with ``room``, a consumer takes messages as the room allows;
+    with ``admit``, each message is checked before kombu reads it (see ``Admit``)."""
+    global _room, _wake_r, _wake_w, _admit
+    _admit = admit
     if room is not None:
         _room = room
         _wake_r, _wake_w = os.pipe()
