@@ -70,6 +70,9 @@
 --   open    tokens_limit nusd_limit rule -> {"open", kept, rows}   (start or resume the dataset)
 --   close                          -> {"closed"}
 --   restore n_rows tokens tokens_sq cost_nusd id... -> {"restored", n} | {"current", rows}
+--   reconcile last_id n_rows tokens tokens_sq cost_nusd check|apply id... -> {"current", rows} | {"mismatch", rows}
+--           | {"reconciled", rows, lost}: done and the kept counters become the rows on disk (ids, up
+--           to stream position last_id) plus those waiting in results after it (see the op).
 --           Rebuilds kept counters and the done set from the shards when Redis holds fewer rows.
 --   run_open nusd_limit            -> {"run_open", spent}   KEYS[1] is the run hash, KEYS[2..] the
 --           budget hashes of the run's datasets: the run's dollars are re-summed from them.
@@ -337,6 +340,56 @@ elseif op == "restore" then
   local spent = num(redis.call("HGET", budget, "nusd_spent"))
   if cost > spent then spend(cost - spent) end
   return {"restored", n}
+
+elseif op == "reconcile" then
+  -- The rows on disk up to the stream position last_id, and those waiting in the results stream
+  -- after it, are what is kept: done and the kept counters become exactly these. An id done but in
+  -- neither (its row lost from the shards: written over by a producer that had lost its lock) is
+  -- asked again instead of counted for ever. "check" only answers whether they already agree.
+  local last_id, n, tokens, tokens_sq, cost = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),
+    tonumber(ARGV[6])
+  local truth, keys_n = {}, n
+  for i = 8, #ARGV do truth[ARGV[i]] = true end
+  local waiting = redis.call("XRANGE", results, "(" .. last_id, "+")
+  local rows, members = num(redis.call("HGET", budget, "rows_kept")), redis.call("SCARD", done)
+  if ARGV[7] == "check" then
+    if rows == members and rows == n + #waiting then return {"current", rows} end
+    return {"mismatch", rows}
+  end
+  for _, e in ipairs(waiting) do
+    local f, id, row = e[2], nil, nil
+    for j = 1, #f, 2 do
+      if f[j] == "id" then id = f[j + 1] elseif f[j] == "row" then row = f[j + 1] end
+    end
+    if id and not truth[id] then
+      truth[id] = true
+      local t = tonumber(cmsgpack.unpack(row).num_tokens) or 0
+      keys_n, tokens, tokens_sq = keys_n + 1, tokens + t, tokens_sq + t * t
+    end
+  end
+  local lost = {}
+  for _, id in ipairs(redis.call("SMEMBERS", done)) do
+    if not truth[id] then lost[#lost + 1] = id end
+  end
+  if #lost == 0 and rows >= keys_n then return {"current", rows, 0} end
+  for i = 1, #lost, 5000 do
+    local part = {unpack(lost, i, math.min(i + 4999, #lost))}
+    redis.call("SREM", done, unpack(part))
+    redis.call("HDEL", KEYS[9], unpack(part))  -- regenerate = "all": the lost turn is asked again
+    for _, key in ipairs(part) do
+      local conversation = string.match(key, "^(.*)#%d+$")
+      if conversation then redis.call("SREM", KEYS[10], conversation) end
+    end
+  end
+  local add_ids = {}
+  for id in pairs(truth) do add_ids[#add_ids + 1] = id end
+  for i = 1, #add_ids, 5000 do
+    redis.call("SADD", done, unpack(add_ids, i, math.min(i + 4999, #add_ids)))
+  end
+  redis.call("HSET", budget, "tokens_kept", int(tokens), "rows_kept", int(keys_n), "tokens_kept_sq", int(tokens_sq))
+  local spent = num(redis.call("HGET", budget, "nusd_spent"))
+  if cost > spent then spend(cost - spent) end
+  return {"reconciled", keys_n, #lost}
 end
 
 return redis.error_reply("budget.lua: unknown operation " .. tostring(op))

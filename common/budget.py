@@ -375,6 +375,21 @@ class Budget:
                            sum(to_nusd(c) for c in costs_usd), *ids)
         return bool(reply[0] == "restored")
 
+    def agrees_with(self, last_id: str, rows: int) -> bool:
+        """Whether the done set and the kept counters already count exactly ``rows`` rows on disk
+        (up to stream position ``last_id``) plus those waiting in the results stream after it."""
+        return bool(self._call("reconcile", last_id, rows, 0, 0, 0, "check")[0] == "current")
+
+    def reconcile(self, last_id: str, ids: Sequence[str], tokens: Sequence[int],
+                  costs_usd: Sequence[float]) -> tuple[int, int] | None:
+        """Make the done set and the kept counters the rows on disk (``ids`` with their tokens and
+        costs, up to ``last_id``) plus those waiting in the results stream: an id done whose row is
+        in neither is asked again; ids Redis lost are done again, the dollars spent at least their
+        cost. (rows, lost) when it changed anything, else None."""
+        reply = self._call("reconcile", last_id, len(ids), sum(tokens), sum(t * t for t in tokens),
+                           sum(to_nusd(c) for c in costs_usd), "apply", *ids)
+        return (int(reply[1]), int(reply[2])) if reply[0] == "reconciled" else None
+
     def snapshot(self) -> BudgetSnapshot:
         pipe = self._client.pipeline(transaction=False)
         queue_snapshot(pipe, self.keys.dataset)

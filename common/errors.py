@@ -116,6 +116,21 @@ class StoreError(SpecfleetError):
     """Redis is unreachable or answered something the key layout does not allow."""
 
 
+class RedisRefusesWrites(StoreError):
+    """Redis answers but refuses writes (maxmemory reached with noeviction, or a read-only replica)
+    for longer than the retry window. ``what`` is the one line that says which and what to do."""
+
+    def __init__(self, what: str, window_s: float) -> None:
+        super().__init__(f"{what} (refused for {window_s:.0f} s)")
+        self.what = what
+        self.window_s = window_s
+
+
+class ProducerFenced(StoreError):
+    """Another producer took the producer lock (a newer generation) while this one was paused or
+    cut off: this one must not write again, in Redis or in the output folder."""
+
+
 # --- the output folder --------------------------------------------------------------------------
 
 

@@ -35,12 +35,6 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
                                             answer anywhere (common/stats.py; workers/retry.py halts on it)
     specfleet:throttle              HASH    the fleet-wide adaptive in-flight limit, pause, rate bucket (throttle.lua)
     specfleet:throttle:slots        ZSET    upstream requests in flight, fleet-wide: slot id -> expiry ms
-
-Celery's own keys (the queue lists ``specfleet.q.<ds>``, ``unacked``, ``_kombu.*``) are kombu's.
-"""
-
-from __future__ import annotations
-
     specfleet:deadletter            LIST    messages a worker refused to run (workers/poison.py), newest first, the
                                             last DEAD_LETTER_MAX: JSON {reason, detail, queue, received_at, worker,
                                             bytes, truncated, raw_b64 (the first DEAD_LETTER_RAW_BYTES, secrets
@@ -48,10 +42,17 @@ from __future__ import annotations
     specfleet:deadletter:counts     HASH    queue -> messages refused from it, in all runs (summary, status)
     specfleet:writes:probe          STRING  a worker's test write while Redis refuses writes (workers/writes.py);
                                             expires in seconds
+
+Celery's own keys (the queue lists ``specfleet.q.<ds>``, ``unacked``, ``_kombu.*``) are kombu's.
+"""
+
+from __future__ import annotations
+
 PREFIX = "specfleet"
 
 ACTIVE_QUEUES = f"{PREFIX}:active"
 PRODUCER_LOCK = f"{PREFIX}:producer:lock"
+PRODUCER_GENERATION = f"{PREFIX}:producer:generation"
 CURRENT_RUN = f"{PREFIX}:run:current"
 HALT = f"{PREFIX}:halt"
 COLLECTOR_FENCE = f"{PREFIX}:collector:fence"
@@ -60,13 +61,6 @@ MISCONFIG_STREAK = f"{PREFIX}:misconfig"
 THROTTLE = f"{PREFIX}:throttle"
 THROTTLE_SLOTS = f"{PREFIX}:throttle:slots"
 RUN_BUDGET = f"{PREFIX}:run:budget"
-
-#: Prefix of the per-dataset Celery queue name (a Redis list of the same name).
-QUEUE_PREFIX = f"{PREFIX}.q."
-
-
-def config(config_id: str) -> str:
-    return f"{PREFIX}:config:{config_id}"
 DEAD_LETTERS = f"{PREFIX}:deadletter"
 DEAD_LETTER_COUNTS = f"{PREFIX}:deadletter:counts"
 #: Entries ``DEAD_LETTERS`` keeps (older ones are trimmed; the counts keep counting), and the bytes
@@ -74,6 +68,13 @@ DEAD_LETTER_COUNTS = f"{PREFIX}:deadletter:counts"
 DEAD_LETTER_MAX = 1000
 DEAD_LETTER_RAW_BYTES = 2048
 WRITE_PROBE = f"{PREFIX}:writes:probe"
+
+#: Prefix of the per-dataset Celery queue name (a Redis list of the same name).
+QUEUE_PREFIX = f"{PREFIX}.q."
+
+
+def config(config_id: str) -> str:
+    return f"{PREFIX}:config:{config_id}"
 
 
 def queue(dataset: str) -> str:
@@ -88,6 +89,7 @@ class DatasetKeys:
         self.dataset = dataset
         self.budget = f"{base}:budget"
         self.done = f"{base}:done"
+        self.ids = f"{base}:ids"
         self.leases = f"{base}:leases"
         self.orphans = f"{base}:orphans"
         self.failed = f"{base}:failed"
@@ -95,7 +97,6 @@ class DatasetKeys:
         self.turns = f"{base}:turns"
         self.ended = f"{base}:ended"
         self.stats = f"{base}:stats"
-        self.ids = f"{base}:ids"
         self.timeline = f"{base}:timeline"
         self.queue = queue(dataset)
 

@@ -5,6 +5,11 @@ it to the writer (rows and position become durable together), and only then trim
 that position. A crash or a refused write before the position is durable leaves the rows in Redis,
 and the next start reads them again. Budget.lua XADDs a row only once per prompt, so the stream
 itself holds no duplicates.
+
+The collector's writes are fenced by the producer lock (``producer/lock.py``): the writer checks its
+generation against the folder's checkpoint, and the trim runs only while the lock is ours. A
+collector thread that resumes after its producer was paused past the lock's TTL, with another
+producer running, writes nothing: it stops with ``ProducerFenced``.
 """
 
 from __future__ import annotations
@@ -14,15 +19,15 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 import msgpack
 import redis
 
-from common.errors import OutputError
+from common.errors import OutputError, ProducerFenced, RedisRefusesWrites
 from common.keys import COLLECTOR_FENCE, DatasetKeys
 from common.redis_client import WAITAOF_TIMEOUT_MS, fence_failed
-from producer.rows import RowWriter, open_writer
+from producer.rows import Fence, RowWriter, open_writer
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,12 @@ BATCH_ROWS = 2000
 #: writes at most this often (unless a read came back full), so a busy run writes a few large
 #: batches a second instead of one per handful of rows. Rows reach disk at most this much later.
 WRITE_EVERY_S = 0.5
+
+
+class FencedWriter(Fence, Protocol):
+    """The producer lock: its token for the writer, and its fenced Redis writes."""
+
+    def write(self, *commands: Sequence[Any]) -> list[Any]: ...
 
 
 class DatasetSink:
@@ -46,7 +57,7 @@ class DatasetSink:
         if not entries:
             return 0
         rows = UnpackedRows([fields[b"row"] for _, fields in entries])
-        self.writer.write(rows, entries[-1][0].decode())
+        self.writer.write(rows, entries[-1][0].decode(), [sid.decode() for sid, _ in entries])
         return len(rows)
 
 
@@ -87,8 +98,11 @@ def _unpack(packed: bytes) -> dict[str, Any]:
 class Collector:
     """One thread draining the results streams of every open dataset."""
 
-    def __init__(self, client: redis.Redis, out_dir: Path, shard_rows: int, row_format: str = "jsonl") -> None:
+    def __init__(self, client: redis.Redis, out_dir: Path, shard_rows: int, row_format: str = "jsonl",
+                 fence: FencedWriter | None = None) -> None:
+        """``fence``: the producer lock (tests and benches may run a collector without one)."""
         self._client = client
+        self._fence = fence
         self._out_dir = out_dir
         self._shard_rows = shard_rows
         self._row_format = row_format
@@ -104,7 +118,7 @@ class Collector:
         with self._lock:
             sink = self._sinks.get(dataset)
             if sink is None:
-                writer = open_writer(self._out_dir / dataset, self._shard_rows, self._row_format)
+                writer = open_writer(self._out_dir / dataset, self._shard_rows, self._row_format, self._fence)
                 sink = self._sinks[dataset] = DatasetSink(dataset, writer)
             return sink
 
@@ -135,8 +149,12 @@ class Collector:
         for stream, entries in reply:
             sink = by_stream[stream.decode() if isinstance(stream, bytes) else stream]
             total += sink.write(entries)
-            # Entries up to the checkpoint are on disk: Redis need not hold them any more.
-            self._client.xtrim(sink.keys.results, minid=sink.writer.last_id, approximate=False)
+            # Entries up to the checkpoint are on disk: Redis need not hold them any more. Fenced: a
+            # stale producer's trim could drop rows the producer now holding the lock has not written.
+            if self._fence is not None:
+                self._fence.write(("XTRIM", sink.keys.results, "MINID", sink.writer.last_id))
+            else:
+                self._client.xtrim(sink.keys.results, minid=sink.writer.last_id, approximate=False)
         return total
 
     def pending(self, dataset: str) -> int:
@@ -159,7 +177,7 @@ class Collector:
                     continue  # more is waiting: read on at once
                 self._wake.wait(WRITE_EVERY_S - (time.monotonic() - started))
                 self._wake.clear()
-        except OutputError as exc:  # the run stops with this one line; the rows wait in Redis
+        except (OutputError, ProducerFenced, RedisRefusesWrites) as exc:  # the run stops with this one line
             self.error = exc
         except redis.ConnectionError as exc:  # past the retry window: one line, the run loop says it
             self.error = exc
@@ -168,11 +186,12 @@ class Collector:
             self.error = exc
             log.exception("collector stopped")
 
-    def stop(self) -> None:
-        """Stop the thread after its current batch, then write whatever is left."""
+    def stop(self, *, drain: bool = True) -> None:
+        """Stop the thread after its current batch, then write whatever is left (``drain``: not
+        for a producer that lost the lock, or that stops while Redis is away)."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        while self.error is None and self.drain_once(block_ms=None):
+        while drain and self.error is None and self.drain_once(block_ms=None):
             pass

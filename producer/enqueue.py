@@ -13,10 +13,10 @@ import json
 import os
 import re
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from json.encoder import encode_basestring_ascii
 from operator import itemgetter
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import redis
@@ -113,8 +113,17 @@ def random_uuids(n: int) -> list[str]:
             for i in range(0, 32 * n, 32)]
 
 
-def push(client: redis.Redis, app: Celery, queue: str, payloads: Iterable[TaskPayload]) -> int:
-    """LPUSH one batch of task messages in one round trip; returns how many were pushed."""
+class FencedWrite(Protocol):
+    """The producer lock's fenced write (``producer/lock.py``)."""
+
+    def write(self, *commands: Sequence[Any]) -> list[Any]: ...
+
+
+def push(client: redis.Redis, app: Celery, queue: str, payloads: Iterable[TaskPayload], *,
+         fence: FencedWrite | None = None) -> int:
+    """LPUSH one batch of task messages in one round trip; returns how many were pushed.
+    ``fence``: pushed only while the producer lock is ours (a paused producer that lost it must
+    not queue a stale batch beside the new holder's)."""
     batch = list(payloads)
     if not batch:
         return 0
@@ -123,5 +132,8 @@ def push(client: redis.Redis, app: Celery, queue: str, payloads: Iterable[TaskPa
     messages = [template.render(p, ids[2 * i], ids[2 * i + 1]) for i, p in enumerate(batch)]
     # The ids before their messages: a worker runs only an id it finds there (workers/poison.py).
     known = ("SADD", DatasetKeys(batch[0]["dataset"]).ids, *{p["id"] for p in batch})
-    client.pipeline(transaction=False).execute_command(*known).lpush(queue, *messages).execute()
+    if fence is not None:
+        fence.write(known, ("LPUSH", queue, *messages))
+    else:
+        client.pipeline(transaction=False).execute_command(*known).lpush(queue, *messages).execute()
     return len(messages)

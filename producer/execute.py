@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from common.config import RunConfig
-from common.errors import OutputError
+from common.errors import OutputError, ProducerFenced
 from common.redis_client import RedisOutage, connect, describe
 from common.settings import Settings
 
@@ -20,6 +20,8 @@ log = logging.getLogger("specfleet")
 EXIT_INTERRUPTED = 130
 EXIT_HALTED = 3
 EXIT_REDIS_UNREACHABLE = 4
+#: Another producer took the lock (a newer generation) while this one was paused: it wrote nothing more.
+EXIT_FENCED = 5
 #: A scrape must answer within Prometheus' timeout: the exporter waits this long for Redis per
 #: scrape, then reports specfleet_redis_up 0 (and keeps serving).
 SCRAPE_REDIS_WINDOW_S = 3.0
@@ -66,6 +68,9 @@ def execute(
     except Halted as exc:
         print(f"specfleet: halted: {exc}", file=sys.stderr)
         return EXIT_HALTED
+    except ProducerFenced as exc:
+        print(f"specfleet: stopped: {exc}", file=sys.stderr)
+        return EXIT_FENCED
     except RedisOutage as exc:
         print(f"specfleet: stopped: {exc} at {describe(redis_url)}; the state is kept in Redis and "
               f"{cfg.output.dir}: run the same command again once Redis is back "

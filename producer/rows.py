@@ -17,9 +17,12 @@ collector stops, the rows stay in the Redis stream, and the next run writes them
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -27,11 +30,22 @@ from typing import Any, Protocol
 
 import orjson
 
-from common.errors import OutputError
+from common.errors import OutputError, ProducerFenced
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT = ".checkpoint.json"
+#: Held (flock) by a writer around each batch and its checkpoint, and around recovery.
+FOLDER_LOCK = ".lock"
+#: How often a writer waiting for the folder's lock says so.
+FOLDER_LOCK_NOTICE_S = 10.0
+
+
+class Fence(Protocol):
+    """The producer lock's token as a writer checks it (``producer/lock.py``)."""
+
+    generation: int
+    owner: str
 
 
 class RowWriter(Protocol):
@@ -48,8 +62,9 @@ class RowWriter(Protocol):
     def recover(self) -> None:
         """Cut off what a crash left after the last durable position."""
 
-    def write(self, rows: Sequence[dict[str, Any]], last_id: str) -> None:
-        """Make ``rows`` and the stream position ``last_id`` durable together."""
+    def write(self, rows: Sequence[dict[str, Any]], last_id: str, ids: Sequence[str] | None = None) -> None:
+        """Make ``rows`` and the stream position ``last_id`` durable together. ``ids``: each row's
+        stream id; rows another producer wrote meanwhile (at or before its position) are skipped."""
 
     def iter_kept(self) -> Iterator[dict[str, Any]]:
         """The durable rows, in the order they were written."""
@@ -83,6 +98,22 @@ class Checkpoint:
     rows_in_shard: int = 0
     last_id: str = "0-0"
     rows: int = 0
+    #: The producer lock's generation and owner that wrote it (0, "": a writer without a lock).
+    generation: int = 0
+    owner: str = ""
+
+
+def stream_id(text: str) -> tuple[int, int]:
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def disk_generation(dataset_dir: Path) -> int:
+    """The producer generation that last wrote ``dataset_dir`` (0 if none)."""
+    try:
+        return int(json.loads((dataset_dir / CHECKPOINT).read_text()).get("generation", 0))
+    except (OSError, ValueError):
+        return 0
 
 
 # Characters str.splitlines() (and some JSONL readers) treat as line breaks, which JSON may carry
@@ -134,12 +165,21 @@ class JsonlShards:
     A batch is appended to the open shard (rolling to new ones as they fill) and fsynced, then the
     checkpoint (shard, byte offset, rows in shard, last stream id) atomically replaces the old one.
     Recovery truncates the open shard to the checkpoint's offset and deletes shards a crashed roll
-    opened after it: a batch written but not checkpointed is written again, never twice.
+    opened after it: a batch written but not checkpointed is written again, never twice. A write
+    that fails (disk full) cuts the shard back to the checkpoint's offset at once, so a reader of
+    the folder never meets a torn last line.
+
+    Two producers may meet in one folder (one paused past its lock's TTL, another started): each
+    batch and recovery hold an exclusive ``flock`` of ``.lock`` and read the checkpoint from disk
+    first. A checkpoint of a newer lock generation than ``fence``'s refuses the write
+    (``ProducerFenced``); one that moved past this writer's (an older producer wrote) is adopted,
+    and the batch's rows at or before its position are skipped: no interleaving loses or repeats a row.
     """
 
-    def __init__(self, dataset_dir: Path, shard_rows: int) -> None:
+    def __init__(self, dataset_dir: Path, shard_rows: int, fence: Fence | None = None) -> None:
         self.dir = dataset_dir
         self.shard_rows = shard_rows
+        self.fence = fence
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -160,7 +200,56 @@ class JsonlShards:
             return Checkpoint()
         return Checkpoint(**json.loads(path.read_text()))
 
+    @contextlib.contextmanager
+    def _folder_lock(self) -> Iterator[None]:
+        """The folder to ourselves: a writer frozen mid-batch holds it, and the other waits, so
+        neither sees half of the other's batch."""
+        try:
+            fd = os.open(self.dir / FOLDER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise output_error(self.dir / FOLDER_LOCK, exc) from None
+        try:
+            waited_s = 0.0
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if waited_s and waited_s % FOLDER_LOCK_NOTICE_S < 0.1:
+                        log.warning("%s: waiting %.0f s for the folder's lock (another specfleet process writes "
+                                    "here, or is paused while writing)", self.dir.name, waited_s)
+                    time.sleep(0.1)
+                    waited_s = round(waited_s + 0.1, 1)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+    def _check_fence(self, disk: Checkpoint) -> None:
+        if self.fence is None:
+            return
+        mine = (self.fence.generation, self.fence.owner)
+        if disk.generation > mine[0] or (disk.generation == mine[0] and disk.owner and disk.owner != mine[1]):
+            raise ProducerFenced(
+                f"{self.dir}: written by another producer ({disk.owner}, generation {disk.generation}) since this "
+                f"one (generation {mine[0]}) was paused or cut off; this one writes nothing more and stops")
+
+    def _sync_with_disk(self) -> Checkpoint:
+        """The checkpoint on disk (under the folder's lock), refused if a newer producer wrote it."""
+        disk = self._load_checkpoint()
+        self._check_fence(disk)
+        if disk != self.cp:
+            if disk.rows != self.cp.rows or disk.last_id != self.cp.last_id:
+                log.warning("%s: another producer wrote rows here meanwhile (%d rows, up to %s): going on from there",
+                            self.dir.name, disk.rows, disk.last_id)
+            self.cp = disk
+        return disk
+
     def recover(self) -> None:
+        with self._folder_lock():
+            self.cp = self._load_checkpoint()
+            self._recover()
+
+    def _recover(self) -> None:
         try:
             path = shard_path(self.dir, self.cp.shard)
             if path.exists() and path.stat().st_size > self.cp.offset:
@@ -175,10 +264,23 @@ class JsonlShards:
         except OSError as exc:
             raise output_error(self.dir, exc) from None
 
-    def write(self, rows: Sequence[dict[str, Any]], last_id: str) -> None:
+    def write(self, rows: Sequence[dict[str, Any]], last_id: str, ids: Sequence[str] | None = None) -> None:
+        with self._folder_lock():
+            disk = self._sync_with_disk()
+            if ids is not None and ids and stream_id(ids[0]) <= stream_id(disk.last_id):
+                after = stream_id(disk.last_id)
+                first = next((i for i, sid in enumerate(ids) if stream_id(sid) > after), len(ids))
+                rows = rows[first:]  # written by the other producer already
+            if stream_id(last_id) <= stream_id(disk.last_id):
+                return
+            self._write(rows, last_id)
+
+    def _write(self, rows: Sequence[dict[str, Any]], last_id: str) -> None:
         # The new checkpoint is built aside and adopted only once it is on disk: a failed write
-        # leaves this object (and the disk, after recover) at the last durable position.
+        # leaves this object, and the disk, at the last durable position.
         cp = self.cp
+        if self.fence is not None:
+            cp = replace(cp, generation=self.fence.generation, owner=self.fence.owner)
         lines = [jsonl_line(r) for r in rows]
         path = shard_path(self.dir, cp.shard)
         try:
@@ -202,8 +304,17 @@ class JsonlShards:
             path = self.dir / CHECKPOINT
             self._save_checkpoint(cp)
         except OSError as exc:
+            self._cut_back()
             raise output_error(path, exc) from None
         self.cp = cp
+
+    def _cut_back(self) -> None:
+        """After a failed write: the shards as the checkpoint has them (a full disk still lets a
+        file shrink). Best effort: what is left here, recovery cuts off on the next start."""
+        with contextlib.suppress(OSError, ValueError, OutputError):
+            # The disk's checkpoint, not ours: the failure may have come after it was replaced.
+            self.cp = self._load_checkpoint()
+            self._recover()
 
     def _save_checkpoint(self, cp: Checkpoint) -> None:
         tmp = self.dir / (CHECKPOINT + ".tmp")
@@ -233,11 +344,12 @@ class JsonlShards:
 
 
 #: Output formats by name: a new one is a class with RowWriter's methods and a line here.
-ROW_FORMATS: dict[str, Callable[[Path, int], RowWriter]] = {"jsonl": JsonlShards}
+ROW_FORMATS: dict[str, Callable[[Path, int, Fence | None], RowWriter]] = {"jsonl": JsonlShards}
 
 
-def open_writer(dataset_dir: Path, shard_rows: int, fmt: str = "jsonl") -> RowWriter:
-    """The writer for one dataset's folder, recovered to its last durable position."""
-    writer = ROW_FORMATS[fmt](dataset_dir, shard_rows)
+def open_writer(dataset_dir: Path, shard_rows: int, fmt: str = "jsonl", fence: Fence | None = None) -> RowWriter:
+    """The writer for one dataset's folder, recovered to its last durable position; ``fence``: the
+    producer lock whose generation the writer checks and records."""
+    writer = ROW_FORMATS[fmt](dataset_dir, shard_rows, fence)
     writer.recover()
     return writer

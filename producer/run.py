@@ -28,14 +28,14 @@ from common.budget import Budget, open_run
 from common.config import DatasetConfig, RunConfig
 from common.contract import CONTRACT_VERSION, FOLLOW_COMMAND, TaskPayload, conversation_of, halt_line
 from common.datasets import Prompt, ReadStats, read_prompts
-from common.errors import ConfigError, DatasetRowError, SpecfleetError
+from common.errors import ConfigError, DatasetRowError, ProducerFenced, RedisRefusesWrites, SpecfleetError
 from common.redis_client import CLOCK, RedisOutage
 from common.throttle import FleetThrottle
 from producer.collector import Collector
 from producer.enqueue import push
 from producer.lock import ProducerLock
 from producer.plan import PendingPlan
-from producer.rows import RowWriter, atomic_write, output_error
+from producer.rows import RowWriter, atomic_write, disk_generation, output_error
 from producer.state import DatasetState, read_state
 from producer.summary import Summary, report_line, throttle_summary
 
@@ -45,6 +45,8 @@ ENQUEUE_BATCH = 1000
 TICK_S = 0.25
 SAMPLE_EVERY_S = 1.0
 REAP_EVERY_S = 5.0
+#: The tick proves the lock ours first when it was last proved longer ago than this (a pause).
+LOCK_CHECK_EVERY_S = 1.0
 #: How often "Redis unreachable, retrying (n s)" is shown while Redis is away.
 OUTAGE_NOTICE_EVERY_S = 5.0
 
@@ -125,8 +127,8 @@ class Runner:
         self.tuning = tuning or Tuning()
         self.config_id = cfg.config_id()
         self.out_dir = cfg.output.dir
-        self.collector = Collector(client, self.out_dir, cfg.output.shard_rows)
         self.lock = ProducerLock(client)
+        self.collector = Collector(client, self.out_dir, cfg.output.shard_rows, fence=self.lock)
         self.throttle = FleetThrottle(client)
         self._runs: list[DatasetRun] = []
         self._interrupted = threading.Event()
@@ -149,7 +151,9 @@ class Runner:
         if missing:  # before anything is enqueued: a typo in the third dataset must not wait hours
             raise ConfigError("dataset files missing\n  " + "\n  ".join(missing))
         self.cfg.require_prices()
-        self.lock.acquire()
+        # Above the generation that wrote any of the folders: a Redis that lost its counter
+        # must not hand out a generation the folders would take for an old producer's.
+        self.lock.acquire(max((disk_generation(self.out_dir / d.name) for d in self.cfg.datasets), default=0))
         self._install_signal_handlers()
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -176,6 +180,7 @@ class Runner:
             ),
         )
         self.collector.start()
+        fenced = False
         CLOCK.observe(self._outage_notice)
         spent = open_run(self.client, self.cfg.run.budget_usd, [d.name for d in self.cfg.datasets])
         if self.cfg.run.budget_usd:
@@ -190,13 +195,16 @@ class Runner:
                 time.sleep(TICK_S)
         except Halted:
             # Workers stop pulling messages that could only end "halted"; the next run re-enqueues.
-            for r in self._runs:
-                self.client.hdel(keys.ACTIVE_QUEUES, r.budget.keys.queue)
+            self.lock.write(*[("HDEL", keys.ACTIVE_QUEUES, r.budget.keys.queue) for r in self._runs])
+            raise
+        except ProducerFenced:
+            fenced = True
             raise
         finally:
             CLOCK.unobserve(self._outage_notice)
             try:
-                self.collector.stop()
+                # A fenced producer writes nothing more, not even the rows its collector holds.
+                self.collector.stop(drain=not fenced)
             finally:
                 if self.progress is not None:
                     self.progress.close()
@@ -257,7 +265,7 @@ class Runner:
 
     def _check_collector(self) -> None:
         error = self.collector.error
-        if isinstance(error, RedisOutage):
+        if isinstance(error, RedisOutage | ProducerFenced | RedisRefusesWrites):
             raise error
         if error is not None:
             raise SpecfleetError(f"collector failed: {error}")
@@ -305,9 +313,10 @@ class Runner:
             run.admission_ended_s = run.first_stop_s = time.time()
             log.warning("%s: skipped, the run's dollar budget is spent", ds.name)
             return
+        self.lock.refresh()  # the budget's calls are not fenced in their script: checked just before
         self._restore_from_disk(budget, sink.writer, ds.regenerate)
         # Failures of an earlier run get another chance; the queue is rebuilt from the file below.
-        self.client.delete(k.failed, k.queue)
+        self.lock.write(("DEL", k.failed, k.queue))
         kept, rows = budget.open(ds.budget_tokens, ds.budget_usd, self.cfg.run.budget_mode)
         run.resumed_rows = rows
         log.info(
@@ -343,15 +352,14 @@ class Runner:
             time.sleep(TICK_S)
 
     def _restore_from_disk(self, budget: Budget, writer: RowWriter, regenerate: str) -> None:
-        """Redis lost kept rows the shards hold (a server without persistence restarted): rebuild
-        the exactly-once guard and the counter from the shards before anything is asked again."""
-        rows_on_disk = writer.rows
-        rows_in_redis = budget.snapshot().rows
-        if rows_in_redis >= rows_on_disk:
+        """The shards are the truth of what is kept: make the exactly-once guard and the counters
+        agree with them (plus the rows waiting in the results stream) before anything is asked.
+        Redis lost kept rows the shards hold (a server without persistence restarted): rebuilt from
+        the shards. Redis counts rows the shards lack (written over by a producer that had lost its
+        lock, or a folder emptied by hand): those prompts are asked again."""
+        if budget.agrees_with(writer.last_id, writer.rows):
             return
-        log.warning("%s: Redis knows %d kept rows, the shards hold %d: restoring from the shards (dollars "
-                    "from the rows' usage.cost: billed answers that were not kept are not on disk)",
-                    budget.keys.dataset, rows_in_redis, rows_on_disk)
+        rows_in_redis = budget.snapshot().rows
         ids: list[str] = []
         tokens: list[int] = []
         costs: list[float] = []
@@ -368,7 +376,19 @@ class Runner:
                                                   use_bin_type=True)
                 if end:
                     ended.append(row["id"])
-        if budget.restore(ids, tokens, costs) and turns:
+        changed = budget.reconcile(writer.last_id, ids, tokens, costs)
+        if changed is None:
+            return
+        rows, lost = changed
+        if lost:
+            log.warning("%s: Redis counted %s kept rows the shards do not hold and the results stream does not "
+                        "hold either: those prompts are asked again (the shards hold %s rows)", budget.keys.dataset,
+                        f"{lost:,}", f"{writer.rows:,}")
+        if rows_in_redis < rows:
+            log.warning("%s: Redis knew %d kept rows, the shards and the stream hold %d: restored from the shards "
+                        "(dollars from the rows' usage.cost: billed answers that were not kept are not on disk)",
+                        budget.keys.dataset, rows_in_redis, rows)
+        if turns:
             restore_turns(self.client, budget.keys, turns, ended)
 
     def _enqueue(self, run: DatasetRun, batch: list[Prompt]) -> int:
@@ -386,7 +406,7 @@ class Runner:
             for p, is_done in zip(batch, done, strict=True)
             if not is_done
         ]
-        return push(self.client, self.app, run.budget.keys.queue, payloads)
+        return push(self.client, self.app, run.budget.keys.queue, payloads, fence=self.lock)
 
     def _admission_over(self, run: DatasetRun) -> bool:
         if self._interrupted.is_set():
@@ -401,6 +421,9 @@ class Runner:
         if self._interrupted.is_set():
             raise Interrupted("interrupted")
         self._settle_plan()
+        # After a pause (SIGSTOP, a VM or a long GC) the lock must be proved ours before anything
+        # else: the writes below that are not fenced in their own script rely on it.
+        self.lock.refresh_if_older(LOCK_CHECK_EVERY_S)
         halt = self.client.get(keys.HALT)
         if halt is not None:
             info = json.loads(halt)
@@ -428,10 +451,9 @@ class Runner:
                 self._check_drained(r, st, now)
         if now - self._last_sample_s >= SAMPLE_EVERY_S:
             self._last_sample_s = now
-            pipe = self.client.pipeline(transaction=False)
-            for name, st in states.items():
-                pipe.rpush(keys.DatasetKeys(name).timeline, json.dumps(st.to_json()))
-            pipe.execute()
+            if states:
+                self.lock.write(*[("RPUSH", keys.DatasetKeys(name).timeline, json.dumps(st.to_json()))
+                                  for name, st in states.items()])
             self._start_deferred_counts(states)
             if self.progress is not None and self._plan_passed:  # the plan's table first
                 shown = [states.get(r.name) or r.final_state for r in self._runs]
@@ -486,7 +508,7 @@ class Runner:
 
     def _follow(self, queue: str) -> None:
         """Make ``queue`` active; workers hear it at once (a broadcast), or at their next poll."""
-        self.client.hset(keys.ACTIVE_QUEUES, queue, self.config_id)
+        self.lock.write(("HSET", keys.ACTIVE_QUEUES, queue, self.config_id))
         try:
             self.app.control.broadcast(FOLLOW_COMMAND)
         except Exception as exc:
@@ -501,11 +523,11 @@ class Runner:
         k = run.budget.keys
         # Order matters: workers stop following the queue, then what is left in it goes. Messages a
         # worker already reserved find the dataset not active and end without a request.
-        self.client.hdel(keys.ACTIVE_QUEUES, k.queue)
+        self.lock.write(("HDEL", keys.ACTIVE_QUEUES, k.queue))
         if reason not in BUDGET_END_REASONS.values():
+            self.lock.refresh()
             run.budget.close()
-        purged = self.client.llen(k.queue)
-        self.client.delete(k.queue)
+        purged = int(self.lock.write(("LLEN", k.queue), ("DEL", k.queue))[0])
         try:
             self.app.control.cancel_consumer(k.queue)
         except Exception as exc:  # workers also drop it on their next poll
@@ -522,6 +544,7 @@ class Runner:
             log.error("%s: %d requests still in flight after the drain timeout", run.name, st.in_flight)
         elif self._top_up(run, st):
             return
+        self.lock.refresh()  # what follows (the budget's close, the summary) is this producer's to write
         run.budget.close()
         run.finished_s = now
         final = run.final_state = read_state(self.client, run.name)
@@ -543,11 +566,12 @@ class Runner:
         if not run.budget.policy.should_top_up(run.budget.snapshot(), prior):
             return False
         room = st.limit - st.kept_tokens
+        self.lock.refresh()
         run.budget.open(run.cfg.budget_tokens, run.cfg.budget_usd, self.cfg.run.budget_mode)
         self._follow(run.budget.keys.queue)
         queued = self._sweep(run)
         if not queued:
-            self.client.hdel(keys.ACTIVE_QUEUES, run.budget.keys.queue)
+            self.lock.write(("HDEL", keys.ACTIVE_QUEUES, run.budget.keys.queue))
             return False
         run.top_ups += 1
         run.end_reason = ""
@@ -599,6 +623,7 @@ class Runner:
             run_spent_usd=round(st.run_spent_usd, 9),
             requests=st.requests,
             duplicates=st.duplicates,
+            dead_letters=st.dead_letters,
             engine_rows=st.engine_rows,
             engine_mismatch=st.engine_mismatch,
             engine_prompt_mismatch=st.engine_prompt_mismatch,
@@ -627,7 +652,6 @@ class Runner:
 
 def _outcome_key(run: DatasetRun) -> str:
     """The set of ids with an outcome other than a failure: kept prompts, or ended conversations."""
-            dead_letters=st.dead_letters,
     k = run.budget.keys
     return k.ended if run.cfg.regenerate == "all" else k.done
 
