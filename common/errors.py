@@ -7,6 +7,11 @@ a library's exception or a message string.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.contract import Usage
+
 
 class SpecfleetError(Exception):
     """Base of every error specfleet raises on purpose."""
@@ -40,14 +45,15 @@ class UpstreamError(SpecfleetError):
     repeats across prompts. ``status`` is the HTTP status (200 for an error object inside a 200
     body, 0 when no response arrived), ``code`` the error object's code inside a 200 body (None
     otherwise), ``reason`` a short stable word for reports (``http_429``, ``timeout``, ``bad_json`` …)
-    and ``detail`` what the server said, without the reason.
+    and ``detail`` what the server said, without the reason. ``usage``: what this failed attempt
+    was billed, when the reply said so (an answer too large to keep); None when unknown.
     """
 
     retryable = False
 
     def __init__(
         self, reason: str, detail: str, *, status: int = 0, retry_after_s: float | None = None,
-        code: int | None = None,
+        code: int | None = None, usage: Usage | None = None,
     ) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
@@ -55,6 +61,7 @@ class UpstreamError(SpecfleetError):
         self.status = status
         self.retry_after_s = retry_after_s
         self.code = code
+        self.usage = usage
 
 
 class RetryableUpstreamError(UpstreamError):
@@ -64,8 +71,20 @@ class RetryableUpstreamError(UpstreamError):
     retryable = True
 
 
+class UpstreamTimeoutError(RetryableUpstreamError):
+    """The attempt's ``timeout_s`` passed before the whole answer was in (connect, headers and the
+    full body, however slowly its bytes came). The connection is closed, never reused half-read;
+    the provider may still generate and bill a non-streamed request."""
+
+
 class FatalUpstreamError(UpstreamError):
     """Another attempt at this prompt cannot help (400, 403, a filtered answer): the prompt fails."""
+
+
+class AnswerTooLargeError(FatalUpstreamError):
+    """The answer's body is over ``SPECFLEET_MAX_ANSWER_BYTES``: read to its end without being kept
+    (``usage`` is what its tail says was billed), the prompt fails ``answer_too_large``. Another
+    attempt would pay for another answer of about the same size."""
 
 
 class AccountRefusedError(UpstreamError):

@@ -75,6 +75,11 @@ class Settings:
     #: names one: its base URL (``http://host:8000`` or ``…/v1``) and an optional API key.
     engine_url: str | None = None
     engine_api_key: str | None = field(default=None, repr=False)
+    #: An answer whose body is larger fails the prompt (``answer_too_large``), billed and counted.
+    max_answer_bytes: int = 8 << 20
+    #: Bytes of answers a worker rebuilds and settles at once (workers/answer_room.py); an answer
+    #: waits for room once its body is in. One larger than all of it goes alone.
+    answer_bytes_in_flight: int = 4 << 20
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -110,6 +115,8 @@ class Settings:
             app_title=env.get("SPECFLEET_APP_TITLE") or cls.app_title,
             engine_url=engine_url.rstrip("/") if engine_url else None,
             engine_api_key=env.get("SPECFLEET_ENGINE_API_KEY") or None,
+            max_answer_bytes=_int(env, "SPECFLEET_MAX_ANSWER_BYTES", 8 << 20, minimum=1024),
+            answer_bytes_in_flight=_int(env, "SPECFLEET_ANSWER_BYTES_IN_FLIGHT", 4 << 20, minimum=1024),
         )
 
     def require_redis_url(self) -> str:

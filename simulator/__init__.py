@@ -43,7 +43,10 @@ completion, and when reasoning alone reaches it, reasoning is cut, ``content`` i
 Faults (``rates`` keys, and ``fail_attempts`` entries): ``429`` ``502`` ``503`` ``408`` ``402``
 (no Retry-After) ``402_retry`` (with) ``400`` ``401`` ``403`` ``hang`` (hold ``hang_s``, then
 answer) ``hang_drop`` (hold, then close) ``bad_json`` (200, body cut in half) ``error200`` (200 with
-an error object, null content, zero usage) ``stream_error`` (streams: an error chunk mid-way).
+an error object, null content, zero usage) ``stream_error`` (streams: an error chunk mid-way)
+``trickle`` (the headers at once, then the reply, plain or streamed, one byte every
+``trickle_every_s`` for ``trickle_s``, then the rest at once: a client's per-read timeout never
+trips; the trickle stops at the first byte after the client left).
 Their rates are one draw per attempt (sum <= 1), seeded by (seed, prompt, attempt number).
 ``leak_im_end`` in ``rates`` is independent of them: a share of answers whose content ends with
 a leaked ``<|im_end|>``.
@@ -119,7 +122,8 @@ With ``?detail=1`` also ``"generations": [{"id", "prompt_hash", "fault", "finish
 "engine_ids", "noncanonical"}]`` and ``"noncanonical_generations": [id, …]``.
 
 Billed: every generated answer (a non-streamed one in full even when its client timed out or
-left: counted again under ``abandoned``; ``hang`` and ``bad_json`` too); not billed: HTTP errors,
+left: counted again under ``abandoned``; ``hang``, ``bad_json`` and a plain ``trickle``, abandoned
+when its client left before the last byte, too); not billed: HTTP errors,
 ``hang_drop``, ``error200``.
 """
 

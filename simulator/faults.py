@@ -29,6 +29,10 @@ FAULTS: tuple[str, ...] = (
     "bad_json",  # 200 whose body is cut in half (billed: the tokens were generated)
     "error200",  # 200 with an error object, null content and zero usage (not billed)
     "stream_error",  # streaming only: some chunks, then an error chunk with finish_reason "error"
+    # Headers at once, then the reply one byte every trickle_every_s for trickle_s, then the rest
+    # (billed): a per-read socket timeout never trips on it, only a deadline on the whole attempt.
+    # Last in the order, so switching it on leaves which fault every other draw meets unchanged.
+    "trickle",
 )
 
 #: Faults answered with a plain HTTP error status before any generation.

@@ -106,7 +106,7 @@ class _StreamBody:
     """A stream's WSGI iterable. ``close()`` always runs, even when the generator never started,
     so the request is always counted out of flight."""
 
-    def __init__(self, events: Generator[bytes, None, None], call: _Call) -> None:
+    def __init__(self, events: Generator[bytes, None, object], call: _Call) -> None:
         self._events = events
         self._call = call
 
@@ -118,6 +118,34 @@ class _StreamBody:
             self._events.close()
         finally:
             self._call.done()
+
+
+def _trickled(chunks: Iterator[bytes], every_s: float, for_s: float,
+              peer_gone: Callable[[], bool]) -> Generator[bytes, None, bool]:
+    """The bytes of ``chunks`` one at a time, ``every_s`` apart, for ``for_s`` seconds (the first
+    at once, with the headers), then the rest as they come. Stops as soon as the client is gone:
+    a byte written to a closed socket may still be accepted, and the request would look open
+    until the next one. Returns whether every byte went out."""
+    until = time.monotonic() + for_s
+    first = True
+    try:
+        for data in chunks:
+            at = 0
+            while at < len(data) and time.monotonic() < until:
+                if not first:
+                    gevent.sleep(every_s)
+                first = False
+                if peer_gone():
+                    return False
+                yield data[at:at + 1]
+                at += 1
+            if at < len(data):
+                yield data[at:]
+        return True
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
 
 
 def _status_line(status: int) -> str:
@@ -307,16 +335,53 @@ class SimApp:
             body = error200_body(gen_id=call.gen_id, created=int(call.created),
                                  model=req.model, provider=provider)
             return _json(start_response, 200, body, [("X-Generation-Id", call.gen_id)])
+        if fault == "trickle":
+            return self._trickle(call, environ, start_response, req, gen or generated(), provider,
+                                 ttft_ms)
         if gen is None:
             return self._plain(call, environ, start_response, req, generated, provider, ttft_ms)
         if req.stream:
-            start_response(_status_line(200), [
-                ("Content-Type", "text/event-stream; charset=utf-8"), ("Cache-Control", "no-cache"),
-                ("X-Generation-Id", call.gen_id),
-            ])
-            call.status = "200"
+            self._start_stream(call, start_response)
             return _StreamBody(self._stream(call, req, gen, provider, ttft_ms), call)
         return self._plain(call, environ, start_response, req, lambda: gen, provider, ttft_ms)
+
+    @staticmethod
+    def _start_stream(call: _Call, start_response: StartResponse) -> None:
+        start_response(_status_line(200), [
+            ("Content-Type", "text/event-stream; charset=utf-8"), ("Cache-Control", "no-cache"),
+            ("X-Generation-Id", call.gen_id),
+        ])
+        call.status = "200"
+
+    def _trickle(self, call: _Call, environ: dict[str, Any], start_response: StartResponse,
+                 req: ChatRequest, gen: Generation, provider: str, ttft_ms: float) -> _StreamBody:
+        """The ``trickle`` fault: the answer's headers at once, then its body one byte every
+        ``trickle_every_s`` for ``trickle_s``, then the rest. A plain answer is generated (so
+        billed, in full) before its first byte; a stream bills as any stream does."""
+        s = call.settings
+        peer_gone = environ[CONNECTION_KEY].peer_gone
+        if req.stream:
+            self._start_stream(call, start_response)
+            events = self._stream(call, req, gen, provider, ttft_ms)
+            return _StreamBody(_trickled(events, s.trickle_every_s, s.trickle_s, peer_gone), call)
+        body = completion_body(gen_id=call.gen_id, created=int(call.created), model=req.model,
+                               provider=provider, answer=gen.answer, usage=gen.usage, ids=gen.ids)
+        raw = dumps(body)
+        call.status = "200"
+        start_response(_status_line(200), [
+            ("Content-Type", "application/json"), ("Content-Length", str(len(raw))),
+            ("X-Generation-Id", call.gen_id),
+        ])
+
+        def billed_body() -> Generator[bytes, None, None]:
+            whole = False
+            try:
+                whole = yield from _trickled(iter([raw]), s.trickle_every_s, s.trickle_s, peer_gone)
+            finally:
+                # Abandoned: the client left before the last byte; billed in full all the same.
+                self._bill(call, req, gen, provider, gen.usage, streamed=False, abandoned=not whole)
+
+        return _StreamBody(billed_body(), call)
 
     def _over_capacity(self, call: _Call, start_response: StartResponse, req: ChatRequest,
                        limit: str) -> list[bytes]:

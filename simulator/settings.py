@@ -123,6 +123,10 @@ class Settings:
     retry_after_s: float | None = field(default=1.0, metadata=_meta(
         "Retry-After on 429/503 (null: none)", lo=0))
     hang_s: float = field(default=30.0, metadata=_meta("how long hang/hang_drop hold", lo=0))
+    trickle_every_s: float = field(default=1.0, metadata=_meta(
+        "trickle: seconds between two bytes of the reply", lo=0.001))
+    trickle_s: float = field(default=30.0, metadata=_meta(
+        "trickle: how long the reply trickles before the rest comes at once", lo=0))
     generation_delay_s: float = field(default=2.0, metadata=_meta(
         "GET /api/v1/generation answers 404 this long after a request ends", lo=0))
     # --- capacity mode (capacity.py): 429 above N in flight or M per second ---

@@ -50,6 +50,7 @@ from common.contract import (
 from common.errors import MisconfiguredError, TokenMismatch, UpstreamError
 from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
+from workers.answer_room import answer_bytes, answer_room
 from workers.context import WorkerContext
 from workers.engine_ids import rebuild_from_engine
 from workers.rebuild import Prompt, RebuiltRow, rebuild, render_prompt
@@ -67,6 +68,8 @@ WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 #: Slack on a lease beyond one attempt and one backoff: connect time, rebuild, a Redis blip.
 LEASE_SLACK_S = 10.0
+#: A renewal made only to keep a paid answer's lease alive waits at most this long for Redis.
+LEASE_RENEW_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,15 @@ class _Job:
     @property
     def ttl_ms(self) -> int:
         """How long one attempt can hold the prompt. The holder renews before each retry, so a
-        worker killed mid-request frees its prompts one attempt later, not after every retry's."""
+        worker killed mid-request frees its prompts one attempt later, not after every retry's.
+
+        Sized to outlive any attempt, not renewed during one: an attempt ends within ``timeout_s``
+        of its start, whatever the upstream does (``workers/openrouter.py``), and starts at most
+        ``gate.KEEPALIVE_EVERY_S`` (5 s) after the lease was last set (the reserve, the renewal
+        before a retry, or the gate's keepalive while it waited for a slot). So the lease outlives
+        a live attempt by at least 0.2 × timeout_s + backoff_max_s + 5 s. Only a wait with no
+        attempt open (a Retry-After beyond backoff_max_s) can outlast it, and the renewal after it
+        answers ``lost`` if another delivery took the prompt meanwhile: then nothing is sent."""
         return int((self.policy.attempt_window_s(self.length.timeout_s) + LEASE_SLACK_S) * 1000)
 
     def fail(self, reason: str, detail: str) -> str:
@@ -155,30 +166,35 @@ def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = N
     if outcome is not None:
         return outcome
 
-    try:
-        answer = call(job, prepared)
-        if answer == "lost":
-            return Busy(wait_s=1.0)  # our lease was reaped meanwhile: a fresh delivery asks the budget again
-        if isinstance(answer, str):
-            return answer
-        rebuilt = rebuild_row(job, prepared, answer)
-    except TokenMismatch as exc:
-        return job.fail(FAIL_TOKEN_MISMATCH, str(exc))
-    except _Failed as failed:
-        return job.fail(failed.reason, failed.detail)
-    except (redis.RedisError, gevent.GreenletExit, KeyboardInterrupt, SystemExit):
-        # Not the prompt's fault (Redis gone, worker shutting down): give the admission back so the
-        # next delivery can take it at once instead of waiting for the lease to expire.
-        with contextlib.suppress(Exception):
-            _record_usage(job)
-            job.budget.release(job.pid, job.lease, cost_usd=job.billed_usd)
-        raise
-    except Exception as exc:
-        # A bug or an answer nobody foresaw: the prompt gets an outcome with the evidence, instead
-        # of vanishing from the dataset's accounting.
-        log.exception("%s/%s internal error", job.dataset, job.pid)
-        return job.fail(FAIL_INTERNAL, f"{type(exc).__name__}: {exc}")
-    return settle(job, answer, rebuilt, turn)
+    # An answer holds room of the worker's answer bytes (workers/answer_room.py) from its arrival to
+    # the end of its settle or failure: what bounds the memory answers take while becoming rows.
+    with contextlib.ExitStack() as room:
+        try:
+            answer = call(job, prepared)
+            if answer == "lost":
+                return Busy(wait_s=1.0)  # our lease was reaped meanwhile: a fresh delivery asks the budget again
+            if isinstance(answer, str):
+                return answer
+            room.enter_context(answer_room(job.ctx.settings.answer_bytes_in_flight).holding(
+                answer_bytes(answer), keepalive=lambda: _keep_lease(job)))
+            rebuilt = rebuild_row(job, prepared, answer)
+        except TokenMismatch as exc:
+            return job.fail(FAIL_TOKEN_MISMATCH, str(exc))
+        except _Failed as failed:
+            return job.fail(failed.reason, failed.detail)
+        except (redis.RedisError, gevent.GreenletExit, KeyboardInterrupt, SystemExit):
+            # Not the prompt's fault (Redis gone, worker shutting down): give the admission back so the
+            # next delivery can take it at once instead of waiting for the lease to expire.
+            with contextlib.suppress(Exception):
+                _record_usage(job)
+                job.budget.release(job.pid, job.lease, cost_usd=job.billed_usd)
+            raise
+        except Exception as exc:
+            # A bug or an answer nobody foresaw: the prompt gets an outcome with the evidence, instead
+            # of vanishing from the dataset's accounting.
+            log.exception("%s/%s internal error", job.dataset, job.pid)
+            return job.fail(FAIL_INTERNAL, f"{type(exc).__name__}: {exc}")
+        return settle(job, answer, rebuilt, turn)
 
 
 # --- 1. prepare ---------------------------------------------------------------------------------
@@ -250,6 +266,7 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
         params=job.view.request,
         timeout_s=job.length.timeout_s,
         prompt_ids=prepared.prompt.ids,
+        max_answer_bytes=job.ctx.settings.max_answer_bytes,
     )
     upstream = job.ctx.upstream(job.view)
     while True:
@@ -259,6 +276,9 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
         except _Ended as ended:
             return ended.outcome
         except UpstreamError as exc:
+            if exc.usage is not None:  # billed though not usable (an answer too large to keep)
+                job.billed_usd += exc.usage["cost"]
+                job.usage = exc.usage
             job.stats.record_error(exc.reason)
             log.info("%s/%s call %d: %s (%.1fs)", job.dataset, job.pid, job.attempts, exc.reason,
                      time.monotonic() - t0)
@@ -319,6 +339,16 @@ def _renew(job: _Job) -> str | None:
     if renewal != "ok":  # halted, or done by another delivery
         return renewal
     return None
+
+
+def _keep_lease(job: _Job) -> None:
+    """While a paid answer waits for room: keep its lease alive so no other delivery asks again.
+    Never raises: whatever the renewal says, the settle that follows decides (and spools)."""
+    try:
+        with deadline(LEASE_RENEW_WAIT_S):
+            job.budget.renew(job.pid, job.lease, ttl_ms=job.ttl_ms)
+    except Exception as exc:
+        log.warning("%s/%s lease not renewed while waiting for answer room: %s", job.dataset, job.pid, exc)
 
 
 def _record_usage(job: _Job) -> None:

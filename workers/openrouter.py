@@ -3,10 +3,12 @@
 ``complete`` turns a ``Request`` into the JSON body, posts it and parses the reply into an
 ``Answer`` (the reasoning/content/tool-call parts of ``choices[0].message``, billed usage,
 provider, generation id) or raises the error class that says what to do:
-``RetryableUpstreamError`` (408, 429, 5xx, 402 with ``Retry-After``, timeouts, bad JSON,
-200-with-error), ``AccountRefusedError`` (401, 402 without ``Retry-After``),
-``MisconfiguredError`` (404, or a 400 saying the model does not exist or has no endpoints) and
-``FatalUpstreamError`` (anything else a retry cannot fix). Retrying is the caller's job
+``RetryableUpstreamError`` (408, 429, 5xx, 402 with ``Retry-After``, bad JSON, 200-with-error;
+``UpstreamTimeoutError`` when ``timeout_s`` passed before the whole answer was in),
+``AccountRefusedError`` (401, 402 without ``Retry-After``), ``MisconfiguredError`` (404, or a 400
+saying the model does not exist or has no endpoints) and ``FatalUpstreamError`` (anything else a
+retry cannot fix; ``AnswerTooLargeError`` for a body over ``max_answer_bytes``, with the usage
+its tail says was billed). Retrying is the caller's job
 (``workers/retry.py`` decides on the class; ``workers/generate.py`` renews the lease between
 attempts, so a stopped dataset makes no further upstream calls).
 """
@@ -26,17 +28,25 @@ import orjson
 import requests
 from requests.adapters import HTTPAdapter
 
-from common.contract import Usage
+from common.contract import FAIL_ANSWER_TOO_LARGE, Usage
 from common.errors import (
     AccountRefusedError,
+    AnswerTooLargeError,
     FatalUpstreamError,
     MisconfiguredError,
     RetryableUpstreamError,
     UpstreamError,
+    UpstreamTimeoutError,
 )
 from workers.upstream import Answer, Request
 
 API_PATH = "/api/v1"
+#: Connecting may take this long at most (and never more than the attempt's ``timeout_s``).
+CONNECT_TIMEOUT_S = 10.0
+#: What one read of the body asks for: a large answer is read in pieces, its size checked on the way.
+READ_CHUNK_BYTES = 64 * 1024
+#: Of an answer too large to keep, the last bytes kept to read its usage from.
+TAIL_BYTES = 64 * 1024
 CHAT_PATH = API_PATH + "/chat/completions"
 # Statuses a later attempt can fix (openrouter.md "Errors"); 402 only with Retry-After.
 _RETRYABLE_STATUSES = {408, 429, 500, 502, 503, 504, 520, 522, 524, 529}
@@ -152,6 +162,64 @@ def _dumps(body: dict[str, Any]) -> bytes:
         return json.dumps(body).encode()
 
 
+def _loads(raw: bytes | bytearray) -> Any:
+    """The body's JSON, or None. orjson parses the bytes as they came (``resp.json()`` decoded
+    them to a str first: a second copy of a large answer, four bytes a character past Latin-1)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    try:  # an integer past 64 bits, which orjson refuses and the standard parser takes
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _read_body(resp: requests.Response, *, max_bytes: int | None, until: float, timeout_s: float) -> bytes | bytearray:
+    """The whole body, read in chunks against the attempt's deadline ``until`` (monotonic).
+
+    Over ``max_bytes`` the rest is read and dropped, keeping only its last ``TAIL_BYTES``, where a
+    chat answer says what it was billed (``usage`` comes last): ``AnswerTooLargeError`` then
+    carries that usage, so the money is counted though the answer is not kept."""
+    declared = resp.headers.get("Content-Length")
+    over = max_bytes is not None and declared is not None and declared.isdigit() and int(declared) > max_bytes
+    buf = bytearray()
+    size = 0
+    for chunk in resp.raw.stream(READ_CHUNK_BYTES, decode_content=True):
+        size += len(chunk)
+        if time.monotonic() > until:
+            raise requests.Timeout()
+        if over:
+            buf = (buf + chunk)[-TAIL_BYTES:]
+            continue
+        buf += chunk
+        if max_bytes is not None and size > max_bytes:
+            over = True
+            buf = buf[-TAIL_BYTES:]
+    if over:
+        raise AnswerTooLargeError(
+            FAIL_ANSWER_TOO_LARGE,
+            f"the answer is {size:,} bytes, over SPECFLEET_MAX_ANSWER_BYTES = {max_bytes:,}: billed, not kept",
+            status=resp.status_code, usage=_usage_in_tail(buf))
+    return buf if buf else b""
+
+
+def _usage_in_tail(tail: bytes | bytearray) -> Usage | None:
+    """The ``usage`` object of a JSON body's last bytes (None if they hold none)."""
+    text = bytes(tail).decode("utf-8", "replace")
+    at = text.rfind('"usage"')
+    if at < 0:
+        return None
+    start = text.find("{", at)
+    if start < 0:
+        return None
+    try:
+        raw, _ = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return None
+    return _usage(raw)
+
+
 def _locked(slots: Any) -> Any:
     """The standard library's queue guards its list with a mutex; gevent's (the queue urllib3 gets
     in a monkey-patched worker) has none and needs none: greenlets switch only where they wait."""
@@ -194,19 +262,37 @@ class OpenRouterClient:
         )
 
     def complete(self, request: Request) -> Answer:
+        """One attempt, bounded as a whole by ``request.timeout_s``: connect, headers and the full
+        body, however slowly its bytes come (a per-read socket timeout alone never trips on an
+        upstream sending a byte a second). In a gevent worker the deadline is a ``gevent.Timeout``,
+        which interrupts whatever socket wait the attempt is in; a connection it cuts is closed,
+        never put back half-read (urllib3 closes a connection whose request or read did not end
+        cleanly). Outside gevent the body's chunk loop checks the same deadline."""
         timeout_s = request.timeout_s
+        body = _dumps(self._body(request))
+        deadline = gevent.Timeout(timeout_s)
+        deadline.start()
         try:
-            resp = self._post(_dumps(self._body(request)), timeout=(10.0, timeout_s))
+            status, headers, raw = self._post(body, timeout_s=timeout_s, max_bytes=request.max_answer_bytes,
+                                              until=time.monotonic() + timeout_s)
+        except gevent.Timeout as exc:
+            if exc is not deadline:
+                raise
+            raise UpstreamTimeoutError("timeout", f"no complete answer within {timeout_s:g} s") from None
         except requests.Timeout:
-            raise RetryableUpstreamError("timeout", f"no answer within {timeout_s:g} s") from None
+            raise UpstreamTimeoutError("timeout", f"no complete answer within {timeout_s:g} s") from None
         except requests.ConnectionError as exc:
             raise RetryableUpstreamError("connection", type(exc).__name__) from None
         except requests.RequestException as exc:
             raise RetryableUpstreamError("transport", type(exc).__name__) from None
-        return self._parse(resp, request.model)
+        finally:
+            deadline.close()
+        return self._parse(status, headers, raw, request.model)
 
-    def _post(self, body: bytes, *, timeout: tuple[float, float]) -> requests.Response:
-        """One POST through the session's adapter, from a request the session prepared once.
+    def _post(self, body: bytes, *, timeout_s: float, max_bytes: int | None,
+              until: float) -> tuple[int, Any, bytes | bytearray]:
+        """One POST through the session's adapter, from a request the session prepared once; the
+        status, headers and body.
 
         ``Session.post`` would merge the session's settings, cookies and hooks again on every call
         (9% of a busy worker) for a URL and headers that never change, and would follow redirects,
@@ -214,10 +300,15 @@ class OpenRouterClient:
         prepared = self._template().copy()
         prepared.body = body
         prepared.headers["Content-Length"] = str(len(body))
-        resp = self._adapter.send(prepared, stream=False, timeout=timeout, verify=self._verify,
-                                  proxies=self._session.proxies)
-        _ = resp.content  # read it all now, as Session.send does: the connection goes back to the pool
-        return resp
+        resp = self._adapter.send(prepared, stream=True, timeout=(min(CONNECT_TIMEOUT_S, timeout_s), timeout_s),
+                                  verify=self._verify, proxies=self._session.proxies)
+        try:
+            raw = _read_body(resp, max_bytes=max_bytes, until=until, timeout_s=timeout_s)
+        except BaseException:
+            resp.close()  # a body not read to its end: the connection is closed, its slot freed
+            raise
+        # Read to its end: urllib3 has put the connection back in the pool for the next request.
+        return resp.status_code, resp.headers, raw
 
     def _template(self) -> requests.PreparedRequest:
         if self._prepared is None:  # first use: a subclass may have changed the headers meanwhile
@@ -269,16 +360,12 @@ class OpenRouterClient:
     def _body(self, request: Request) -> dict[str, Any]:
         return request_body(request)
 
-    def _parse(self, resp: requests.Response, model: str) -> Answer:
-        status = resp.status_code
-        retry_after_s = parse_retry_after_s(resp.headers.get("Retry-After"))
-        try:
-            body = resp.json()
-        except ValueError:
-            body = None
+    def _parse(self, status: int, headers: Any, raw: bytes | bytearray, model: str) -> Answer:
+        retry_after_s = parse_retry_after_s(headers.get("Retry-After"))
+        body = _loads(raw)
         if status != 200:
             _, message = _error_of(body)
-            message = message or resp.text[:200]
+            message = message or bytes(raw[:200]).decode("utf-8", "replace")
             reason = f"http_{status}"
             if status in _RETRYABLE_STATUSES or (status == 402 and retry_after_s is not None):
                 raise RetryableUpstreamError(reason, message, status=status, retry_after_s=retry_after_s)
@@ -320,7 +407,7 @@ class OpenRouterClient:
             "usage": _usage(body.get("usage")),
             "provider": str(body.get("provider") or ""),
             "model": str(body.get("model") or ""),
-            "generation_id": str(body.get("id") or resp.headers.get("X-Generation-Id") or ""),
+            "generation_id": str(body.get("id") or headers.get("X-Generation-Id") or ""),
         }
         return answer_from_message(message_obj, finish, **{**meta, **self._extra_fields(body, choice, model)})
 

@@ -2,7 +2,8 @@
 
 The decision is made here, on the error's class (``common.errors``), never on an HTTP status in
 the caller: ``RetryableUpstreamError`` retries with jittered exponential backoff until the attempts
-run out; ``FatalUpstreamError`` fails the prompt; ``AccountRefusedError`` halts the fleet at once
+run out (``UpstreamTimeoutError``, an attempt past its ``timeout_s``, is one); ``FatalUpstreamError``
+fails the prompt (``AnswerTooLargeError`` as ``answer_too_large``); ``AccountRefusedError`` halts the fleet at once
 (every prompt would fail alike); ``MisconfiguredError`` halts the fleet once it has been met on
 ``misconfig_prompts`` distinct prompts with no answer in between (``DatasetStats`` keeps that
 streak), and until then is retried, since one such answer may be a prompt's own.
@@ -15,8 +16,20 @@ from dataclasses import dataclass
 from typing import Literal
 
 from common.config import RetryConfig
-from common.contract import FAIL_MISCONFIGURED, FAIL_RETRIES_EXHAUSTED, FAIL_UPSTREAM_FATAL, HALT_MISCONFIGURED
-from common.errors import AccountRefusedError, MisconfiguredError, RetryableUpstreamError, UpstreamError
+from common.contract import (
+    FAIL_ANSWER_TOO_LARGE,
+    FAIL_MISCONFIGURED,
+    FAIL_RETRIES_EXHAUSTED,
+    FAIL_UPSTREAM_FATAL,
+    HALT_MISCONFIGURED,
+)
+from common.errors import (
+    AccountRefusedError,
+    AnswerTooLargeError,
+    MisconfiguredError,
+    RetryableUpstreamError,
+    UpstreamError,
+)
 
 #: Attempts per prompt, the first included (``[retry] max_attempts`` overrides).
 DEFAULT_MAX_ATTEMPTS = RetryConfig.model_fields["max_attempts"].default
@@ -82,6 +95,8 @@ class RetryPolicy:
                 return Decision("halt", HALT_MISCONFIGURED)
             if attempt >= self.max_attempts:
                 return Decision("fail", FAIL_MISCONFIGURED)
+        elif isinstance(error, AnswerTooLargeError):
+            return Decision("fail", FAIL_ANSWER_TOO_LARGE)
         elif not isinstance(error, RetryableUpstreamError):
             return Decision("fail", FAIL_UPSTREAM_FATAL)
         if attempt >= self.max_attempts:

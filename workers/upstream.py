@@ -32,11 +32,13 @@ class Request:
     max_tokens: int
     #: The run's ``[request]`` keys (temperature, reasoning, provider routing …), passed through.
     params: dict[str, Any]
-    #: Read timeout of this one attempt.
+    #: Wall-clock limit of this one attempt: connect, headers and the whole body.
     timeout_s: float
     #: The prompt rendered with the target's template, as the prepare step counted it; an engine
     #: that takes token ids can send these instead of ``messages``. HTTP chat APIs ignore them.
     prompt_ids: list[int] | None = None
+    #: The most bytes the answer's body may take (``SPECFLEET_MAX_ANSWER_BYTES``); None: no limit.
+    max_answer_bytes: int | None = None
 
 
 @dataclass(frozen=True)
