@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # One image for every specfleet process; the command picks the role:
 #   specfleet worker (default) · specfleet run CONFIG · celery -A workers flower · specfleet exporter
 #   · specfleet simulate.  No secret is ever baked in: REDIS_URL, OPENROUTER_API_KEY come at run time.
@@ -16,11 +15,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TOKENIZERS_PARALLELISM=false \
     MPLBACKEND=Agg
 
-# Dependencies first, from pyproject.toml alone: this layer is reused until the dependencies change.
-COPY pyproject.toml /src/pyproject.toml
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies']))" \
-        > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
+# Dependencies first, exactly as locked (uv.lock: every transitive dependency, with its hashes), the
+# same versions `make install` and CI test: this layer is reused until the lock changes. uv only
+# writes the runtime part of the lock out (offline); pip installs it and checks every hash.
+ARG UV_VERSION=0.13.8
+COPY pyproject.toml uv.lock /src/
+RUN pip install "uv==${UV_VERSION}" \
+    && uv export --project /src --frozen --no-dev --no-emit-project --format requirements-txt -o /tmp/requirements.txt \
+    && pip uninstall -y uv \
+    && pip install --no-deps --require-hashes -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
 COPY common /src/common
@@ -28,6 +31,8 @@ COPY workers /src/workers
 COPY producer /src/producer
 COPY simulator /src/simulator
 RUN pip install --no-deps /src && rm -rf /src
+# The producer's entrypoint in compose.yaml: creates /out for the user who owns the run's files.
+COPY ops/docker/as-owner /usr/local/bin/specfleet-as-owner
 
 # A fixed uid so bind mounts can be chowned to it (or the producer run as the host user: compose
 # sets `user:` from SPECFLEET_UID). /data: Flower's state; /out: the producer's rows.

@@ -3,16 +3,28 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The lock's installer, pinned like everything else (pyproject.toml's dev extra says the same).
+UV_VERSION := 0.13.8
+UV     := $(BIN)/uv
+# uv uses the interpreter of the venv it is given, never one it would download.
+export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: install demo test lint check bench soak mutants clean
+.PHONY: install lock test-latest compose-smoke demo test lint check bench soak mutants clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(UV):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q "uv==$(UV_VERSION)"
+
+# Exactly the versions in uv.lock, every transitive dependency with its hashes; --locked refuses a
+# lock that no longer matches pyproject.toml (run `make lock`).
+$(STAMP): pyproject.toml uv.lock | $(UV)
+	$(UV) sync --locked --extra dev
 	touch $(STAMP)
+
+lock: | $(UV)  ## refresh uv.lock to the newest releases pyproject.toml's ranges allow (then make test, commit both)
+	$(UV) lock --upgrade
 
 demo: install  ## the whole fleet on embedded defaults (private Valkey, simulator, 2 workers)
 	$(BIN)/specfleet demo
@@ -30,6 +42,22 @@ $(QWEN3)/tokenizer_config.json:
 TEST_JOBS ?= 4
 test: install $(QWEN3)/tokenizer_config.json  ## every test, on a private Valkey and real celery worker processes
 	SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal
+
+# The tests on the newest releases the ranges allow, not the lock's: an upstream release that breaks
+# us shows here before a user meets it. A venv of its own; prints what differs from the lock first.
+LATEST := .venv-latest
+test-latest: install $(QWEN3)/tokenizer_config.json  ## every test on the newest releases pyproject.toml allows (.venv-latest)
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(UV) pip install -q --python $(LATEST)/bin/python --upgrade --resolution highest -e ".[dev]"
+	$(UV) pip freeze -q --python $(BIN)/python --exclude-editable > $(LATEST)/lock.txt
+	$(UV) pip freeze -q --python $(LATEST)/bin/python --exclude-editable > $(LATEST)/latest.txt
+	@echo "newer than uv.lock (- lock, + latest):"; diff $(LATEST)/lock.txt $(LATEST)/latest.txt | grep '^[<>]' | sed 's/^</ -/; s/^>/ +/' || echo " nothing: the lock is the newest"
+	SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(LATEST)/bin/python -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
+
+# A real Docker engine (started, and installed with apt, if none runs), the README's compose quick
+# start verbatim, then its checks; minutes and root, so not part of `make test`.
+compose-smoke: install  ## the README's compose quick start on a real Docker engine, checked (ops/compose-smoke)
+	$(BIN)/python ops/compose-smoke
 
 lint: install  ## ruff and mypy on the packages
 	$(BIN)/ruff check common workers producer simulator tests bench demo ops
@@ -55,4 +83,4 @@ mutants: install  ## one-line mutants of the promises (tests/mutants.toml), each
 	$(BIN)/python -m tests.mutants $(MUTANTS_ARGS)
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) demo-out .pytest_cache .mypy_cache .ruff_cache

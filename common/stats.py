@@ -32,6 +32,9 @@ BILLED_REASONING = "billed_reasoning_tokens"
 COST_MICRO_USD = "cost_micro_usd"
 DUPLICATES = "duplicates"
 SKIPPED = "skipped"
+#: Good prompts in the dataset's file, set by the producer once it has read the file (not a
+#: counter): the exporter's skipped = prompts without an outcome, as summary.json counts them.
+PROMPTS = "prompts"
 #: Kept rows whose ids came from an engine; of those, rows the text rebuild got wrong, and rows
 #: whose prompt ids differ from the template-rendered prompt (``workers/engine_ids.py``).
 ENGINE_ROWS = "engine_rows"
@@ -98,6 +101,10 @@ class DatasetStats:
 
     def record_skipped(self) -> None:
         self._client.hincrby(self.key, SKIPPED, 1)
+
+    def record_prompts(self, prompts: int) -> None:
+        """The producer, once it has read the dataset's file (every run: the same file, the same count)."""
+        self._client.hset(self.key, PROMPTS, prompts)
 
     def record_engine_check(self, match: bool, prompt_match: bool) -> None:
         """One kept row with the engine's ids, and whether the text rebuild and the rendered prompt

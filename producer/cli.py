@@ -26,9 +26,10 @@ from common import keys, logs
 from common.config import load_config
 from common.datasets import ReadStats, read_prompts
 from common.errors import DatasetRowError, SpecfleetError
+from common.fd_limit import raise_open_files
 from common.redis_client import connect
 from common.settings import Settings
-from common.worker_cmd import worker_argv
+from common.worker_cmd import pool_size, worker_argv
 from producer.execute import SCRAPE_REDIS_WINDOW_S, execute
 
 log = logging.getLogger("specfleet")
@@ -69,6 +70,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings.require_redis_url()
     argv = worker_argv(settings.worker_concurrency, extra=args.celery_args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Kept across the exec: celery's sockets get the room the host allows (common/fd_limit.py).
+    raise_open_files(pool_size(settings.worker_concurrency))
     os.execvp(argv[0], argv)
 
 

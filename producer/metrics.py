@@ -8,10 +8,16 @@ Served by ``specfleet exporter`` (its own process, the compose/k8s way) or insid
 
 Counters are the totals kept in Redis; they restart at zero when a new run resets a dataset, which
 Prometheus' ``rate()`` handles as a counter reset.
+
+``specfleet_skipped_total`` counts what summary.json calls skipped: once a dataset's admission has
+ended, its prompts without an outcome and not in flight (those purged from the queue at the budget
+stop, those never queued, those workers held); before that, the tasks workers skipped. When the
+dataset is finalized the two agree exactly.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Iterable, Iterator
@@ -22,7 +28,9 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from common import keys
 from common.errors import ConfigError
+from common.stats import PROMPTS
 from common.throttle import FleetThrottle, ThrottleSnapshot
 from producer.progress import TokenRate
 from producer.state import DatasetState, current_run, read_state
@@ -62,7 +70,6 @@ _COUNTERS: list[tuple[str, str, str]] = [
     ("specfleet_cost_usd", "Cost reported by OpenRouter, USD", "cost_usd"),
     ("specfleet_spent_usd", "Dollars the budget counted: every billed answer, kept or not", "spent_usd"),
     ("specfleet_duplicates", "Second deliveries of an already kept prompt, row dropped", "duplicates"),
-    ("specfleet_skipped", "Tasks skipped by workers", "skipped_by_workers"),
 ]
 
 
@@ -85,6 +92,8 @@ class SpecfleetCollector(Collector):
         self._client = client
         self._throttle = FleetThrottle(client)
         self._rates: dict[str, TokenRate] = {}
+        #: regenerate = "all" datasets of the run config last read (config_id, names).
+        self._conversations: tuple[str, set[str]] = ("", set())
         # The HTTP server is threaded: two scrapes at once must not interleave rate windows.
         self._lock = threading.Lock()
 
@@ -97,6 +106,7 @@ class SpecfleetCollector(Collector):
         try:
             run = current_run(self._client)
             states = [read_state(self._client, ds) for ds in run_datasets(run)]
+            outcomes = self._outcomes(run, states)
             throttle = self._throttle.snapshot()
         except redis.RedisError as exc:
             # A scrape error would blank every series; say "Redis down" as a metric instead.
@@ -107,11 +117,35 @@ class SpecfleetCollector(Collector):
         up.add_metric([], 1)
         yield up
         with self._lock:
-            yield from self._families(run or {}, states)
+            yield from self._families(run or {}, states, outcomes)
         if run:
             yield from _throttle_families(throttle)
 
-    def _families(self, run: dict[str, Any], states: list[DatasetState]) -> Iterator[Metric]:
+    def _outcomes(self, run: dict[str, Any] | None, states: list[DatasetState]) -> dict[str, tuple[int, int]]:
+        """(prompts in the file, prompts with a kept outcome) of each dataset whose producer has
+        read its file: kept rows, or ended conversations for ``regenerate = "all"`` (a row per turn)."""
+        conversations = self._conversation_datasets(run)
+        pipe = self._client.pipeline(transaction=False)
+        for st in states:
+            pipe.hget(keys.DatasetKeys(st.dataset).stats, PROMPTS)
+            pipe.scard(keys.DatasetKeys(st.dataset).ended)
+        replies = pipe.execute()
+        out = {}
+        for st, prompts, ended in zip(states, replies[::2], replies[1::2], strict=True):
+            if prompts is not None:
+                out[st.dataset] = (int(prompts), int(ended) if st.dataset in conversations else st.rows)
+        return out
+
+    def _conversation_datasets(self, run: dict[str, Any] | None) -> set[str]:
+        config_id = str((run or {}).get("config_id") or "")
+        if config_id and config_id != self._conversations[0]:
+            raw = self._client.get(keys.config(config_id))
+            regenerate = json.loads(raw).get("regenerate") or {} if raw else {}
+            self._conversations = (config_id, {n for n, mode in regenerate.items() if mode == "all"})
+        return self._conversations[1]
+
+    def _families(self, run: dict[str, Any], states: list[DatasetState],
+                  outcomes: dict[str, tuple[int, int]]) -> Iterator[Metric]:
         info = GaugeMetricFamily("specfleet_run_info", "The run in progress (value 1)", labels=["config_id"])
         if run:
             info.add_metric([str(run.get("config_id", ""))], 1)
@@ -141,7 +175,19 @@ class SpecfleetCollector(Collector):
             "specfleet_upstream_errors", "Upstream errors by class (http_429, timeout…)", labels=_DS_REASON
         )
         failures = CounterMetricFamily("specfleet_failures", "Prompts given up on, by reason", labels=_DS_REASON)
+        prompts = GaugeMetricFamily(
+            "specfleet_prompts", "Good prompts in the dataset's file (absent until the producer has read it)",
+            labels=_DS,
+        )
+        skipped = CounterMetricFamily(
+            "specfleet_skipped",
+            "Prompts without an outcome once admission ended (summary.json's skipped); before, tasks workers skipped",
+            labels=_DS,
+        )
         for st in states:
+            if st.dataset in outcomes:
+                prompts.add_metric([st.dataset], outcomes[st.dataset][0])
+            skipped.add_metric([st.dataset], _skipped(st, outcomes.get(st.dataset)))
             left.add_metric([st.dataset], max(0, st.limit - st.kept_tokens))
             active.add_metric([st.dataset], 1 if st.state == "active" else 0)
             tokens_s = self._rates.setdefault(st.dataset, TokenRate()).observe(st.t_s, st.kept_tokens)
@@ -151,7 +197,16 @@ class SpecfleetCollector(Collector):
                 errors.add_metric([st.dataset, reason], n)
             for reason, n in sorted(st.failures.items()):
                 failures.add_metric([st.dataset, reason], n)
-        yield from (left, active, rate, errors, failures)
+        yield from (left, active, rate, errors, failures, prompts, skipped)
+
+
+def _skipped(st: DatasetState, outcomes: tuple[int, int] | None) -> int:
+    """summary.json's skipped (prompts - kept - failed) once admission has ended, less what is still
+    in flight (it may land); until then, or before the producer has read the file, what workers skipped."""
+    if outcomes is None or st.state in ("", "active"):
+        return st.skipped_by_workers
+    prompts, kept = outcomes
+    return max(0, prompts - kept - st.failed - st.in_flight)
 
 
 def _throttle_families(t: ThrottleSnapshot) -> Iterator[Metric]:

@@ -1,19 +1,26 @@
 """Live progress of a run: one rich progress bar per dataset on a terminal, plain lines otherwise.
 
 The caller owns the polling (``read_state`` every second or so) and hands the states to
-``ProgressView.update``; this module only keeps rates and renders. Plain mode exists for
-``docker compose logs`` and CI, where a redrawn bar would be hundreds of garbage lines: it writes
-at most one batch of lines every ``PLAIN_INTERVAL_S``, plus one whenever a dataset changes state.
+``ProgressView.update``, and each finished dataset's final state to ``ProgressView.finish``, so
+the last frame shows every dataset as it ended; this module only keeps rates and renders. Plain
+mode exists for ``docker compose logs`` and CI, where a redrawn bar would be hundreds of garbage
+lines: it writes at most one batch of lines every ``PLAIN_INTERVAL_S``, plus one whenever a
+dataset changes state.
+
+While bars are live, log records go through rich's own handler on the bars' console (and Python
+warnings through logging), so a line is printed above the bars instead of through them.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections import deque
 from typing import IO, Any
 
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
 from common.throttle import ThrottleSnapshot
@@ -21,6 +28,8 @@ from producer.state import DatasetState
 
 #: Plain mode: seconds between two progress batches (state changes are printed at once).
 PLAIN_INTERVAL_S = 10.0
+#: How a finished dataset's bar says why it ended (``Summary.end_reason``).
+END_WORDS = {"budget": "budget", "budget_usd": "$ budget", "run_budget": "run $ budget", "complete": "all prompts"}
 #: Rates are measured over this much history: long enough to smooth the lumpy arrival of rows
 #: (one row can carry 30k tokens), short enough to show a stall within a minute.
 RATE_WINDOW_S = 30.0
@@ -113,6 +122,9 @@ class ProgressView:
         self._printed_state: dict[str, str] = {}
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
+        #: Datasets finished (``finish``): their final state stays, later updates are ignored.
+        self._finished: dict[str, str] = {}
+        self._logging: _LiveLogging | None = None
         if self.live:
             # force_terminal: live=True on a non-tty stream is a deliberate request for bars.
             console = Console(file=self._stream, force_terminal=True)
@@ -131,6 +143,7 @@ class ProgressView:
             for ds in self._datasets:
                 self._add_task(ds)
             self._progress.start()
+            self._logging = _LiveLogging(console)
 
     # --- public ----------------------------------------------------------------------------
 
@@ -139,6 +152,7 @@ class ProgressView:
         more row: requests in flight against the current limit, and the share answered 429."""
         if self._closed:
             return
+        states = [st for st in states if st.dataset not in self._finished]
         rates: dict[str, float | None] = {}
         for st in states:
             rates[st.dataset] = self._rates.setdefault(st.dataset, TokenRate()).observe(st.t_s, st.kept_tokens)
@@ -150,6 +164,17 @@ class ProgressView:
                 self._render_throttle(throttle)
         else:
             self._plain(states, rates, throttle)
+
+    def finish(self, state: DatasetState, end_reason: str = "") -> None:
+        """The dataset's final state (read once it was finalized): its bar (or a last plain line)
+        shows these figures and "done" from now on, whatever a later, older read says."""
+        if self._closed:
+            return
+        self._finished[state.dataset] = end_reason
+        self._latest[state.dataset] = state
+        rate = self._rates.setdefault(state.dataset, TokenRate()).rate()
+        if self._progress is not None:
+            self._render_bar(state, rate)
 
     def notice(self, text: str) -> None:
         """A one-off line between the bars (or the plain lines), e.g. "Redis unreachable, retrying"."""
@@ -165,8 +190,12 @@ class ProgressView:
             return
         self._closed = True
         if self._progress is not None:
-            self._progress.refresh()
-            self._progress.stop()
+            try:
+                self._progress.refresh()
+                self._progress.stop()
+            finally:
+                if self._logging is not None:
+                    self._logging.stop()
             return
         # A final line for every dataset whose last printed line is out of date.
         lines = [
@@ -200,6 +229,12 @@ class ProgressView:
             task = self._add_task(st.dataset)
         if not st.state:
             return  # not opened yet: keep "waiting"
+        done = st.dataset in self._finished
+        if done:
+            eta, state = "", _done_word(self._finished[st.dataset])
+        else:
+            eta = "ETA " + (fmt_duration(eta_s(st, rate)) if st.state == "active" else "done")
+            state = _state_word(st)
         self._progress.update(
             task,
             total=max(st.limit, 1),
@@ -209,8 +244,8 @@ class ProgressView:
             rows=f"rows {st.rows:,}",
             failed=f"failed {st.failed:,}",
             rate=f"{fmt_tokens(rate)} tok/s" if rate is not None else "- tok/s",
-            eta="ETA " + (fmt_duration(eta_s(st, rate)) if st.state == "active" else "done"),
-            state=_state_word(st),
+            eta=eta,
+            state=state,
         )
 
     def _render_throttle(self, t: ThrottleSnapshot) -> None:
@@ -249,8 +284,9 @@ class ProgressView:
         self._printed_state[st.dataset] = st.state
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.t_s))
         rate_text = f"{rate:.1f}" if rate is not None else "-"
+        word = "done" if st.dataset in self._finished else _state_word(st)
         return (
-            f"{stamp} progress dataset={st.dataset} state={_state_word(st)} "
+            f"{stamp} progress dataset={st.dataset} state={word} "
             f"kept_tokens={st.kept_tokens}/{st.limit} ({100 * st.budget_fraction:.1f}%) "
             f"spent_usd={st.spent_usd:.4f}/{st.budget_usd or '-'} run_spent_usd={st.run_spent_usd:.4f}/"
             f"{st.run_budget_usd or '-'} rows={st.rows} failed={st.failed} in_flight={st.in_flight} queued={st.queued} "
@@ -286,6 +322,41 @@ def throttle_line(t: ThrottleSnapshot, t_s: float) -> str:
 
 def _state_word(st: DatasetState) -> str:
     return st.state or "waiting"
+
+
+def _done_word(end_reason: str) -> str:
+    why = END_WORDS.get(end_reason, end_reason)
+    return f"done: {why}" if why else "done"
+
+
+class _LiveLogging:
+    """The root logger's handlers, swapped for rich's handler on the live console until ``stop``.
+
+    rich redirects ``sys.stderr`` while live, but a line written in pieces, or by a handler that
+    holds the real stderr, lands between the bars. ``RichHandler`` prints through the console, which
+    draws the line above the bars and the bars again below it. The filters of the handlers it
+    stands in for move with it: the API key is scrubbed as before (common/logs.py)."""
+
+    def __init__(self, console: Console) -> None:
+        self._root = logging.getLogger()
+        self._saved = self._root.handlers[:]
+        handler = RichHandler(console=console, show_path=False, markup=False, rich_tracebacks=False,
+                              log_time_format="%Y-%m-%d %H:%M:%S")
+        handler.setFormatter(logging.Formatter("%(processName)s %(name)s: %(message)s"))
+        for old in self._saved:
+            for flt in old.filters:
+                handler.addFilter(flt)
+        self.handler = handler
+        self._root.handlers[:] = [handler]
+        # warnings.warn writes to stderr by itself; through logging it reaches the handler above.
+        self._warnings_were_captured = getattr(logging, "_warnings_showwarning", None) is not None
+        logging.captureWarnings(True)
+
+    def stop(self) -> None:
+        if self._root.handlers == [self.handler]:
+            self._root.handlers[:] = self._saved
+        if not self._warnings_were_captured:
+            logging.captureWarnings(False)
 
 
 def _signature(st: DatasetState) -> tuple[str, int, int, int]:

@@ -30,6 +30,7 @@ from common.contract import CONTRACT_VERSION, FOLLOW_COMMAND, TaskPayload, conve
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import ConfigError, DatasetRowError, ProducerFenced, RedisRefusesWrites, SpecfleetError
 from common.redis_client import CLOCK, RedisOutage
+from common.stats import DatasetStats
 from common.throttle import FleetThrottle
 from producer.collector import Collector
 from producer.enqueue import push
@@ -343,6 +344,7 @@ class Runner:
         for _ in prompts:  # count the rest of the file for the report, nothing more
             pass
         run.prompts, run.malformed = stats.prompts, stats.malformed + stats.duplicates
+        DatasetStats(self.client, ds.name).record_prompts(run.prompts)  # the exporter's skipped needs it
         run.enqueue_done = True
         self._write_malformed(run, errors)
         log.info("%s: %s prompts queued in %.2f s (%s malformed rows)", ds.name, f"{run.enqueued:,}",
@@ -550,6 +552,8 @@ class Runner:
         final = run.final_state = read_state(self.client, run.name)
         self.client.rpush(run.budget.keys.timeline, json.dumps(final.to_json()))  # the plot ends where it did
         self._finalize(run, final)
+        if self.progress is not None and hasattr(self.progress, "finish"):
+            self.progress.finish(final, run.end_reason)  # the last frame shows how it ended
 
     def _top_up(self, run: DatasetRun, st: DatasetState) -> bool:
         """Give the room a budget stop left another round, while the next dataset runs.

@@ -338,9 +338,24 @@ def test_image_is_slim_non_root_with_a_healthcheck() -> None:
     assert image_healthcheck()[0] == "python"
     assert json.loads(image_last("CMD")) == ["specfleet", "worker"]  # exec form
     run_lines = " ".join(a for i, a in dockerfile() if i == "RUN")
-    assert "pyproject.toml" in run_lines and "pip install -r" in run_lines
-    # Producer runs as the host user that owns the output bind mount, 10001 by default as in the image.
-    assert rendered()["services"]["producer"]["user"] == "10001:10001" == image_last("USER")
+    copies = [a.split() for i, a in dockerfile() if i == "COPY"]
+    # Dependencies exactly as locked: uv.lock's runtime part, every hash checked, nothing resolved anew.
+    assert ["pyproject.toml", "uv.lock", "/src/"] in copies
+    assert "uv export --project /src --frozen --no-dev" in run_lines
+    assert "pip install --no-deps --require-hashes -r /tmp/requirements.txt" in run_lines
+    assert re.search(r'pip install "uv==\$\{UV_VERSION\}"', run_lines)
+    uv_pin = re.search(r"UV_VERSION=(\S+)", " ".join(a for i, a in dockerfile() if i == "ARG"))
+    assert uv_pin and f'"uv=={uv_pin[1]}"' in (REPO / "pyproject.toml").read_text()
+    # BuildKit's default frontend: a `# syntax=` line would pull one from Docker Hub first.
+    assert not DOCKERFILE.read_text().startswith("# syntax")
+    # The producer starts as root only to hand /out to the user owning the config (ops/docker/as-owner),
+    # then runs as that user; every other service runs as the image's non-root user.
+    producer = rendered()["services"]["producer"]
+    assert producer["user"] == "0:0"
+    assert producer["entrypoint"] == ["specfleet-as-owner", "--uid", "", "--gid", "", "--owner-of", "/config",
+                                      "--own", "/out", "--"]
+    assert ["ops/docker/as-owner", "/usr/local/bin/specfleet-as-owner"] in copies
+    assert all("user" not in s for n, s in rendered("sim")["services"].items() if n not in ("producer", "redis"))
 
 
 def test_ports_are_published_on_loopback_by_default() -> None:
@@ -358,7 +373,8 @@ COVERAGE = {
     "depends_on": "run: start order follows it (checked below)",
     "volumes": "run: named volumes / binds are per-run dirs; read_only checked below",
     "ports": "run: container ports map to free host ports; loopback checked in test_ports_…",
-    "user": "static: value checked in test_image_… (processes here run as the test's user)",
+    "user": "static: value checked in test_image_… (processes here run as the test's user; the producer's "
+            "drop to the config's owner: test_as_owner_…)",
     "profiles": "test_simulator_only_under_profile_sim",
     "stop_grace_period": "test_stop_grace_periods_…; the SIGTERM behaviour itself: test_operations.py",
     "image": "static: the specfleet services share one tag; redis image pinned (below)",
@@ -366,9 +382,8 @@ COVERAGE = {
     "init": "static: needs an engine (tini as PID 1); exec form checked instead",
     "logging": "static: needs an engine; rotation bounded (below)",
     "restart": "static: needs an engine; the producer must not restart (below)",
-    "ulimits": "static: the hard limit here is below 65536; value checked (below)",
     "networks": "run: one network = service names resolved to 127.0.0.1",
-    "entrypoint": "rendered as null: the image's own",
+    "entrypoint": "run: the producer's as-owner runs before its command; the others render null (the image's)",
 }
 
 
@@ -388,9 +403,18 @@ def test_every_compose_key_is_exercised_or_checked() -> None:
     assert services["producer"]["restart"] == "no"
     assert {services[n]["restart"] for n in services if n != "producer"} == {"unless-stopped"}
     assert services["producer"]["healthcheck"] == {"disable": True}
-    assert services["worker"]["ulimits"]["nofile"] == {"soft": 65536, "hard": 65536}
+    # No `ulimits`: a hard limit above the host's keeps the container from starting at all; the worker
+    # raises its own soft limit instead (tests/test_worker_cmd.py).
+    assert not any("ulimits" in s for s in services.values())
     ro = {(n, v["target"]) for n, s in services.items() for v in s.get("volumes", []) if v.get("read_only")}
-    assert ro == {("worker", "/config"), ("producer", "/config"), ("producer", "/data")}
+    assert ro == {("worker", "/config"), ("producer", "/config"), ("producer", "/data"), ("simulator", "/config")}
+    # Every specfleet process talks to the same upstream: the producer's plan prices the run there.
+    assert {services[n]["environment"]["OPENROUTER_BASE_URL"] for n in specfleet - {"simulator"}} == {
+        "http://simulator:8765"}
+    # The simulator counts with the run's tokenizer (the one the config names, under /config).
+    sim_cmd = services["simulator"]["command"]
+    assert sim_cmd[sim_cmd.index("--tokenizer") + 1] == "/config/tokenizer"
+    assert load_config(REPO / "demo" / "fleet.toml").model.tokenizer == str(REPO / "demo" / "tokenizer")
     for name, svc in services.items():
         for dep, spec in svc.get("depends_on", {}).items():
             # Every dependency is waited for by health, so its healthcheck must exist.
@@ -463,6 +487,17 @@ class LocalCompose:
             value = (path[1] or "") + str(self.host_path(name, path[2]))
         return value
 
+    def entrypoint(self, name: str) -> list[str]:
+        """The service's own entrypoint, if any: a script the Dockerfile copies onto the image's PATH
+        runs from this checkout, its arguments rewritten like a command's."""
+        entry = self.services[name].get("entrypoint") or []
+        if not entry:
+            return []
+        copied = {Path(args.split()[1]).name: REPO / args.split()[0] for instr, args in dockerfile()
+                  if instr == "COPY" and args.split()[-1].startswith("/usr/local/bin/")}
+        head = [sys.executable, str(copied[entry[0]])] if entry[0] in copied else [entry[0]]
+        return head + [self.rewrite(name, arg) for arg in entry[1:]]
+
     def command(self, name: str, argv: list[str]) -> list[str]:
         own = self.own_ports(name)
         out = []
@@ -510,7 +545,7 @@ class LocalCompose:
         waiting = set(self.services[name].get("depends_on", {})) - self.healthy
         assert not waiting, f"{name} started before {waiting} was healthy"
         self.prepare_dirs(name)
-        argv = self.command(name, self.services[name]["command"]) + list(extra)
+        argv = self.entrypoint(name) + self.command(name, self.services[name]["command"]) + list(extra)
         hostname = f"specfleet-{key}" if name == "worker" else None
         with (self.logs / f"{key}.log").open("ab") as log:
             proc = subprocess.Popen([*self.launcher(hostname), *argv], env=self.environment(name),
@@ -628,10 +663,10 @@ backoff_max_s = 1.0
 [output]
 shard_rows = 500
 
-# The compose simulator counts tokens with its own rule, not the target tokenizer, so max_tokens does
-# not bound the kept tokens here: the hard rule would discard its first wave. Test the projected one.
+# The hard rule (the default): the compose simulator counts with the run's tokenizer, so max_tokens
+# bounds every answer it bills and no paid answer is discarded as over_budget.
 [run]
-budget_mode = "projected"
+budget_mode = "hard"
 
 [[datasets]]
 name = "A_budget"
@@ -668,6 +703,8 @@ def test_every_compose_service_runs_from_its_rendered_command_line(local_compose
     env = {k: v for k, v in lc.environment("redis").items() if k != "REDISCLI_AUTH"}
     assert subprocess.run(lc.healthcheck("redis"), env=env, capture_output=True, check=False).returncode != 0
 
+    # The run's files first: the simulator counts with the tokenizer in the config folder.
+    _populate_config(lc)
     lc.start("simulator")
     lc.wait_healthy("simulator")
     # Every answer takes ~3 s, longer than SPECFLEET_QUEUE_POLL_S (2 s): whichever replica follows B
@@ -681,7 +718,6 @@ def test_every_compose_service_runs_from_its_rendered_command_line(local_compose
     assert pool_size(concurrency) < B_PROMPTS
 
     # Two replicas of one service: distinct hostnames (and so node names), like --scale worker=2.
-    _populate_config(lc)
     for replica in (1, 2):
         lc.start("worker", replica=replica)
     lc.start("flower", extra=("--address=127.0.0.1",))
@@ -713,9 +749,18 @@ def test_every_compose_service_runs_from_its_rendered_command_line(local_compose
     # --- rows, written by the producer into the /out bind mount ------------------------------------
     out = lc.host_path("producer", "/out")
     a, b = read_summary(out, "A_budget"), read_summary(out, "B_complete")
-    # The budget stops A early (requests admitted before the stop still land, so kept may pass it).
+    # The budget stops A early, never over it (hard rule).
     assert a["end_reason"] == "budget" and 0 < a["results"] < 80 and a["skipped"] == 80 - a["results"], a
+    assert a["tokens"] <= a["budget_tokens"], a
     assert b["end_reason"] == "complete" and b["results"] == B_PROMPTS and b["failed"] == 0, b
+    for summary in (a, b):
+        # Every paid answer kept: the simulator billed with the tokenizer the budget counts with.
+        assert summary["billed_completion_tokens"] == summary["tokens"], summary
+        assert summary["requests"] == summary["results"] and "over_budget" not in summary["failures"], summary
+        assert not summary["errors"], summary
+    # The producer's plan priced the run at the simulator (OPENROUTER_BASE_URL reaches every process).
+    models_url = lc.rewrite("producer", "http://simulator:8765") + "/api/v1/models"
+    assert f"({models_url})" in lc.log("producer"), lc.log("producer")
     for ds, summary in (("A_budget", a), ("B_complete", b)):
         rows = read_rows(out, ds)
         assert len(rows) == len({r["id"] for r in rows}) == summary["results"]
@@ -762,6 +807,9 @@ def test_every_compose_service_runs_from_its_rendered_command_line(local_compose
         assert em[sample("specfleet_budget_tokens", dataset=ds)] == summary["budget_tokens"]
         assert em[sample("specfleet_billed_completion_tokens_total", dataset=ds)] == summary["billed_completion_tokens"]
         assert em[sample("specfleet_dataset_active", dataset=ds)] == 0
+        # Skipped as summary.json counts it: A's purged queue included.
+        assert em[sample("specfleet_skipped_total", dataset=ds)] == summary["skipped"], (ds, summary["skipped"])
+        assert em[sample("specfleet_prompts", dataset=ds)] == summary["prompts"]
     assert em[sample("specfleet_redis_up")] == 1
 
     # --- what the volumes keep after a stop ---------------------------------------------------------

@@ -197,3 +197,26 @@ def test_describe_does_not_touch_redis() -> None:
     # describe() must not call Redis: registration happens before Redis may be up.
     collector = SpecfleetCollector(_dead_client())
     assert list(collector.describe()) == []
+
+
+@pytest.mark.fleet
+def test_skipped_equals_summary_once_a_budget_stop_purged_the_queue(fleet, redis_client: redis.Redis) -> None:  # type: ignore[no-untyped-def]
+    """A budget stop purges the queued prompts; they have no outcome, and summary.json counts them as
+    skipped. The exporter says the same, and how many prompts the dataset has."""
+    from tests.fleet import read_summary
+
+    fleet.start_simulator("--latency-median-ms", "200")
+    fleet.start_worker("w1", concurrency=20)
+    fleet.wait_ready("w1")
+    config = fleet.one_dataset("S", 400, budget_tokens=15_000)
+    fleet.run_producer(config)
+    summary = read_summary(fleet.out, "S")
+    assert summary["end_reason"] == "budget" and summary["skipped"] > 0, summary
+    m = _parse(generate_latest(make_registry(redis_client)).decode())
+    workers_skipped = int(redis_client.hget(DatasetKeys("S").stats, "skipped") or 0)
+    # Most skipped prompts never reached a worker: they were purged from the queue at the stop.
+    assert workers_skipped < summary["skipped"]
+    assert m[("specfleet_skipped_total", _ds("S"))] == summary["skipped"]
+    assert m[("specfleet_prompts", _ds("S"))] == summary["prompts"] == 400
+    assert m[("specfleet_rows_total", _ds("S"))] + m[("specfleet_failed", _ds("S"))] + \
+        m[("specfleet_skipped_total", _ds("S"))] == summary["prompts"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -161,3 +162,127 @@ def test_the_fleet_throttle_shows_in_plain_lines_and_live_bars() -> None:
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
     final = text[text.rfind("upstream") :]
     assert "in flight 268/272" in final and "429s 1.0%" in final and "paused 0.8s" in final
+
+
+def test_live_logging_goes_through_richs_handler_above_the_bars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While bars are live, the root logger writes through rich's RichHandler on the bars' console
+    (which prints a line above the bars and redraws them below), with the secret scrubber kept;
+    warnings go through logging too. After close, the handlers are back as they were."""
+    import logging
+    import warnings
+
+    from rich.logging import RichHandler
+
+    from common import logs
+
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps a log line at the console's width
+    logs.configure("INFO")
+    before = logging.getLogger().handlers[:]
+    out = io.StringIO()
+    view = ProgressView(["short"], live=True, stream=out)
+    try:
+        (handler,) = logging.getLogger().handlers
+        assert isinstance(handler, RichHandler) and handler.console is view._progress.console  # type: ignore[union-attr]
+        assert any(isinstance(f, logs.RedactSecrets) for f in handler.filters)
+        view.update([_state(t=0, kept_tokens=10, rows=1)])
+        logging.getLogger("producer.run").warning("a line with sk-or-v1-%s in it", "0123456789abcdef")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("a library's warning", UserWarning, stacklevel=1)
+    finally:
+        view.close()
+    assert logging.getLogger().handlers == before
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    assert "a line with [REDACTED] in it" in text and "sk-or-v1-0123" not in text
+    assert "a library's warning" in text
+    # Each redraw after a printed line puts the bars below it: the bar follows the log line.
+    assert text.rfind("short") > text.find("a line with")
+
+
+def test_finish_shows_the_final_state_whatever_an_older_read_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    out = io.StringIO()
+    view = ProgressView(["short"], live=True, stream=out)
+    view.update([_state(t=0, kept_tokens=1_000, rows=10)])
+    view.finish(_state(t=2, kept_tokens=4_000, rows=40, state="stopped"), "complete")
+    view.update([_state(t=1, kept_tokens=2_000, rows=20)])  # a read from before the end: ignored
+    view.close()
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    final = text[text.rfind("short") :]
+    assert "rows 40" in final and "done: all prompts" in final and "ETA" not in final
+
+    out = io.StringIO()
+    view = ProgressView(["short"], live=False, stream=out)
+    view.update([_state(t=0, kept_tokens=1_000, rows=10)])
+    view.finish(_state(t=2, kept_tokens=4_000, rows=40, state="stopped"), "budget")
+    view.close()
+    assert "state=done" in _lines(out)[-1] and "rows=40" in _lines(out)[-1]
+
+
+def _run_under_a_terminal(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, str]:
+    """``cmd`` with a pseudo-terminal as stdin, stdout and stderr (rich draws live bars there);
+    returns its exit status and everything it drew."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 240, 0, 0))
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            assert time.monotonic() < deadline, b"".join(chunks).decode(errors="replace")[-4000:]
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the terminal's other end closed (the process exited)
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.fleet
+def test_the_live_display_of_specfleet_run_ends_on_the_final_state(fleet: Any) -> None:
+    """``specfleet run`` in a terminal: the last frame drawn shows every dataset as summary.json
+    says it ended (its rows, "done" and why), not a read from before its last rows landed."""
+    import sys
+
+    from tests.fleet import prompts, read_summary, write_jsonl
+
+    fleet.start_simulator("--latency-median-ms", "300")
+    fleet.start_worker("w1", concurrency=40)
+    fleet.wait_ready("w1")
+    a = write_jsonl(fleet.tmp / "a.jsonl", prompts(200, "a"))
+    b = write_jsonl(fleet.tmp / "b.jsonl", prompts(60, "b"))
+    config = fleet.write_config([
+        {"name": "A_budget", "path": a, "length": "short", "budget_tokens": 30_000},
+        {"name": "B_all", "path": b, "length": "short", "budget_tokens": 10_000_000},
+    ])
+    env = fleet.env(TERM="xterm-256color", COLUMNS="240", LINES="60")
+    code, screen = _run_under_a_terminal(
+        [sys.executable, "-m", "producer.cli", "run", str(config), "--stall-s", "5", "--yes"], env, timeout_s=180)
+    assert code == 0, screen[-4000:]
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07", "", screen).replace("\r", "\n")
+    bars = [line for line in text.split("\n") if "━" in line]
+    assert bars, text[-4000:]
+    for ds in ("A_budget", "B_all"):
+        summary = read_summary(fleet.out, ds)
+        last = [line for line in bars if line.startswith(ds)][-1]
+        assert f"rows {summary['results']:,} " in last, (last, summary["results"])
+        why = {"budget": "budget", "complete": "all prompts"}[summary["end_reason"]]
+        assert last.rstrip().endswith(f"done: {why}"), last
+        assert "active" not in last and "ETA" not in last, last
