@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # redis-py reads its own version from the installed packages' metadata for every new connection
 # (a scan of sys.path, ~1 ms); a worker opens a thousand at its ramp, kombu's pool as many. The
+from redis.exceptions import OutOfMemoryError, ReadOnlyError
 # answer cannot change while the process runs: ask once.
 redis.utils.get_lib_version = functools.cache(redis.utils.get_lib_version)
 
@@ -51,12 +52,25 @@ class RedisOutage(RedisConnectionError):
     """Redis stayed unreachable longer than the retry window."""
 
     def __init__(self, window_s: float, cause: BaseException) -> None:
+#: Errors that mean "Redis is there but takes no writes now": maxmemory reached with noeviction
+#: (compose's policy: a full server must fail writes, never drop queued tasks), or a read-only
+#: replica (what a failover can leave a URL pointing at). Not retried by the window: a caller
+#: decides (workers/writes.py waits, workers/spool.py spools).
+REFUSED_WRITES = (OutOfMemoryError, ReadOnlyError)
         super().__init__(f"Redis unreachable for {window_s:.0f} s ({cause})")
         self.window_s = window_s
 
 
 class OutageClock:
     """When Redis went away (None while it answers); observers hear of every failed attempt."""
+def refused_writes(exc: BaseException) -> str:
+    """What a ``REFUSED_WRITES`` error means and what to do about it, in a few words."""
+    if isinstance(exc, ReadOnlyError):
+        return "it is a read-only replica (READONLY): point REDIS_URL at the primary"
+    return ("it is full (OOM: used memory over maxmemory, policy noeviction): raise maxmemory "
+            "(REDIS_MAXMEMORY in compose) or free memory")
+
+
 
     def __init__(self) -> None:
         self.down_since: float | None = None

@@ -15,7 +15,7 @@ from celery.signals import setup_logging, worker_ready
 from common import logs
 from common.celeryconf import celery_config
 from common.settings import Settings
-from workers import poison
+from workers import poison, writes
 from workers.context import context
 from workers.dns import install as install_cached_lookups
 from workers.events import BatchedTaskEvents
@@ -33,6 +33,7 @@ def _admit(raw: bytes, queue: str, unacked: tuple[str, str] | None = None) -> di
 
 
 install_transport(start_send_room(_settings.worker_concurrency), admit=_admit)
+writes.install(lambda: context().redis)
 install_cached_lookups()
 
 app = Celery("specfleet", set_as_current=True, include=["workers.task"])

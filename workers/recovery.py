@@ -19,7 +19,8 @@ from typing import Any
 
 from celery import bootsteps
 
-from workers import spool
+from common.redis_client import REFUSED_WRITES
+from workers import spool, writes
 from workers.context import context
 
 log = logging.getLogger(__name__)
@@ -46,11 +47,13 @@ class RestoreUnacked(bootsteps.StartStopStep):
         consumer = getattr(c, "task_consumer", None)
         channel = getattr(consumer, "channel", None)
         qos = getattr(channel, "qos", None)
-        if qos is None or not hasattr(qos, "restore_visible"):
+        if qos is None or not hasattr(qos, "restore_visible") or writes.refusing():
             return
         try:
             # interval=1: kombu's throttle (scan on every 10th call) is for its own per-poll calls.
             qos.restore_visible(num=None, interval=1)
+        except REFUSED_WRITES as exc:  # said once by the state; the first tick after it restores
+            writes.refused(exc)
         except Exception as exc:  # Redis away or the consumer restarting: the next tick retries
             log.warning("cannot restore unacked messages: %s", exc)
 
@@ -75,10 +78,13 @@ class ReplaySpool(bootsteps.StartStopStep):
 
     def replay(self) -> None:
         ctx = context()
-        if not spool.pending(ctx.settings.spool_dir):
+        if writes.refusing() or not spool.pending(ctx.settings.spool_dir):
             return
         try:
             n = spool.replay(ctx.redis, ctx.settings.spool_dir)
+        except REFUSED_WRITES as exc:  # the entry stays; the first tick after writes are back replays it
+            writes.refused(exc)
+            return
         except Exception:  # a timer that raises is never called again
             log.exception("spool replay failed")
             return

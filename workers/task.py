@@ -13,13 +13,14 @@ from celery import Task
 
 from common.contract import TASK_NAME, TaskPayload
 from common.errors import ConfigError
-from workers import poison
+from common.redis_client import REFUSED_WRITES
+from workers import poison, writes
 from workers.celery import app
 from workers.context import WorkerContext, context
 from workers.conversation import handle
 from workers.generate import Busy
 from workers.queues import serving
-from workers.send_room import process_room
+from workers.send_room import SendRoom, process_room
 
 #: The task's outcome word for a message moved to the dead-letter list.
 DEAD_LETTER = "dead_letter"
@@ -35,7 +36,7 @@ def generate_task(self: Task, payload: TaskPayload) -> str:
         ctx = context()
         if _refused(ctx, payload, self.request.delivery_info):
             return DEAD_LETTER
-        outcome = handle(ctx, payload)
+        outcome = _handle(ctx, payload, room)
         while isinstance(outcome, Busy):
             # Another delivery of this prompt holds a live lease (a copy kombu put back when a
             # Redis restart closed a channel, or a visibility-timeout redelivery of a slow task).
@@ -44,8 +45,20 @@ def generate_task(self: Task, payload: TaskPayload) -> str:
             # instead of the visibility timeout. A greenlet costs nothing to park.
             with room.parked():
                 gevent.sleep(outcome.wait_s)
-            outcome = handle(context(), payload)
+            outcome = _handle(context(), payload, room)
     return outcome
+
+
+def _handle(ctx: WorkerContext, payload: TaskPayload, room: SendRoom) -> str | Busy:
+    while True:
+        try:
+            return handle(ctx, payload)
+        except REFUSED_WRITES as exc:
+            # Met before the request (reserve, renew, the throttle's slot: a paid answer's settle
+            # spools instead), so nothing was asked: wait for writes and start over, unacked.
+            writes.refused(exc)
+            with room.parked():
+                writes.wait()
 
 
 def _refused(ctx: WorkerContext, payload: TaskPayload, delivery_info: dict[str, Any] | None) -> bool:

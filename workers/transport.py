@@ -1,4 +1,4 @@
-"""Seven kombu Redis-transport tweaks for a gevent worker with 1,000 greenlets.
+"""Eight kombu Redis-transport tweaks for a gevent worker with 1,000 greenlets.
 
 - **One client per channel instead of one per ack.** kombu's Redis channel builds a new
   ``redis.Redis`` object (which copies redis-py's table of ~250 response callbacks) for every
@@ -42,6 +42,12 @@
   reply, and each message the multi-pop took, is handed to ``admit`` first; one it refuses is moved
   to the dead-letter list (with its unacked record, for the multi-pop's) and never delivered.
 
+- **Redis refusing writes is waited out** (workers/writes.py): kombu writes a message's unacked
+  record right after its BRPOP, and on a full (noeviction) server that raised inside the read and
+  ended the worker, the message lost with it; its restore after an empty poll did the same. A
+  refused record keeps the message in memory (recorded once writes are back), a refused ack is sent
+  again then, no BRPOP starts while refused, and kombu's restore skips its turn.
+
 Nothing else changes for a good message: the same pool, the same messages; only when they are taken.
 """
 
@@ -65,6 +71,8 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.eventio import READ
 from kombu.utils.json import loads
 
+from common.redis_client import REFUSED_WRITES
+from workers import writes
 from workers.send_room import SendRoom
 
 log = logging.getLogger(__name__)
@@ -79,6 +87,8 @@ _ORIGINAL_CAN_CONSUME_MAX = kombu_redis.QoS.can_consume_max_estimate
 _ORIGINAL_POLL_START = kombu_redis.MultiChannelPoller.on_poll_start
 _ORIGINAL_HANDLE_EVENT = kombu_redis.MultiChannelPoller.handle_event
 _ORIGINAL_BASIC_CANCEL_NOW = kombu_redis.Channel._basic_cancel
+_ORIGINAL_MAYBE_RESTORE = kombu_redis.MultiChannelPoller.maybe_restore_messages
+_ORIGINAL_POLL_INIT = kombu_redis.MultiChannelPoller.on_poll_init
 
 #: Checks a message read from a queue: its envelope to deliver, or None when it was moved aside
 #: (workers/poison.py). Arguments: the raw message, its queue, and the unacked hash and index the
@@ -149,10 +159,14 @@ def _brpop_start(self: Any, timeout: Any = None) -> Any:
 
 
 def _brpop_read(self: Any, **options: Any) -> Any:
-    if _admit is None:
-        delivered = _ORIGINAL_BRPOP_READ(self, **options)  # raises Empty when the BRPOP timed out
-    else:
-        delivered = _checked_brpop_read(self, _admit, **options)
+    try:
+        if _admit is None:
+            delivered = _ORIGINAL_BRPOP_READ(self, **options)  # raises Empty when the BRPOP timed out
+        else:
+            delivered = _checked_brpop_read(self, _admit, **options)
+    except REFUSED_WRITES as exc:  # a replica refuses the pop itself: kombu would end the worker
+        writes.refused(exc)
+        raise Empty() from None
     if delivered:
         _deliver_waiting(self)
     return delivered
@@ -199,6 +213,9 @@ def _deliver_waiting(channel: Any) -> None:
                 script = channel.__dict__["_specfleet_pop_many"] = client.register_script(POP_MANY)
             reply = script(keys=[channel.unacked_key, channel.unacked_index_key, *keys], args=[n, repr(time.time())],
                            client=client)
+    except REFUSED_WRITES as exc:  # the script pops nothing it cannot record
+        writes.refused(exc)
+        return
     except redis.RedisError as exc:  # whatever it popped is in the unacked hash: restored in time
         log.warning("cannot take waiting messages: %s", exc)
         return
@@ -239,7 +256,38 @@ def _qos_append(self: Any, message: Any, delivery_tag: Any) -> None:
         recorded.discard(delivery_tag)
         virtual.QoS.append(self, message, delivery_tag)
         return
-    _ORIGINAL_QOS_APPEND(self, message, delivery_tag)
+    try:
+        _ORIGINAL_QOS_APPEND(self, message, delivery_tag)
+    except REFUSED_WRITES as exc:
+        # The BRPOP took it already: raising here ended the worker and lost the message. It runs
+        # (its task waits for writes like any other) and is recorded once Redis takes writes.
+        writes.refused(exc)
+        virtual.QoS.append(self, message, delivery_tag)
+        _unrecorded.append((self, message, delivery_tag))
+
+
+#: Messages delivered while Redis refused their unacked record: (qos, message, tag).
+_unrecorded: list[tuple[Any, Any, Any]] = []
+#: Acks Redis refused: (qos, tags), removed from the unacked record once writes are back.
+_unremoved: list[tuple[Any, list[Any]]] = []
+
+
+def _catch_up() -> None:
+    """Writes are back: the unacked records and acks Redis refused meanwhile."""
+    while _unrecorded:
+        qos, message, tag = _unrecorded.pop()
+        if tag in qos._delivered:  # not acked meanwhile
+            try:
+                _ORIGINAL_QOS_APPEND(qos, message, tag)
+            except redis.RedisError as exc:  # refused again, or away: the task runs unrecorded
+                log.warning("cannot record delivered message %s as unacked: %s", tag, exc)
+    while _unremoved:
+        qos, tags = _unremoved.pop()
+        try:
+            with qos.pipe_or_acquire() as pipe:
+                pipe.zrem(qos.unacked_index_key, *tags).hdel(qos.unacked_key, *tags).execute()
+        except redis.RedisError as exc:  # left to the visibility timeout: the done set answers it
+            log.warning("cannot remove %d acked message(s) from unacked: %s", len(tags), exc)
 
 
 class _Acks:
@@ -285,6 +333,12 @@ def _remove_acked(qos: Any, acks: _Acks) -> None:
     try:
         with qos.pipe_or_acquire() as pipe:
             pipe.zrem(qos.unacked_index_key, *acks.tags).hdel(qos.unacked_key, *acks.tags).execute()
+    except REFUSED_WRITES as exc:
+        # The task is done: it ends; its record goes once writes are back (or, if this worker dies
+        # first, the visibility timeout delivers the message again and the done set answers it).
+        writes.refused(exc)
+        _unremoved.append((qos, list(acks.tags)))
+        acks.done.set(None)
     except BaseException as exc:
         acks.done.set_exception(exc)
         if not isinstance(exc, Exception):
@@ -304,7 +358,9 @@ def _can_consume(self: Any) -> bool:
     # left the queue and is in no unacked record until delivered, so a reply kombu held back for
     # room would be lost with the worker (seen in the soak: prompts found only by the idle sweep).
     in_flight_brpop = bool(getattr(self.channel, "_in_poll", False))
-    able = bool(_ORIGINAL_CAN_CONSUME(self)) and (in_flight_brpop or _room_left(self) > 0)
+    # Nor a new one while Redis refuses writes: its message could not be recorded as unacked.
+    able = bool(_ORIGINAL_CAN_CONSUME(self)) and (
+        in_flight_brpop or (not writes.refusing() and _room_left(self) > 0))
     if not able:
         _room.consumer_waiting = True  # type: ignore[union-attr]
     return able
@@ -314,6 +370,24 @@ def _can_consume_max_estimate(self: Any) -> int | None:
     estimate: int | None = _ORIGINAL_CAN_CONSUME_MAX(self)
     room = max(0, _room_left(self))
     return room if estimate is None else min(estimate, room)
+
+
+def _maybe_restore_messages(self: Any) -> Any:
+    if writes.refusing():
+        return None
+    try:
+        return _ORIGINAL_MAYBE_RESTORE(self)
+    except REFUSED_WRITES as exc:  # kombu catches only connection errors here: the worker ended
+        writes.refused(exc)
+        return None
+
+
+def _on_poll_init(self: Any, poller: Any) -> Any:
+    try:
+        return _ORIGINAL_POLL_INIT(self, poller)
+    except REFUSED_WRITES as exc:  # its restore of unacked messages; the timer's comes later
+        writes.refused(exc)
+        return None
 
 
 def _on_poll_start(self: Any) -> None:
@@ -358,6 +432,7 @@ def install(room: SendRoom | None = None, admit: Admit | None = None) -> None:
         os.set_blocking(_wake_r, False)
         os.set_blocking(_wake_w, False)
         room.on_open = _wake
+        writes.on_resume(_wake)
         setattr(kombu_redis.QoS, "can_consume", _can_consume)  # noqa: B010
         setattr(kombu_redis.QoS, "can_consume_max_estimate", _can_consume_max_estimate)  # noqa: B010
         setattr(kombu_redis.MultiChannelPoller, "on_poll_start", _on_poll_start)  # noqa: B010
@@ -368,4 +443,7 @@ def install(room: SendRoom | None = None, admit: Admit | None = None) -> None:
     setattr(kombu_redis.Channel, "_brpop_read", _brpop_read)  # noqa: B010
     setattr(kombu_redis.Channel, "_basic_cancel", _basic_cancel_now)  # noqa: B010
     setattr(kombu_redis.QoS, "append", _qos_append)  # noqa: B010
+    setattr(kombu_redis.MultiChannelPoller, "maybe_restore_messages", _maybe_restore_messages)  # noqa: B010
+    setattr(kombu_redis.MultiChannelPoller, "on_poll_init", _on_poll_init)  # noqa: B010
+    writes.on_resume(_catch_up)
     setattr(kombu_redis.QoS, "ack", _qos_ack)  # noqa: B010
