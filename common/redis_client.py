@@ -27,6 +27,7 @@ import redis
 import redis.utils
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 
 # redis-py reads its own version from the installed packages' metadata for every new connection
 # (a scan of sys.path, ~1 ms); a worker opens a thousand at its ramp, kombu's pool as many. The
-from redis.exceptions import OutOfMemoryError, ReadOnlyError
 # answer cannot change while the process runs: ask once.
 redis.utils.get_lib_version = functools.cache(redis.utils.get_lib_version)
 
@@ -42,27 +42,17 @@ T = TypeVar("T")
 
 #: Errors that mean "Redis is not there right now", as opposed to a wrong command.
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, socket.timeout, ConnectionResetError)
+#: Errors that mean "Redis is there but takes no writes now": maxmemory reached with noeviction
+#: (compose's policy: a full server must fail writes, never drop queued tasks), or a read-only
+#: replica (what a failover can leave a URL pointing at). Not retried by the window: a caller
+#: decides (workers/writes.py waits, workers/spool.py spools).
+REFUSED_WRITES = (OutOfMemoryError, ReadOnlyError)
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
 #: How long a WAITAOF may wait for the AOF fsync (appendfsync everysec: about a second at most).
 WAITAOF_TIMEOUT_MS = 5000
 
 
-class RedisOutage(RedisConnectionError):
-    """Redis stayed unreachable longer than the retry window."""
-
-    def __init__(self, window_s: float, cause: BaseException) -> None:
-#: Errors that mean "Redis is there but takes no writes now": maxmemory reached with noeviction
-#: (compose's policy: a full server must fail writes, never drop queued tasks), or a read-only
-#: replica (what a failover can leave a URL pointing at). Not retried by the window: a caller
-#: decides (workers/writes.py waits, workers/spool.py spools).
-REFUSED_WRITES = (OutOfMemoryError, ReadOnlyError)
-        super().__init__(f"Redis unreachable for {window_s:.0f} s ({cause})")
-        self.window_s = window_s
-
-
-class OutageClock:
-    """When Redis went away (None while it answers); observers hear of every failed attempt."""
 def refused_writes(exc: BaseException) -> str:
     """What a ``REFUSED_WRITES`` error means and what to do about it, in a few words."""
     if isinstance(exc, ReadOnlyError):
@@ -71,6 +61,16 @@ def refused_writes(exc: BaseException) -> str:
             "(REDIS_MAXMEMORY in compose) or free memory")
 
 
+class RedisOutage(RedisConnectionError):
+    """Redis stayed unreachable longer than the retry window."""
+
+    def __init__(self, window_s: float, cause: BaseException) -> None:
+        super().__init__(f"Redis unreachable for {window_s:.0f} s ({cause})")
+        self.window_s = window_s
+
+
+class OutageClock:
+    """When Redis went away (None while it answers); observers hear of every failed attempt."""
 
     def __init__(self) -> None:
         self.down_since: float | None = None

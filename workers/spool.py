@@ -30,10 +30,10 @@ from common.budget import Budget, TurnKeep
 from common.contract import Usage
 from common.redis_client import REFUSED_WRITES, UNREACHABLE, deadline
 from common.stats import DatasetStats
+from workers import writes
 
 log = logging.getLogger(__name__)
 
-from workers import writes
 Outcome = Literal["kept", "duplicate", "discarded", "failed", "spooled"]
 SUFFIX = ".spool"
 #: How long the usage counters of a paid answer may wait for Redis before the settle's turn.
@@ -92,15 +92,15 @@ def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: flo
         log.warning("%s/%s %s: Redis unreachable for %.0f s (%s): spooled to %s", entry["dataset"], entry["id"],
                     entry["op"], within_s, exc, path)
         return None
-
-
-def settle_or_spool(client: Any, spool_dir: Path, run: str, budget: Budget, prompt_id: str, lease: str,
     except REFUSED_WRITES as exc:  # a state (workers/writes.py): replayed once Redis takes writes
         writes.refused(exc)
         path = write_entry(spool_dir, entry)
         log.warning("%s/%s %s: Redis refused its write: spooled to %s", entry["dataset"], entry["id"], entry["op"],
                     path)
         return None
+
+
+def settle_or_spool(client: Any, spool_dir: Path, run: str, budget: Budget, prompt_id: str, lease: str,
                     tokens: int, row: bytes, *, cost_usd: float, attempts: int, within_s: float,
                     turn: TurnKeep | None = None, usage: Usage | None = None) -> Outcome:
     """``run``: the run-config id of the task; ``usage``: the answer's counters
