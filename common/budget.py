@@ -23,7 +23,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from common.config import Pricing
 from common.contract import Usage
 from common.keys import HALT, RUN_BUDGET, DatasetKeys
-from common.redis_client import WAITAOF_TIMEOUT_MS, fence_failed
+from common.redis_client import fence_command, fence_failed
 from common.stats import queue_answer
 
 log = logging.getLogger(__name__)
@@ -298,7 +298,7 @@ class Budget:
                 queue_answer(pipe, self.keys.stats, usage)
                 usage = None
             pipe.evalsha(script.sha, len(self.keys.budget_keys), *self.keys.budget_keys, *args)
-            pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
+            pipe.execute_command(*fence_command(pipe))
             *_, reply, fence = pipe.execute(raise_on_error=False)
             if isinstance(reply, NoScriptError):  # a restarted server: load the script again
                 script.sha = self._client.script_load(script.script)

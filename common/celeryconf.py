@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from common.contract import IDLE_QUEUE
+from common.redis_url import parse as parse_redis_url
 from common.settings import Settings
 
 
 def celery_config(settings: Settings, redis_url: str) -> dict[str, Any]:
+    # A Sentinel URL becomes kombu's own form: the sentinel:// list, and the master's name (and the
+    # Sentinels' password) in the transport options; Flower's broker view reads the same two.
+    target = parse_redis_url(redis_url)
     return {
-        "broker_url": redis_url,
+        "broker_url": target.broker_url(),
         # Rows travel through our own Redis stream (budget.lua): no result backend to fill up.
         "result_backend": None,
         "task_ignore_result": True,
@@ -39,6 +43,7 @@ def celery_config(settings: Settings, redis_url: str) -> dict[str, Any]:
             # workers/recovery.py restores unacked messages on a timer under this mutex; a worker
             # SIGKILLed while holding it must not stop every restore for kombu's default 5 minutes.
             "unacked_mutex_expire": 30,
+            **target.transport_options(),
         },
         "broker_connection_retry_on_startup": True,
         "broker_pool_limit": 50,

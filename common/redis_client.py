@@ -10,6 +10,13 @@ Past it the command raises ``RedisOutage`` (a ``redis.ConnectionError``).
 A thread (a greenlet in a gevent worker) can shorten the window for what it calls next with
 ``deadline(seconds)``: a worker settling a paid answer waits for Redis only while its lease lives,
 then spools the row instead (workers/spool.py).
+
+``REDIS_URL`` may name Sentinels instead of a server (``common/redis_url.py``): the client asks
+them for the master before each new connection, and a master that went away (or answers READONLY,
+demoted) is an ordinary connection error here, retried in the same window against whichever master
+the Sentinels name by then. Behind Sentinel a fence also waits for a replica to have the writes
+(``fence_command``): replication is asynchronous, and a failover must not forget an answer a
+caller acted on.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+
+from common.redis_url import parse
 
 log = logging.getLogger(__name__)
 
@@ -161,27 +171,128 @@ class WindowRetry(Retry):
             return result
 
 
-def connect(url: str, window_s: float, **kwargs: Any) -> redis.Redis:
-    """A client whose commands retry for ``window_s`` while Redis is unreachable."""
+class SentinelConnection(SentinelManagedConnection):
+    """redis-py's connection behind Sentinel, except that one which lost its socket asks the
+    Sentinels for the master whichever way it reconnects. redis-py (8.1) does so in ``connect()``
+    only; a command sent on a disconnected connection (``send_packed_command``: every pipeline,
+    every retry of a command that met the old master's death) reconnects through
+    ``connect_check_health``, which retries the address the connection had: after a failover, the
+    dead master's, for the whole retry window (seen: settles spooled 7 s after the promotion)."""
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if self._sock:
+            return
+        if retry_socket_connect:  # the path that would retry a stale address: ask the Sentinels
+            self.connect()
+            return
+        super().connect_check_health(check_health=check_health, retry_socket_connect=False)
+
+
+class BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """A bounded pool whose connections find the master through Sentinel: a caller past
+    ``max_connections`` waits ``timeout`` for one, as with ``redis.BlockingConnectionPool``."""
+
+
+def connect(url: str, window_s: float, *, blocking_timeout_s: float | None = None, **kwargs: Any) -> redis.Redis:
+    """A client whose commands retry for ``window_s`` while Redis is unreachable. ``url`` is
+    ``REDIS_URL`` (a server or Sentinels); with ``blocking_timeout_s`` (and ``max_connections``)
+    a caller waits that long for a free connection instead of being refused one."""
     kwargs.setdefault("socket_timeout", 30)
     kwargs.setdefault("socket_connect_timeout", 5)
     kwargs.setdefault("health_check_interval", 25)
     # Without driver info a new connection skips two CLIENT SETINFO round trips (lib name and
     # version, shown by CLIENT LIST); a worker opens a thousand connections at its ramp.
     kwargs.setdefault("driver_info", None)
-    return redis.Redis.from_url(url, retry=WindowRetry(window_s), retry_on_error=list(UNREACHABLE), **kwargs)
+    kwargs.update(retry=WindowRetry(window_s), retry_on_error=list(UNREACHABLE))
+    if blocking_timeout_s is not None:
+        kwargs["timeout"] = blocking_timeout_s
+    target = parse(url)
+    if not target.is_sentinel:
+        if blocking_timeout_s is not None:
+            return redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(url, **kwargs))
+        return redis.Redis.from_url(url, **kwargs)
+    # A master lookup that meets no Sentinel is a connection error like any other: the command's
+    # WindowRetry tries again (each Sentinel client tries once, so a dead one costs one attempt).
+    sentinels = Sentinel(list(target.sentinels), sentinel_kwargs={**target.sentinel_kwargs(), "retry": Retry(
+        ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), 0)})
+    assert target.master_name is not None  # parse() refuses a Sentinel URL without one
+    pool_class = BlockingSentinelPool if blocking_timeout_s is not None else SentinelConnectionPool
+    return sentinels.master_for(target.master_name, connection_pool_class=pool_class, db=target.db,
+                                username=target.username, password=target.password,
+                                connection_class=SentinelConnection, **kwargs)
+
+
+class ReplicaFence:
+    """How many replicas a fence behind Sentinel waits for: one while the master has one online.
+
+    Replication is asynchronous: a write the master acknowledged may not have reached the replica
+    the Sentinels promote when it dies, and a settle or an ack lost that way is a paid answer asked
+    again. ``WAITAOF 1 1`` answers once a replica has the writes in its own AOF too. With no replica
+    online it would wait its whole timeout for nothing, so the count is read from the master (at
+    most every ``REFRESH_S``); a replica without AOF never confirms, so after one fence that waited
+    in vain the replica part is left out for ``PAUSE_S``, with a warning.
+    """
+
+    REFRESH_S = 1.0
+    PAUSE_S = 60.0
+
+    def __init__(self) -> None:
+        self._online = 0
+        self._read_at = -float("inf")
+        self._asking_since: float | None = None
+        self._paused_until = -float("inf")
+
+    def wanted(self, pool: redis.ConnectionPool) -> int:
+        now = time.monotonic()
+        if now < self._paused_until:
+            return 0
+        if now - self._read_at >= self.REFRESH_S:
+            self._read_at = now
+            with contextlib.suppress(redis.RedisError):  # the fence itself will meet it
+                info = redis.Redis(connection_pool=pool).info("replication")
+                self._online = sum(1 for k, v in info.items()
+                                   if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")
+        if self._online and self._asking_since is None:
+            self._asking_since = now
+        elif not self._online:
+            self._asking_since = None
+        return min(1, self._online)
+
+    def heard(self, answer: object) -> None:
+        """A fence's reply; ``[local, 0]`` long after replicas were first asked for means it waited in vain."""
+        since = self._asking_since
+        if not (isinstance(answer, list) and len(answer) == 2 and answer[1] == 0 and since is not None):
+            return
+        if time.monotonic() - since > 2 * WAITAOF_TIMEOUT_MS / 1000:  # not a reply to a fence asked for none
+            self._paused_until = time.monotonic() + self.PAUSE_S
+            self._asking_since = None
+            log.warning("no replica confirmed a write in its AOF within %.0f s (appendonly no on the "
+                        "replicas?); fences wait for the master's AOF only for the next %.0f s",
+                        WAITAOF_TIMEOUT_MS / 1000, self.PAUSE_S)
+
+
+#: One per process, as the clock: every client of a process talks to the same master.
+REPLICAS = ReplicaFence()
+
+
+def fence_command(client: redis.Redis | redis.client.Pipeline) -> tuple[Any, ...]:
+    """The WAITAOF a caller queues after its writes, to reply only once they are durable: in the
+    master's AOF, and behind Sentinel in a replica's too (``ReplicaFence``)."""
+    pool = client.connection_pool
+    replicas = REPLICAS.wanted(pool) if isinstance(pool, SentinelConnectionPool) else 0
+    return ("WAITAOF", 1, replicas, WAITAOF_TIMEOUT_MS)
 
 
 def fence_failed(answer: object) -> bool:
     """Whether a WAITAOF reply is an error worth raising. A server without AOF, or one older than
     Redis 7.2 (no WAITAOF), cannot fence: the caller goes on as without the fence."""
     if not isinstance(answer, Exception):
+        REPLICAS.heard(answer)
         return False
     text = str(answer).lower()
     return "appendonly" not in text and "unknown command" not in text
 
 
 def describe(url: str) -> str:
-    """``host:port/db`` of a Redis URL, without a password."""
-    tail = url.split("@", 1)[-1]
-    return tail.split("://", 1)[-1]
+    """Where a ``REDIS_URL`` points (``host:port/db``, or the Sentinels and master), without a password."""
+    return parse(url).describe()

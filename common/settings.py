@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import ConfigError
+from common.redis_url import parse as parse_redis_url
 
 OPENROUTER_DEFAULT_BASE_URL = "https://openrouter.ai"
 
@@ -47,6 +48,8 @@ def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float 
 @dataclass(frozen=True)
 class Settings:
     #: None means "no Redis given": the CLI then starts a private Valkey (producer/embedded.py).
+    #: A server (``redis://``) or Sentinels (``sentinel://…;sentinel://…?master_name=…``):
+    #: common/redis_url.py reads it for every process.
     redis_url: str | None
     #: Kept out of repr so a logged Settings never carries the key.
     openrouter_api_key: str | None = field(repr=False)
@@ -91,10 +94,8 @@ class Settings:
         if engine_url and not engine_url.startswith(("http://", "https://")):
             raise ConfigError(f"environment variable SPECFLEET_ENGINE_URL={engine_url!r}: not an http(s) URL")
         redis_url = env.get("REDIS_URL") or None
-        if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(
-                f"environment variable REDIS_URL={redis_url!r}: expected redis://, rediss:// or unix://"
-            )
+        if redis_url:
+            parse_redis_url(redis_url, "environment variable REDIS_URL")  # a bad one fails here, named
         level = (env.get("SPECFLEET_LOG_LEVEL") or "INFO").upper()
         if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ConfigError(f"environment variable SPECFLEET_LOG_LEVEL={level!r}: not a log level")

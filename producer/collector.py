@@ -26,7 +26,7 @@ import redis
 
 from common.errors import OutputError, ProducerFenced, RedisRefusesWrites
 from common.keys import COLLECTOR_FENCE, DatasetKeys
-from common.redis_client import WAITAOF_TIMEOUT_MS, fence_failed
+from common.redis_client import fence_command, fence_failed
 from producer.rows import Fence, RowWriter, open_writer
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class Collector:
         pipe = self._client.pipeline(transaction=False)
         pipe.xread(streams, count=BATCH_ROWS, block=block_ms)
         pipe.incr(COLLECTOR_FENCE)
-        pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
+        pipe.execute_command(*fence_command(pipe))
         read, _, synced = pipe.execute(raise_on_error=False)
         if isinstance(read, Exception):
             raise read

@@ -16,7 +16,7 @@ from common import keys
 from common.budget import group_commit
 from common.config import WorkerView
 from common.errors import ConfigError, TokenizerError
-from common.redis_client import UNREACHABLE, WindowRetry
+from common.redis_client import connect
 from common.settings import Settings
 from common.throttle import FleetThrottle
 from common.worker_cmd import pool_size
@@ -35,19 +35,10 @@ GATE_CONNECTIONS = 16
 
 
 def _client(settings: Settings, *, max_connections: int) -> redis.Redis:
-    pool = redis.BlockingConnectionPool.from_url(
-        settings.require_redis_url(),
-        max_connections=max_connections,
-        timeout=30,
-        socket_timeout=30,
-        socket_connect_timeout=10,
-        health_check_interval=25,
-        # Redis restarting must not cost a paid answer: commands wait for it (a settle only
-        # while its lease lives, then it is spooled: workers/spool.py).
-        retry=WindowRetry(settings.redis_retry_window_s),
-        retry_on_error=list(UNREACHABLE),
-    )
-    return redis.Redis(connection_pool=pool)
+    # Redis restarting (or failing over) must not cost a paid answer: commands wait for it (a
+    # settle only while its lease lives, then it is spooled: workers/spool.py).
+    return connect(settings.require_redis_url(), settings.redis_retry_window_s, blocking_timeout_s=30,
+                   max_connections=max_connections, socket_timeout=30, socket_connect_timeout=10)
 
 
 class WorkerContext:

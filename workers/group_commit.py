@@ -41,7 +41,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from common.redis_client import CLOCK, UNREACHABLE, WAITAOF_TIMEOUT_MS, RedisOutage, fence_failed
+from common.redis_client import CLOCK, UNREACHABLE, RedisOutage, fence_command, fence_failed
 
 #: Pipelines out at once. With ``everysec`` a fence waits ~0.5 s, and a ramp's budget reserves queue
 #: behind the pipelines already out. Measured (``bench/versus_seed.py --prompts 2000 --latencies-ms
@@ -164,7 +164,7 @@ class GroupCommit:
                 job.before(pipe)
             pipe.evalsha(job.script.sha, len(job.keys), *job.keys, *job.args)
             at.append(len(pipe) - 1)
-        pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
+        pipe.execute_command(*fence_command(pipe))
         replies = pipe.execute(raise_on_error=False)
         for job in batch:
             job.before = None
