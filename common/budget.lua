@@ -25,6 +25,9 @@
 -- KEYS[8] orphans  HASH   lease -> nano-usd held for a reaped lease whose answer may still be billed
 -- KEYS[9] turns    HASH   row key "<id>#<turn>" -> msgpack {message, end}: regenerate = "all" only
 -- KEYS[10] ended   SET    conversation ids that ended with a kept turn: regenerate = "all" only
+-- KEYS[11] stats   HASH   the dataset's usage counters (fields named by common/stats.py, given in ARGV)
+-- KEYS[12] settled HASH   "<lease>:<id>" -> "<answer>|<over_hold>": that lease's settle, fail or release of the
+--                         prompt was applied
 --
 -- The rule. A request asks with its worst case: W tokens (max_tokens plus the turn's own tokens, or
 -- the largest answer seen if that is more) and
@@ -50,6 +53,15 @@
 --     keeps its dollars held as an orphan: a non-streamed request is billed in full once generated,
 --     so the money may be spent. If its answer lands after all, settle/fail/release by that lease
 --     resolve the orphan: the real cost replaces the hold; the row is kept only if it fits.
+--   Once per lease: settle, fail and release record their answer under (lease, id) in `settled`, in
+--     the same execution that counts. A worker whose reply was lost cannot know whether its call
+--     landed (Redis frozen: the commands waited in the server's buffer after the read timed out,
+--     then ran), so it repeats it: the spool replays it, redis-py resends the pipeline. The repeat
+--     finds the marker, answers what the first execution answered and adds nothing: no dollar, no
+--     request, no token, no row. Another delivery of the prompt has another lease: its answer was
+--     billed again and is counted again (billed is billed). A release records a marker only when it
+--     counts something (a repeat of an empty one adds nothing anyway). The markers expire
+--     SETTLED_KEEP_S after the dataset's last outcome: longer than any replay a running fleet makes.
 --
 -- ARGV[1] is the operation; the rest depends on it:
 --   reserve id lease now_ms ttl_ms worst_tokens worst_nusd prior prior_weight trust_rows
@@ -58,14 +70,17 @@
 --   renew   id lease now_ms ttl_ms -> {"ok"} | {"done"} | {"stopped"} | {"halted"} | {"lost"}
 --           Extends a live lease before a retry (works while exhausted; "stopped" ends it). "lost":
 --           the lease was reaped; no budget is taken: the caller releases and asks again later.
---   settle  id lease tokens cost_nusd attempts row [turn conversation ends]
+--   settle  id lease tokens cost_nusd attempts row usage [turn conversation ends]
 --           -> {"kept", kept, limit, over_hold} | {"duplicate", over_hold} | {"discarded", over_hold}
 --              over_hold is 1 when the answer cost more than the worst case it held (a wrong price)
 --              With a turn (regenerate = "all"; id is the row key), a kept row also stores the turn
 --              under id in turns and, when ends is "1", adds the conversation to ended: a redelivered
 --              conversation reads back exactly the turns that were counted.
---   fail    id lease failure_json cost_nusd -> {"failed"} | {"duplicate"}
---   release id lease cost_nusd     -> {"released"}   (give back an admission, no outcome)
+--              usage: the billed answer's stats increments, a JSON object {field: n}, or "" (none).
+--              A repeat of an applied settle (same lease) answers its first answer (kept: with the
+--              kept tokens of now), counting nothing.
+--   fail    id lease failure_json cost_nusd usage -> {"failed"} | {"duplicate"}   (once per lease, as settle)
+--   release id lease cost_nusd usage -> {"released"}   (give back an admission, no outcome; once per lease)
 --   reap    now_ms                 -> {"reaped", n}
 --   open    tokens_limit nusd_limit rule -> {"open", kept, rows}   (start or resume the dataset)
 --   close                          -> {"closed"}
@@ -82,6 +97,8 @@ local function num(v) return tonumber(v or "0") or 0 end
 -- Integers as Redis arguments: a Lua number would be sent as "%.14g", which turns 1e14 into "1e+14".
 local function int(n) return string.format("%.0f", n) end
 local function add(h, f, n) if n ~= 0 then redis.call("HINCRBY", h, f, int(n)) end end
+-- How long a lease's settled marker outlives the dataset's last outcome, in seconds (7 days).
+local SETTLED_KEEP_S = 604800
 
 if op == "run_open" then
   local spent, held, orphaned = 0, 0, 0
@@ -97,6 +114,26 @@ end
 
 local budget, done, leases, failed, results, halt, run, orphans =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local stats, settled = KEYS[11], KEYS[12]
+
+-- The answer an earlier execution of this lease's outcome of the prompt gave (word, over_hold), or nil.
+local function applied(id, lease)
+  local mark = redis.call("HGET", settled, lease .. ":" .. id)
+  if not mark then return nil end
+  local word, over_hold = string.match(mark, "^(.*)|(%d)$")
+  return word, tonumber(over_hold)
+end
+
+-- Records that this lease's outcome was applied (see "Once per lease" in the header).
+local function mark_applied(id, lease, word, over_hold)
+  redis.call("HSET", settled, lease .. ":" .. id, word .. "|" .. over_hold)
+  redis.call("EXPIRE", settled, SETTLED_KEEP_S)
+end
+
+local function count_usage(raw)
+  if raw == nil or raw == "" then return end
+  for field, n in pairs(cjson.decode(raw)) do add(stats, field, n) end
+end
 
 local function parse_lease(raw)
   local lease, tok, usd, exp = string.match(raw, "^(.*)|(%d+)|(%d+)|(%d+)$")
@@ -248,20 +285,33 @@ elseif op == "renew" then
 
 elseif op == "settle" then
   local id, lease, tokens, cost = ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-  local attempts, row = tonumber(ARGV[6]), ARGV[7]
-  local turn, conversation, ends = ARGV[8], ARGV[9], ARGV[10]
+  local attempts, row, usage = tonumber(ARGV[6]), ARGV[7], ARGV[8]
+  local turn, conversation, ends = ARGV[9], ARGV[10], ARGV[11]
+  local first, first_over = applied(id, lease)
+  if first == "kept" then
+    local b = redis.call("HMGET", budget, "tokens_kept", "tokens_limit")
+    return {"kept", num(b[1]), num(b[2]), first_over}
+  elseif first then
+    return {first, first_over}
+  end
   local held_usd = finish(id, lease)
   spend(cost)  -- money spent is spent, whatever happens to the row
+  count_usage(usage)
   local over_hold = (held_usd > 0 and cost > held_usd) and 1 or 0
-  if redis.call("SISMEMBER", done, id) == 1 then return {"duplicate", over_hold} end
+  if redis.call("SISMEMBER", done, id) == 1 then
+    mark_applied(id, lease, "duplicate", over_hold)
+    return {"duplicate", over_hold}
+  end
   local b = redis.call("HMGET", budget, "tokens_rule", "tokens_limit", "tokens_kept", "tokens_held",
                        "tokens_max_seen")
   if tokens > num(b[5]) then redis.call("HSET", budget, "tokens_max_seen", tokens) end
   if b[1] == "hard" and num(b[3]) + num(b[4]) + tokens > num(b[2]) then
     redis.call("HSET", failed, id, cjson.encode({reason = "over_budget", attempts = attempts,
       detail = "answer of " .. tokens .. " tokens landed without room under the hard token cap: billed, not kept"}))
+    mark_applied(id, lease, "discarded", over_hold)
     return {"discarded", over_hold}
   end
+  mark_applied(id, lease, "kept", over_hold)
   redis.call("SADD", done, id)
   local kept = redis.call("HINCRBY", budget, "tokens_kept", tokens)
   redis.call("HINCRBY", budget, "rows_kept", 1)
@@ -276,15 +326,24 @@ elseif op == "settle" then
 
 elseif op == "fail" then
   local id, lease, failure, cost = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+  local first = applied(id, lease)
+  if first then return {first} end
   finish(id, lease)
   spend(cost)
-  if redis.call("SISMEMBER", done, id) == 1 then return {"duplicate"} end
-  redis.call("HSET", failed, id, failure)
-  return {"failed"}
+  count_usage(ARGV[6])
+  local word = "failed"
+  if redis.call("SISMEMBER", done, id) == 1 then word = "duplicate"
+  else redis.call("HSET", failed, id, failure) end
+  mark_applied(id, lease, word, 0)
+  return {word}
 
 elseif op == "release" then
-  finish(ARGV[2], ARGV[3])
-  spend(tonumber(ARGV[4]))
+  local id, lease, cost, usage = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+  if applied(id, lease) then return {"released"} end
+  finish(id, lease)
+  spend(cost)
+  count_usage(usage)
+  if cost ~= 0 or (usage ~= nil and usage ~= "") then mark_applied(id, lease, "released", 0) end
   return {"released"}
 
 elseif op == "reap" then

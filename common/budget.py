@@ -23,8 +23,8 @@ from redis.exceptions import NoScriptError, ResponseError
 from common.config import Pricing
 from common.contract import Usage
 from common.keys import HALT, RUN_BUDGET, DatasetKeys
-from common.redis_client import fence_command, fence_failed
-from common.stats import queue_answer
+from common.redis_client import WAITAOF_TIMEOUT_MS, fence_failed
+from common.stats import answer_counts, queue_answered
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,11 @@ def open_run(client: redis.Redis, limit_usd: float | None, datasets: Sequence[st
     return int(reply[1]) / NUSD_PER_USD
 
 
+def _counts(usage: Usage | None) -> str:
+    """A billed answer's stats increments as the script takes them: a JSON object, "" for none."""
+    return "" if usage is None else json.dumps(answer_counts(usage), separators=(",", ":"))
+
+
 #: One registered script per client: a worker builds a Budget per task, and registering hashes
 #: the whole script (2% of a busy worker).
 _SCRIPTS: weakref.WeakKeyDictionary[redis.Redis, Any] = weakref.WeakKeyDictionary()
@@ -266,7 +271,7 @@ class Budget:
         self._script = _script_of(client)
         self._committer = _COMMITTERS.get(client)
 
-    def _call(self, *args: Any, usage: Usage | None = None) -> list[Any]:
+    def _call(self, *args: Any, answered: bool = False) -> list[Any]:
         """Run the script and wait until its writes are in the AOF (WAITAOF), on one connection.
 
         An answer the caller acts on (a request admitted, a row counted) must survive the Redis
@@ -277,28 +282,24 @@ class Budget:
         server (every operation is safe to repeat). Without AOF the fence answers an error and the
         reply stands as it is.
 
-        ``usage``: a billed answer's counters (``common/stats.py``), sent in the same round trip
-        instead of one of their own; sent once even when the script has to be loaded again.
+        ``answered``: the call carries a billed answer (its usage counters are in ``args``, for the
+        script to add once per lease): the fleet's misconfiguration streak is cleared in the same
+        round trip (``common/stats.py``).
 
         On a client registered with ``group_commit`` (a worker's), the call shares its pipeline and
         its fence with the other greenlets' calls of the moment, with the same guarantees.
         """
         script = self._script
         if self._committer is not None:
-            before = None
-            if usage is not None:
-                stats, answer = self.keys.stats, usage
-                def before(pipe: Any) -> None:
-                    queue_answer(pipe, stats, answer)
-            reply = self._committer.call(script, self.keys.budget_keys, args, before)
+            reply = self._committer.call(script, self.keys.budget_keys, args, queue_answered if answered else None)
             return [x.decode() if isinstance(x, bytes) else x for x in reply]
         for _ in range(3):
             pipe = self._client.pipeline(transaction=False)
-            if usage is not None:
-                queue_answer(pipe, self.keys.stats, usage)
-                usage = None
+            if answered:
+                queue_answered(pipe)
+                answered = False
             pipe.evalsha(script.sha, len(self.keys.budget_keys), *self.keys.budget_keys, *args)
-            pipe.execute_command(*fence_command(pipe))
+            pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
             *_, reply, fence = pipe.execute(raise_on_error=False)
             if isinstance(reply, NoScriptError):  # a restarted server: load the script again
                 script.sha = self._client.script_load(script.script)
@@ -328,11 +329,16 @@ class Budget:
         delivery already did ("duplicate") or the hard cap has no room for it ("discarded").
 
         ``turn`` (regenerate = "all"; ``prompt_id`` is then the row key): kept with the row, atomically.
-        ``usage``: the answer's counters for the dataset's stats, in the same round trip."""
+        ``usage``: the answer's counters for the dataset's stats, added with it.
+
+        Safe to repeat: the same settle (this lease's) executed again, because its reply was lost
+        (a spool replay, a resent pipeline), answers what the first execution answered and adds
+        nothing (budget.lua's ``settled`` markers); so do ``fail`` and ``release``."""
         extra: tuple[Any, ...] = ()
         if turn is not None:
             extra = (turn.record, turn.conversation, "1" if turn.ends else "0")
-        reply = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row, *extra, usage=usage)
+        reply = self._call("settle", prompt_id, lease, tokens, to_nusd(cost_usd), attempts, row, _counts(usage),
+                           *extra, answered=usage is not None)
         if int(reply[-1]):
             # The dollar cap holds only while answers cost no more than their worst case.
             log.warning("%s/%s: the answer cost $%.6f, more than its worst case: is the model's price right?",
@@ -345,10 +351,12 @@ class Budget:
         """Record the prompt's failure (a ``failed.jsonl`` line; ``where`` is its ``file:line``);
         ``cost_usd`` of an answer that was billed before it failed still counts."""
         failure = json.dumps({"reason": reason, "attempts": attempts, "detail": detail[:500], "where": where})
-        return self._call("fail", prompt_id, lease, failure, to_nusd(cost_usd), usage=usage)[0] == "failed"
+        return self._call("fail", prompt_id, lease, failure, to_nusd(cost_usd), _counts(usage),
+                          answered=usage is not None)[0] == "failed"
 
-    def release(self, prompt_id: str, lease: str, *, cost_usd: float = 0.0) -> None:
-        self._call("release", prompt_id, lease, to_nusd(cost_usd))
+    def release(self, prompt_id: str, lease: str, *, cost_usd: float = 0.0, usage: Usage | None = None) -> None:
+        """Give an admission back without an outcome; a billed answer's cost and ``usage`` still count."""
+        self._call("release", prompt_id, lease, to_nusd(cost_usd), _counts(usage), answered=usage is not None)
 
     def halt(self, reason: str, message: str, worker: str) -> None:
         """Stop every admission of every dataset: the account itself was refused."""

@@ -11,6 +11,10 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:ds:<ds>:leases        HASH    prompt id -> "<lease>|<hold tokens>|<hold nano-usd>|<expires_ms>"
     specfleet:ds:<ds>:orphans       HASH    lease -> nano-usd still held for a reaped lease (it may be billed)
     specfleet:ds:<ds>:failed        HASH    prompt id -> JSON {reason, attempts, detail, where} (cleared if kept later)
+    specfleet:ds:<ds>:settled       HASH    "<lease>:<prompt id>" -> "<answer>|<over_hold>": that lease's settle, fail
+                                            or release of the prompt was applied (budget.lua): a repeat of it (a lost
+                                            reply: a spool replay, a resent pipeline) answers the same and counts
+                                            nothing again. Expires 7 days after the dataset's last outcome
     specfleet:ds:<ds>:turns         HASH    regenerate = "all": row key "<id>#<turn>" -> msgpack {message, end}: a
                                             kept turn's regenerated assistant message, written by budget.lua's
                                             settle with the row, read back when a conversation is delivered again
@@ -18,7 +22,9 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
                                             last one, or one that called tools): their outcome, as ``done`` is a
                                             prompt's (a failed turn's outcome is its ``failed`` entry)
     specfleet:ds:<ds>:results       STREAM  kept rows (field ``row``: msgpack), drained by the collector
-    specfleet:ds:<ds>:stats         HASH    counters for reports and metrics (billed tokens, errors by class…)
+    specfleet:ds:<ds>:stats         HASH    counters for reports and metrics (billed tokens, errors by class…; field
+                                            names: common/stats.py); a billed answer's usage is added by budget.lua
+                                            with its settle, fail or release, once per lease
     specfleet:ds:<ds>:timeline      LIST    JSON samples of progress over time, for the run report's plot
     specfleet:producer:lock         STRING  one producer per Redis at a time: "<generation>|<host>:<pid>", expires 10 s
                                             after its last refresh (producer/lock.py)
@@ -93,6 +99,7 @@ class DatasetKeys:
         self.leases = f"{base}:leases"
         self.orphans = f"{base}:orphans"
         self.failed = f"{base}:failed"
+        self.settled = f"{base}:settled"
         self.results = f"{base}:results"
         self.turns = f"{base}:turns"
         self.ended = f"{base}:ended"
@@ -103,4 +110,4 @@ class DatasetKeys:
     @property
     def budget_keys(self) -> list[str]:
         return [self.budget, self.done, self.leases, self.failed, self.results, HALT, RUN_BUDGET, self.orphans,
-                self.turns, self.ended]
+                self.turns, self.ended, self.stats, self.settled]

@@ -1,7 +1,8 @@
 """The per-dataset counters (``DatasetKeys.stats``): the only code that names their fields.
 
-Workers write through ``DatasetStats`` (one HINCRBY per event; a kept or failed answer's usage
-travels in the same round trip as its settle or fail, ``queue_answer``); the
+Workers write through ``DatasetStats`` (one HINCRBY per event); a kept or failed answer's usage is
+added by budget.lua itself with its settle or fail (``answer_counts``), so a settle executed twice
+(a lost reply: a spool replay, a resent pipeline) counts its request once; the
 producer's progress, metrics and reports read through ``DatasetStats.read`` or ``parse`` (for a
 caller that already pipelined the HGETALL). Counters only ever grow, so any read is consistent
 enough for a progress bar.
@@ -65,14 +66,20 @@ class StatsSnapshot:
     failures: dict[str, int] = field(default_factory=dict)
 
 
-def queue_answer(pipe: Any, key: str, usage: Usage) -> None:
-    """Add one billed answer's counters to a pipeline (``record_answer``, or the settle's own round
-    trip: ``Budget.settle(usage=…)``)."""
-    pipe.hincrby(key, REQUESTS, 1)
-    pipe.hincrby(key, BILLED_PROMPT, usage["prompt_tokens"])
-    pipe.hincrby(key, BILLED_COMPLETION, usage["completion_tokens"])
-    pipe.hincrby(key, BILLED_REASONING, usage["reasoning_tokens"])
-    pipe.hincrby(key, COST_MICRO_USD, round(usage["cost"] * 1e6))
+def answer_counts(usage: Usage) -> dict[str, int]:
+    """One billed answer's increments, by field: what ``record_answer`` adds, and what budget.lua
+    adds with a settle, fail or release (``Budget.settle(usage=…)``), once per lease."""
+    return {
+        REQUESTS: 1,
+        BILLED_PROMPT: usage["prompt_tokens"],
+        BILLED_COMPLETION: usage["completion_tokens"],
+        BILLED_REASONING: usage["reasoning_tokens"],
+        COST_MICRO_USD: round(usage["cost"] * 1e6),
+    }
+
+
+def queue_answered(pipe: Any) -> None:
+    """An answer came back: the fleet's misconfiguration streak starts over (safe to repeat)."""
     pipe.delete(MISCONFIG_STREAK)
 
 
@@ -87,7 +94,9 @@ class DatasetStats:
         """One answer received and billed. It also proves the URL and the model work, so the
         fleet's misconfiguration streak starts over."""
         pipe = self._client.pipeline(transaction=False)
-        queue_answer(pipe, self.key, usage)
+        for name, n in answer_counts(usage).items():
+            pipe.hincrby(self.key, name, n)
+        queue_answered(pipe)
         pipe.execute()
 
     def record_error(self, reason: str) -> None:

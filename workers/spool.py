@@ -4,9 +4,12 @@
 few seconds costs nothing); if Redis is still away when the lease would end, the outcome goes to
 the spool: one file per prompt under ``SPECFLEET_SPOOL_DIR``, written atomically (tmp + fsync +
 rename). Every worker replays the spool on start and every few seconds while it runs
-(workers/recovery.py), through the same ``budget.lua`` operations: a settle replayed twice, or
-after another delivery kept the prompt, is a ``duplicate`` (the done set), so a row counts once.
-Workers on one host may share the folder; replaying a file twice is harmless for the same reason.
+(workers/recovery.py), through the same ``budget.lua`` operations, which count once per lease: a
+settle replayed after its first execution landed after all (Redis frozen: the read timed out, the
+buffered command ran later), or replayed twice, answers what it first answered and adds no dollar,
+request or token again; after another delivery kept the prompt it is a ``duplicate`` (the done
+set), billed and counted, its row dropped. Workers on one host may share the folder; replaying a
+file twice is harmless for the same reason.
 Fleets on one host that use different Redis servers may share it too: an entry names its run
 config, and is replayed only into a Redis that holds that run (a dataset's prompt ids alone would
 collide between two runs of the same file, and one fleet would take the other's answers).
@@ -153,9 +156,10 @@ def replay(client: Any, spool_dir: Path, *, within_s: float = 2.0) -> int:
     Returns how many entries were replayed.
 
     Each file is replayed under an exclusive ``flock``: the timer's replay and one at a consumer
-    restart, or two workers sharing the folder, would otherwise apply one entry twice, and its
-    usage counters with it (the second settle is a harmless ``duplicate`` for the row, not for them).
-    The lock dies with its process, so a replayer killed midway leaves the file to the next."""
+    restart, or two workers sharing the folder, would otherwise apply one entry twice (harmless for
+    the budget and the usage counters, which count once per lease, but a failed entry's
+    ``fail:<reason>`` counter, counted here, would count twice). The lock dies with its process, so a
+    replayer killed midway leaves the file to the next."""
     done = 0
     for path in pending(spool_dir):
         try:
@@ -199,7 +203,9 @@ def _replay_one(client: Any, path: Path, fd: int, within_s: float) -> int | None
         return None
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-    if answer in ("failed", "discarded"):  # counted where it lands, as generate counts the others
+    # Counted by whoever saw the answer: the worker that spooled the entry saw none, and a repeat of
+    # an entry that landed answers the same word, so each failure counts once.
+    if answer in ("failed", "discarded"):
         reason = entry["reason"] if answer == "failed" else "over_budget"
         with contextlib.suppress(*UNREACHABLE):
             DatasetStats(client, entry["dataset"]).record_failure(reason)
