@@ -23,7 +23,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from common.config import Pricing
 from common.contract import Usage
 from common.keys import HALT, RUN_BUDGET, DatasetKeys
-from common.redis_client import WAITAOF_TIMEOUT_MS, fence_failed
+from common.redis_client import fence_command, fence_failed
 from common.stats import answer_counts, queue_answered
 
 log = logging.getLogger(__name__)
@@ -299,7 +299,7 @@ class Budget:
                 queue_answered(pipe)
                 answered = False
             pipe.evalsha(script.sha, len(self.keys.budget_keys), *self.keys.budget_keys, *args)
-            pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
+            pipe.execute_command(*fence_command(pipe))
             *_, reply, fence = pipe.execute(raise_on_error=False)
             if isinstance(reply, NoScriptError):  # a restarted server: load the script again
                 script.sha = self._client.script_load(script.script)
