@@ -1,12 +1,13 @@
 """How many bytes of answers one worker turns into rows at once (``SPECFLEET_ANSWER_BYTES_IN_FLIGHT``).
 
 An answer costs far more memory while it becomes a row than its bytes: measured with the demo
-tokenizer, a 337 KB answer (300,000 characters, 201,000 tokens) peaks at ~43 MB over the
-worker's baseline, 37 MB of it the tokenizer's own encoding (Rust: the ids with a string, offsets
-and masks per token), the rest the row's id lists, the decode of the round-trip check and the
-packed row. Rebuilt side by side in the hub's thread pool, six such answers took 340 MB, and each
-pool thread's malloc arena kept its share after the answer was gone. Nothing the user set bounded
-it: a worker with 1,000 requests in flight could meet 1,000 of them at once.
+tokenizer, a 337 KB answer (300,000 characters, 201,000 tokens) peaks at ~60 MB over the
+process's baseline (about 180 bytes per answer byte), 37 MB of it the tokenizer's own encoding
+(Rust: the ids with a string, offsets and masks per token), the rest the row's id lists (~36 bytes
+a token), the decode of the round-trip check and the packed row (870 KB). Rebuilt side by side in
+the hub's thread pool, eight such answers took a worker 400 MB over its baseline, and each pool
+thread's malloc arena kept its share after the answer was gone. Nothing the user set bounded it: a
+worker with 1,000 requests in flight could meet 1,000 of them at once.
 
 So an answer whose body is in waits here, in arrival order, until the answers being rebuilt and
 settled hold fewer than the room's bytes with it; an answer larger than the whole room goes alone.
@@ -17,8 +18,9 @@ lease so no other delivery asks again meanwhile, and never raises (a Redis blip 
 answer). Waiting costs nothing at ordinary sizes: 4 MiB (the default) is 400 answers of 10 KB.
 
 Together with ``SPECFLEET_MAX_ANSWER_BYTES`` (an answer over it is read and dropped, never kept
-whole; ``workers/openrouter.py``) a worker's memory for answers is about the room's bytes times
-the rebuild's factor (~130 with the demo tokenizer), plus the bodies still arriving.
+whole; ``workers/openrouter.py``) a worker's memory for answers is about 180 × the room's bytes
+(or × the largest answer, when one is larger than the room), plus the answers waiting for room
+(parsed text: 1 to 4 bytes a character) and the bodies still arriving.
 """
 
 from __future__ import annotations
