@@ -42,7 +42,7 @@ import msgpack
 import redis
 
 from common import keys
-from common.contract import CONTRACT_VERSION, TASK_NAME
+from common.contract import CONTRACT_VERSION, IDLE_QUEUE, TASK_NAME
 from common.logs import RedactSecrets
 from common.redis_client import UNREACHABLE, deadline
 
@@ -132,6 +132,11 @@ def admit(client: redis.Redis, raw: bytes, queue: str, *,
           unacked: tuple[str, str] | None = None) -> dict[str, Any] | None:
     """The envelope to deliver, or None: the message was dead-lettered (``unacked``: the unacked
     hash and index it was already recorded in, by workers/transport.py's multi-pop)."""
+    if not queue.startswith(keys.QUEUE_PREFIX) and queue != IDLE_QUEUE:
+        # Celery's own queues (a remote-control reply's routing key is its ticket, not the queue it
+        # is read from): checked as tasks they were all refused, so no `inspect`, Flower or worker
+        # healthcheck ever got an answer. Read as kombu reads them.
+        return json.loads(raw)
     try:
         return inspect(raw, queue)
     except Poison as poison:
