@@ -61,7 +61,9 @@
 --     request, no token, no row. Another delivery of the prompt has another lease: its answer was
 --     billed again and is counted again (billed is billed). A release records a marker only when it
 --     counts something (a repeat of an empty one adds nothing anyway). The markers expire
---     SETTLED_KEEP_S after the dataset's last outcome: longer than any replay a running fleet makes.
+--     SETTLED_KEEP_S (7 days) after the dataset's last outcome: a running worker replays its spool
+--     within seconds of Redis' return; only an entry left by a worker first started again after
+--     that would count twice.
 --
 -- ARGV[1] is the operation; the rest depends on it:
 --   reserve id lease now_ms ttl_ms worst_tokens worst_nusd prior prior_weight trust_rows
