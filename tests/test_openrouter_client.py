@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import queue
 import random
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -16,7 +18,14 @@ import gevent.queue
 import pytest
 from urllib3 import HTTPConnectionPool
 
-from common.errors import AccountRefusedError, FatalUpstreamError, MisconfiguredError, RetryableUpstreamError
+from common.errors import (
+    AccountRefusedError,
+    AnswerTooLargeError,
+    FatalUpstreamError,
+    MisconfiguredError,
+    RetryableUpstreamError,
+)
+from workers import retry
 from workers.openrouter import OpenRouterClient, chat_url, parse_retry_after_s
 from workers.retry import backoff_s
 from workers.upstream import Request
@@ -165,6 +174,43 @@ def test_connection_refused_is_retryable() -> None:
     with pytest.raises(RetryableUpstreamError) as err:
         _client("http://127.0.0.1:9").complete(_request())
     assert err.value.reason == "connection"
+
+
+def test_a_body_cut_mid_way_is_retryable() -> None:
+    """The body is read in chunks: a connection broken before its end is a retryable transport
+    failure, as when the whole body was read in one go (never an internal error failing the prompt)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"id\": ")
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with pytest.raises(RetryableUpstreamError) as err:
+            _client(f"http://127.0.0.1:{srv.getsockname()[1]}").complete(_request())
+        assert err.value.reason == "transport"
+    finally:
+        srv.close()
+
+
+def test_an_answer_over_max_answer_bytes_fails_with_what_it_was_billed(server: str) -> None:
+    big = {**OK, "choices": [{"finish_reason": "stop", "message": {"content": "x" * 300_000}}]}
+    _answer(200, big)
+    request = replace(_request(), max_answer_bytes=100_000)
+    with pytest.raises(AnswerTooLargeError) as err:
+        _client(server).complete(request)
+    assert err.value.reason == "answer_too_large" and "SPECFLEET_MAX_ANSWER_BYTES = 100,000" in err.value.detail
+    assert err.value.usage is not None and err.value.usage["cost"] == 0.001  # read from the body's tail
+    assert retry.RetryPolicy().decide(err.value, 1).reason == "answer_too_large"  # failed at once, not retried
+    client = _client(server)
+    assert client.complete(replace(request, max_answer_bytes=400_000)).content == "x" * 300_000
+    _answer(200, OK)
+    assert client.complete(request).content == "hi"  # the pooled connection is clean after it
 
 
 def test_backoff_is_jittered_exponential_and_honours_retry_after() -> None:

@@ -185,7 +185,9 @@ def _read_body(resp: requests.Response, *, max_bytes: int | None, until: float, 
     over = max_bytes is not None and declared is not None and declared.isdigit() and int(declared) > max_bytes
     buf = bytearray()
     size = 0
-    for chunk in resp.raw.stream(READ_CHUNK_BYTES, decode_content=True):
+    # requests' iterator, not urllib3's: it turns a read timeout or a connection broken mid-body
+    # into requests' exceptions, which complete() classifies.
+    for chunk in resp.iter_content(READ_CHUNK_BYTES):
         size += len(chunk)
         if time.monotonic() > until:
             raise requests.Timeout()
