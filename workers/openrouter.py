@@ -175,7 +175,7 @@ def _loads(raw: bytes | bytearray) -> Any:
         return None
 
 
-def _read_body(resp: requests.Response, *, max_bytes: int | None, until: float, timeout_s: float) -> bytes | bytearray:
+def _read_body(resp: requests.Response, *, max_bytes: int | None, until: float) -> bytearray:
     """The whole body, read in chunks against the attempt's deadline ``until`` (monotonic).
 
     Over ``max_bytes`` the rest is read and dropped, keeping only its last ``TAIL_BYTES``, where a
@@ -203,7 +203,7 @@ def _read_body(resp: requests.Response, *, max_bytes: int | None, until: float, 
             FAIL_ANSWER_TOO_LARGE,
             f"the answer is {size:,} bytes, over SPECFLEET_MAX_ANSWER_BYTES = {max_bytes:,}: billed, not kept",
             status=resp.status_code, usage=_usage_in_tail(buf))
-    return buf if buf else b""
+    return buf
 
 
 def _usage_in_tail(tail: bytes | bytearray) -> Usage | None:
@@ -292,7 +292,7 @@ class OpenRouterClient:
         return self._parse(status, headers, raw, request.model)
 
     def _post(self, body: bytes, *, timeout_s: float, max_bytes: int | None,
-              until: float) -> tuple[int, Any, bytes | bytearray]:
+              until: float) -> tuple[int, Any, bytearray]:
         """One POST through the session's adapter, from a request the session prepared once; the
         status, headers and body.
 
@@ -305,7 +305,7 @@ class OpenRouterClient:
         resp = self._adapter.send(prepared, stream=True, timeout=(min(CONNECT_TIMEOUT_S, timeout_s), timeout_s),
                                   verify=self._verify, proxies=self._session.proxies)
         try:
-            raw = _read_body(resp, max_bytes=max_bytes, until=until, timeout_s=timeout_s)
+            raw = _read_body(resp, max_bytes=max_bytes, until=until)
         except BaseException:
             resp.close()  # a body not read to its end: the connection is closed, its slot freed
             raise
