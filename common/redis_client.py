@@ -239,21 +239,28 @@ class ReplicaFence:
     def __init__(self) -> None:
         self._online = 0
         self._read_at = -float("inf")
+        self._read_outages = 0
         self._asking_since: float | None = None
+        self._asking_outages = 0
         self._paused_until = -float("inf")
 
     def wanted(self, pool: redis.ConnectionPool) -> int:
         now = time.monotonic()
         if now < self._paused_until:
             return 0
-        if now - self._read_at >= self.REFRESH_S:
-            self._read_at = now
+        # Read again after an outage too: the master may be another one now (a failover), whose
+        # replica is gone with the old master; the count of the old one would make fences wait.
+        if now - self._read_at >= self.REFRESH_S or CLOCK.outages != self._read_outages:
+            if CLOCK.outages != self._read_outages:
+                self._asking_since = None  # asked of this master from now on
+            self._read_at, self._read_outages = now, CLOCK.outages
             with contextlib.suppress(redis.RedisError):  # the fence itself will meet it
                 info = redis.Redis(connection_pool=pool).info("replication")
                 self._online = sum(1 for k, v in info.items()
                                    if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")
         if self._online and self._asking_since is None:
             self._asking_since = now
+            self._asking_outages = CLOCK.outages
         elif not self._online:
             self._asking_since = None
         return min(1, self._online)
@@ -262,6 +269,11 @@ class ReplicaFence:
         """A fence's reply; ``[local, 0]`` long after replicas were first asked for means it waited in vain."""
         since = self._asking_since
         if not (isinstance(answer, list) and len(answer) == 2 and answer[1] == 0 and since is not None):
+            return
+        if CLOCK.outages != self._asking_outages:
+            # A fence built before an outage and sent again after it (a retry runs the same
+            # pipeline) asked the old master's replica count of the new master: no sign of a
+            # replica without AOF. (Those batches wait the fence's timeout once per failover.)
             return
         if time.monotonic() - since > 2 * WAITAOF_TIMEOUT_MS / 1000:  # not a reply to a fence asked for none
             self._paused_until = time.monotonic() + self.PAUSE_S

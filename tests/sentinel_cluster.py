@@ -39,8 +39,9 @@ def sentinel_binary() -> str:
 
 
 class SentinelCluster:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, replica_aof: bool = True) -> None:
         self.root = root
+        self.replica_aof = replica_aof
         self.data_ports = [free_port(), free_port()]
         self.sentinel_ports = [free_port() for _ in range(3)]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -64,6 +65,8 @@ class SentinelCluster:
                 argv += [f"--{key}", value]
             if i:
                 argv += ["--replicaof", "127.0.0.1", str(master_port)]
+                if not self.replica_aof:
+                    argv += ["--appendonly", "no"]
             self._spawn(f"data{i}", argv)
         for i, port in enumerate(self.sentinel_ports):
             conf = self.root / f"sentinel{i}.conf"  # Sentinel rewrites its file: one each

@@ -7,21 +7,25 @@ the producer, every one given the same ``sentinel://`` REDIS_URL), and SIGKILL t
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+import requests
 from kombu.transport import redis as kombu_redis
 
+from common import redis_client
 from common.celeryconf import celery_config
 from common.errors import ConfigError
-from common.redis_client import connect, fence_command
+from common.redis_client import ReplicaFence, connect, fence_command, fence_failed
 from common.redis_url import parse
 from common.settings import Settings
-from tests.fleet import Fleet, read_summary
-from tests.sentinel_cluster import SentinelCluster
+from tests.fleet import Fleet, free_port, read_summary
+from tests.sentinel_cluster import MASTER_NAME, SentinelCluster
 
 URL = "sentinel://:s%40cret@h1:26379;sentinel://h2:26380;sentinel://h3/2?master_name=mymaster"
 
@@ -106,7 +110,17 @@ def cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
         deployment.stop()
 
 
-def test_a_fence_behind_sentinel_waits_for_the_replicas_aof_while_one_is_online(cluster: SentinelCluster) -> None:
+@pytest.fixture
+def replica_fence(monkeypatch: pytest.MonkeyPatch) -> ReplicaFence:
+    """This test's own replica count (the process's is shared by every client, as in a worker)."""
+    fence = ReplicaFence()
+    monkeypatch.setattr(redis_client, "REPLICAS", fence)
+    return fence
+
+
+def test_a_fence_behind_sentinel_waits_for_the_replicas_aof_while_one_is_online(
+    cluster: SentinelCluster, replica_fence: ReplicaFence,
+) -> None:
     client = connect(cluster.url, 30)
     pipe = client.pipeline(transaction=False)
     pipe.set("k", "v")
@@ -122,6 +136,31 @@ def test_a_fence_behind_sentinel_waits_for_the_replicas_aof_while_one_is_online(
     pipe.execute_command(*fence_command(pipe))
     assert pipe.execute()[-1] == [1, 0]
     assert client.get("k") == b"v"  # the fenced write survived the failover
+
+
+def test_a_replica_without_aof_costs_one_wait_and_a_warning_not_every_fence(
+    tmp_path: Path, replica_fence: ReplicaFence, caplog: pytest.LogCaptureFixture,
+) -> None:
+    deployment = SentinelCluster(tmp_path, replica_aof=False)
+    try:
+        deployment.start()
+        client = connect(deployment.url, 30)
+        replies = []
+        deadline = time.monotonic() + 60
+        while not caplog.records and time.monotonic() < deadline:
+            pipe = client.pipeline(transaction=False)
+            pipe.set("k", "v")
+            pipe.execute_command(*fence_command(pipe))
+            replies.append(pipe.execute()[-1])
+            assert not fence_failed(replies[-1])  # what every caller does with the reply
+        assert replies and all(r == [1, 0] for r in replies), replies  # the replica never confirms
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "appendonly no on the replicas?" in warnings[0], warnings
+        pipe = client.pipeline(transaction=False)
+        pipe.set("k2", "v2")
+        assert fence_command(pipe) == ("WAITAOF", 1, 0, redis_client.WAITAOF_TIMEOUT_MS)  # paused
+    finally:
+        deployment.stop()
 
 
 def test_a_connection_that_lost_the_old_master_sends_its_next_command_to_the_new_one(
@@ -141,6 +180,67 @@ def test_a_connection_that_lost_the_old_master_sends_its_next_command_to_the_new
     assert conn.port == cluster.master_port() != old
     client.connection_pool.release(conn)
     assert client.get("after") == b"failover"
+
+
+def test_a_demoted_master_is_left_for_the_promoted_replica(cluster: SentinelCluster) -> None:
+    """A manual failover keeps the old master running, as a replica: a client still on it gets
+    READONLY (or its connection closed by the Sentinels); either way the write goes to the new master."""
+    client = connect(cluster.url, 60)
+    pipe = client.pipeline(transaction=False)
+    pipe.set("before", "1")
+    pipe.execute_command(*fence_command(pipe))
+    pipe.execute()
+    old = cluster.master_port()
+    redis.Redis(port=cluster.sentinel_ports[0], socket_timeout=5).execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
+    cluster.wait_until(lambda: cluster.master_port() not in (None, old), 60, "the replica is promoted")
+    cluster.wait_until(lambda: redis.Redis(port=old).info("replication")["role"] == "slave", 60,
+                       "the old master is a replica")
+    assert client.set("after", "2")  # on a pooled connection that was the old master's
+    assert client.get("before") == b"1"
+    new = client.connection_pool.get_master_address()
+    assert new[1] == cluster.master_port() != old
+    assert redis.Redis(port=new[1]).get("after") == b"2"
+
+
+@pytest.mark.fleet
+def test_flower_the_exporter_and_status_read_the_same_sentinel_url(tmp_path: Path, cluster: SentinelCluster) -> None:
+    fleet = Fleet(tmp_path, cluster.url)
+    try:
+        fleet.start_worker("w1", concurrency=5)
+        flower_port, metrics_port = free_port(), free_port()
+        fleet._spawn("flower", [sys.executable, "-m", "celery", "-A", "workers", "flower", f"--port={flower_port}",
+                                "--address=127.0.0.1"], fleet.env(FLOWER_UNAUTHENTICATED_API="true"))
+        fleet._spawn("exporter", [sys.executable, "-m", "producer.cli", "exporter", "--port", str(metrics_port)],
+                     fleet.env())
+        fleet.wait_ready("w1")
+        flower = f"http://127.0.0.1:{flower_port}"
+
+        def worker_listed() -> bool:
+            try:
+                return "w1@" in "".join(requests.get(flower + "/api/workers", params={"refresh": 1}, timeout=10).json())
+            except (requests.RequestException, ValueError):
+                return False
+
+        cluster.wait_until(worker_listed, 90, "Flower lists the worker (control commands through Sentinel)")
+        # Flower's broker view (queue lengths) finds the master through Sentinel on its own.
+        lengths = requests.get(flower + "/api/queues/length", timeout=10)
+        assert lengths.status_code == 200 and "active_queues" in lengths.json(), lengths.text
+
+        def metrics() -> str:
+            try:
+                return requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+            except requests.RequestException:
+                return ""
+
+        cluster.wait_until(lambda: "specfleet_redis_up 1.0" in metrics(), 60, "the exporter reads Redis")
+        status = subprocess.run([sys.executable, "-m", "producer.cli", "status"], env=fleet.env(),
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 1 and "no run in this Redis" in status.stdout, status  # it asked the master
+    except BaseException:
+        print(fleet.all_logs())
+        raise
+    finally:
+        fleet.stop_all()
 
 
 def _rows(client: redis.Redis, dataset: str) -> int:
