@@ -49,9 +49,11 @@ LATEST := .venv-latest
 test-latest: install $(QWEN3)/tokenizer_config.json  ## every test on the newest releases pyproject.toml allows (.venv-latest)
 	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
 	$(UV) pip install -q --python $(LATEST)/bin/python --upgrade --resolution highest -e ".[dev]"
-	$(UV) pip freeze -q --python $(BIN)/python --exclude-editable > $(LATEST)/lock.txt
-	$(UV) pip freeze -q --python $(LATEST)/bin/python --exclude-editable > $(LATEST)/latest.txt
-	@echo "newer than uv.lock (- lock, + latest):"; diff $(LATEST)/lock.txt $(LATEST)/latest.txt | grep '^[<>]' | sed 's/^</ -/; s/^>/ +/' || echo " nothing: the lock is the newest"
+	@$(UV) pip freeze -q --python $(BIN)/python --exclude-editable | grep -v '^pip==' > $(LATEST)/lock.txt
+	@$(UV) pip freeze -q --python $(LATEST)/bin/python --exclude-editable | grep -v '^pip==' > $(LATEST)/latest.txt
+	@diff $(LATEST)/lock.txt $(LATEST)/latest.txt | sed -n 's/^< / - /p; s/^> / + /p' > $(LATEST)/newer.txt || true
+	@if [ -s $(LATEST)/newer.txt ]; then echo "releases newer than uv.lock (- locked, + latest):"; cat $(LATEST)/newer.txt; \
+	 else echo "the newest releases the ranges allow are the locked ones ($$(wc -l < $(LATEST)/latest.txt) packages)"; fi
 	SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(LATEST)/bin/python -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 # A real Docker engine (started, and installed with apt, if none runs), the README's compose quick
