@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from functools import cache
@@ -356,6 +357,55 @@ def test_image_is_slim_non_root_with_a_healthcheck() -> None:
                                       "--own", "/out", "--"]
     assert ["ops/docker/as-owner", "/usr/local/bin/specfleet-as-owner"] in copies
     assert all("user" not in s for n, s in rendered("sim")["services"].items() if n not in ("producer", "redis"))
+
+
+AS_OWNER = REPO / "ops" / "docker" / "as-owner"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as-owner drops root: needs root")
+@pytest.mark.parametrize("explicit", [False, True], ids=["owner-of-config", "SPECFLEET_UID"])
+def test_as_owner_creates_out_and_runs_the_producer_as_the_files_owner(explicit: bool) -> None:
+    """The producer's entrypoint, as compose runs it (root, ./out missing so Docker made nothing):
+    /out is created and given to the config folder's owner (or SPECFLEET_UID:GID), and the command
+    runs as that user, so every file it writes is theirs."""
+    root = Path(tempfile.mkdtemp(prefix="as-owner-"))  # pytest's tmp_path is 0700 root's: not for another uid
+    os.chmod(root, 0o755)
+    config, out = root / "config", root / "out" / "nested"
+    config.mkdir()
+    os.chown(config, 12345, 23456)
+    uid, gid = ("4321", "8765") if explicit else ("", "")
+    write = "import os, sys; open(sys.argv[1] + '/row', 'w').write('x'); print(os.getuid(), os.getgid(), " \
+        "os.getgroups())"
+    proc = subprocess.run(["/usr/bin/python3", str(AS_OWNER), "--uid", uid, "--gid", gid, "--owner-of", str(config),
+                           "--own", str(out), "--", "/usr/bin/python3", "-c", write, str(out)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    want = (4321, 8765) if explicit else (12345, 23456)
+    assert proc.stdout.split()[:2] == [str(want[0]), str(want[1])] and "[]" in proc.stdout  # no root group left
+    assert (out.stat().st_uid, out.stat().st_gid) == want
+    assert ((out / "row").stat().st_uid, (out / "row").stat().st_gid) == want
+    assert f"as-owner: running as {want[0]}:{want[1]}" in proc.stderr
+    shutil.rmtree(root)
+
+
+def test_as_owner_only_execs_when_not_root() -> None:
+    """Kubernetes or a `user:` of the user's: not root, nothing to drop; the command runs as it is."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="as-owner-"))
+    if os.geteuid() == 0:
+        # As root, be someone else for this run: the image's uid.
+        def preexec() -> None:
+            os.setgid(10001)
+            os.setuid(10001)
+    else:
+        preexec = None  # type: ignore[assignment]
+    os.chmod(tmp_path, 0o777)
+    proc = subprocess.run(["/usr/bin/python3", str(AS_OWNER), "--owner-of", str(tmp_path), "--own", str(tmp_path / "o"),
+                           "--", "/usr/bin/python3", "-c", "import os; print(os.getuid())"],
+                          capture_output=True, text=True, timeout=60, check=False, preexec_fn=preexec)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(10001 if os.geteuid() == 0 else os.geteuid())
+    assert not (tmp_path / "o").exists() and "as-owner:" not in proc.stderr
+    shutil.rmtree(tmp_path)
 
 
 def test_ports_are_published_on_loopback_by_default() -> None:
