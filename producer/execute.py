@@ -4,16 +4,21 @@ have a config and a Redis. Exit codes live here, next to the only code that choo
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.config import RunConfig
-from common.errors import OutputError, ProducerFenced
-from common.redis_client import RedisOutage, connect, describe
+from common.errors import OutputError, ProducerFenced, RedisRefusesWrites
+from common.redis_client import CLOCK, RedisOutage, connect, describe
 from common.settings import Settings
 
 if TYPE_CHECKING:
     from producer.plan import PendingPlan
+    from producer.run import Runner
 
 log = logging.getLogger("specfleet")
 
@@ -22,6 +27,14 @@ EXIT_HALTED = 3
 EXIT_REDIS_UNREACHABLE = 4
 #: Another producer took the lock (a newer generation) while this one was paused: it wrote nothing more.
 EXIT_FENCED = 5
+#: Redis took no writes (full, or a read-only replica) for the whole retry window.
+EXIT_REDIS_REFUSES_WRITES = 6
+#: SIGTERM/SIGINT while Redis was unreachable: the rows written are durable on disk, Redis could not be told.
+EXIT_STOPPED_REDIS_AWAY = 7
+#: How long after SIGTERM/SIGINT a producer that cannot reach Redis exits at the latest. What it
+#: wrote is durable on disk already (each batch with its checkpoint) and Redis cannot be told
+#: anything: waiting for the retry window would only keep the process alive for minutes.
+STOP_WHILE_AWAY_S = 5.0
 #: A scrape must answer within Prometheus' timeout: the exporter waits this long for Redis per
 #: scrape, then reports specfleet_redis_up 0 (and keeps serving).
 SCRAPE_REDIS_WINDOW_S = 3.0
@@ -60,6 +73,8 @@ def execute(
         tuning=Tuning(stall_s=stall_s) if stall_s else Tuning(),
         plan=plan,
     )
+    threading.Thread(target=_stop_while_away, args=(runner, redis_url, cfg.output.dir), name="stop-watch",
+                     daemon=True).start()
     try:
         summaries = runner.run()
     except Interrupted:
@@ -68,10 +83,19 @@ def execute(
     except Halted as exc:
         print(f"specfleet: halted: {exc}", file=sys.stderr)
         return EXIT_HALTED
+    except RedisRefusesWrites as exc:
+        if runner.interrupted:
+            print("interrupted: state is kept in Redis; run the same command again to resume", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        print(f"specfleet: stopped: {exc.what}; nothing was lost: run the same command again once Redis takes "
+              "writes (SPECFLEET_REDIS_RETRY_WINDOW_S sets how long to wait)", file=sys.stderr)
+        return EXIT_REDIS_REFUSES_WRITES
     except ProducerFenced as exc:
         print(f"specfleet: stopped: {exc}", file=sys.stderr)
         return EXIT_FENCED
     except RedisOutage as exc:
+        if runner.interrupted:
+            return _stopped_while_away(redis_url, cfg.output.dir)
         print(f"specfleet: stopped: {exc} at {describe(redis_url)}; the state is kept in Redis and "
               f"{cfg.output.dir}: run the same command again once Redis is back "
               "(SPECFLEET_REDIS_RETRY_WINDOW_S sets how long to wait)", file=sys.stderr)
@@ -89,3 +113,26 @@ def execute(
         print(report_line(s))
     print(f"rows: {cfg.output.dir}/<dataset>/shard-*.jsonl · report: {report}")
     return 0
+
+
+def _stopped_while_away(redis_url: str, out_dir: Path) -> int:
+    print(f"specfleet: stopped while Redis at {describe(redis_url)} was unreachable: every row written is "
+          f"durable in {out_dir} (with its checkpoint); Redis could not be told, and the producer lock "
+          "expires by itself: run the same command again once Redis is back", file=sys.stderr, flush=True)
+    return EXIT_STOPPED_REDIS_AWAY
+
+
+def _stop_while_away(runner: Runner, redis_url: str, out_dir: Path) -> None:
+    """Once stopping, a producer whose Redis is unreachable exits within ``STOP_WHILE_AWAY_S``:
+    its threads would otherwise wait in their retries for the whole window. It exits hard, once no
+    batch is half written (the folder is as after a crash: recovery needs nothing from Redis)."""
+    runner.wait_interrupted()
+    stop_by = time.monotonic() + STOP_WHILE_AWAY_S
+    while time.monotonic() < stop_by or CLOCK.down_since is None:
+        time.sleep(0.1)
+    from producer.rows import stop_writing
+
+    stop_writing(timeout_s=2.0)
+    code = _stopped_while_away(redis_url, out_dir)
+    logging.shutdown()
+    os._exit(code)

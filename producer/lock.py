@@ -15,17 +15,19 @@ generation that wrote it, and a writer of an older one is refused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 
 from common.errors import ConfigError, ProducerFenced
 from common.keys import PRODUCER_GENERATION, PRODUCER_LOCK
+from producer.refusals import WriteHold
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +107,10 @@ def parse_token(token: str) -> tuple[int, str]:
 
 
 class ProducerLock:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, hold: WriteHold | None = None) -> None:
+        """``hold``: waits out a Redis that refuses writes (``producer/refusals.py``)."""
         self._client = client
+        self._hold = hold
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.token = ""
         self.generation = 0
@@ -121,8 +125,8 @@ class ProducerLock:
         (the output folder's: a Redis that lost the counter must not hand out an old one again)."""
         replace = ""
         for _ in range(2):
-            ok, value = self._acquire(keys=[PRODUCER_LOCK, PRODUCER_GENERATION],
-                                      args=[self.owner, LOCK_TTL_S * 1000, floor_generation, replace])
+            ok, value = self._held(functools.partial(self._acquire, keys=[PRODUCER_LOCK, PRODUCER_GENERATION],
+                                                     args=[self.owner, LOCK_TTL_S * 1000, floor_generation, replace]))
             value = value.decode() if isinstance(value, bytes) else str(value)
             if int(ok):
                 self.token = value
@@ -136,7 +140,7 @@ class ProducerLock:
                 break
             replace = value
         raise ConfigError(
-            f"another producer ({parse_token(value)[1]}) is running against this Redis; "
+            f"another producer ({value}) is running against this Redis; "
             f"stop it or wait {LOCK_TTL_S} s after it died"
         )
 
@@ -144,7 +148,7 @@ class ProducerLock:
         args: list[Any] = [self.token, LOCK_TTL_S * 1000, mode]
         for command in commands:
             args += [len(command), *command]
-        reply = self._fenced(keys=[PRODUCER_LOCK, PRODUCER_GENERATION], args=args)
+        reply = self._held(lambda: self._fenced(keys=[PRODUCER_LOCK, PRODUCER_GENERATION], args=args))
         status = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
         if status == "fenced":
             holder = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
@@ -158,6 +162,9 @@ class ProducerLock:
                         "other producer took it: taken again (generation %d)", LOCK_TTL_S, self.generation)
         self.confirmed_s = time.monotonic()
         return list(reply[1:])
+
+    def _held(self, call: Callable[[], Any]) -> Any:
+        return call() if self._hold is None else self._hold(call)
 
     def refresh(self) -> None:
         """Extend the lease; ``ProducerFenced`` if another producer holds it or took a newer generation."""

@@ -22,6 +22,7 @@ import fcntl
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -39,6 +40,14 @@ CHECKPOINT = ".checkpoint.json"
 FOLDER_LOCK = ".lock"
 #: How often a writer waiting for the folder's lock says so.
 FOLDER_LOCK_NOTICE_S = 10.0
+#: Held by every batch write of this process: ``stop_writing`` takes it for good before a hard exit.
+_WRITING = threading.Lock()
+
+
+def stop_writing(timeout_s: float) -> bool:
+    """No batch of this process is half written once this returns True, and none starts after:
+    for a process that must exit at once (``os._exit``) without leaving a torn line."""
+    return _WRITING.acquire(timeout=timeout_s)
 
 
 class Fence(Protocol):
@@ -273,7 +282,8 @@ class JsonlShards:
                 rows = rows[first:]  # written by the other producer already
             if stream_id(last_id) <= stream_id(disk.last_id):
                 return
-            self._write(rows, last_id)
+            with _WRITING:
+                self._write(rows, last_id)
 
     def _write(self, rows: Sequence[dict[str, Any]], last_id: str) -> None:
         # The new checkpoint is built aside and adopted only once it is on disk: a failed write

@@ -36,6 +36,7 @@ from producer.collector import Collector
 from producer.enqueue import push
 from producer.lock import ProducerLock
 from producer.plan import PendingPlan
+from producer.refusals import WriteHold
 from producer.rows import RowWriter, atomic_write, disk_generation, output_error
 from producer.state import DatasetState, read_state
 from producer.summary import Summary, report_line, throttle_summary
@@ -128,11 +129,14 @@ class Runner:
         self.tuning = tuning or Tuning()
         self.config_id = cfg.config_id()
         self.out_dir = cfg.output.dir
-        self.lock = ProducerLock(client)
+        self._interrupted = threading.Event()
+        #: Every write of the producer waits out a Redis that refuses writes (full, a replica).
+        self.hold = WriteHold(retry_window_s(client), where(client), notice=self._show,
+                              abort=self._interrupted.is_set)
+        self.lock = ProducerLock(client, self.hold)
         self.collector = Collector(client, self.out_dir, cfg.output.shard_rows, fence=self.lock)
         self.throttle = FleetThrottle(client)
         self._runs: list[DatasetRun] = []
-        self._interrupted = threading.Event()
         self._last_sample_s = 0.0
         self._last_reap_s = 0.0
         self._outages_seen = 0
@@ -143,6 +147,15 @@ class Runner:
         self._started_s = time.monotonic()
         #: Leases of every dataset at the last sample: the first wave has left once they stop growing.
         self._last_in_flight = 0
+
+    @property
+    def interrupted(self) -> bool:
+        """SIGTERM/SIGINT arrived: the run is stopping."""
+        return self._interrupted.is_set()
+
+    def wait_interrupted(self) -> None:
+        """Until SIGTERM/SIGINT arrives."""
+        self._interrupted.wait()
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -160,30 +173,24 @@ class Runner:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise output_error(self.out_dir, exc) from None
-        self.client.set(keys.config(self.config_id), self.cfg.worker_view().model_dump_json())
-        if self.client.delete(keys.HALT):
+        hold = self.hold
+        hold(lambda: self.client.set(keys.config(self.config_id), self.cfg.worker_view().model_dump_json()))
+        if hold(lambda: self.client.delete(keys.HALT)):
             log.warning("cleared the halt of an earlier run: resuming")
-        self.client.delete(keys.MISCONFIG_STREAK)  # a fresh start: only this run's misses count
+        hold(lambda: self.client.delete(keys.MISCONFIG_STREAK))  # a fresh start: only this run's misses count
         # This run's provider, this run's 429s; and no request before the plan clears the run (it
         # lifts the hold the moment it does, or at once if it has already).
-        self.throttle.reset(self.cfg.request.throttle(), hold=self._plan is not None and not self._plan.cleared())
+        hold(lambda: self.throttle.reset(self.cfg.request.throttle(),
+                                         hold=self._plan is not None and not self._plan.cleared()))
         if self._plan is not None:
             self._plan.on_clear(self._plan_cleared)
-        self.client.set(
-            keys.CURRENT_RUN,
-            json.dumps(
-                {
-                    "config_id": self.config_id,
-                    "datasets": [d.name for d in self.cfg.datasets],
-                    "started_s": time.time(),
-                    "out_dir": str(self.out_dir),
-                }
-            ),
-        )
+        current = json.dumps({"config_id": self.config_id, "datasets": [d.name for d in self.cfg.datasets],
+                              "started_s": time.time(), "out_dir": str(self.out_dir)})
+        hold(lambda: self.client.set(keys.CURRENT_RUN, current))
         self.collector.start()
         fenced = False
         CLOCK.observe(self._outage_notice)
-        spent = open_run(self.client, self.cfg.run.budget_usd, [d.name for d in self.cfg.datasets])
+        spent = hold(lambda: open_run(self.client, self.cfg.run.budget_usd, [d.name for d in self.cfg.datasets]))
         if self.cfg.run.budget_usd:
             log.info("run budget $%.2f, $%.4f spent so far", self.cfg.run.budget_usd, spent)
         try:
@@ -233,7 +240,7 @@ class Runner:
                 if not r.end_reason:
                     self._end_admission(r, "refused")
             raise
-        self.throttle.unhold()
+        self.hold(self.throttle.unhold)
         self._plan_passed = True
         log.info("plan passed %.2f s after the start: %s", time.monotonic() - self._started_s,
                  "requests had started already" if self._plan.cleared_early else "requests start")
@@ -258,7 +265,10 @@ class Runner:
         if outage == self._outage_shown and elapsed_s - self._outage_shown_s < OUTAGE_NOTICE_EVERY_S:
             return
         self._outage_shown, self._outage_shown_s = outage, elapsed_s
-        text = f"Redis unreachable, retrying ({elapsed_s:.0f} s)"
+        self._show(f"Redis unreachable, retrying ({elapsed_s:.0f} s)")
+
+    def _show(self, text: str) -> None:
+        """A state line (Redis away, Redis refusing writes): on the progress view, or logged."""
         if self.progress is not None and hasattr(self.progress, "notice"):
             self.progress.notice(text)
         else:
@@ -318,7 +328,7 @@ class Runner:
         self._restore_from_disk(budget, sink.writer, ds.regenerate)
         # Failures of an earlier run get another chance; the queue is rebuilt from the file below.
         self.lock.write(("DEL", k.failed, k.queue))
-        kept, rows = budget.open(ds.budget_tokens, ds.budget_usd, self.cfg.run.budget_mode)
+        kept, rows = self.hold(lambda: budget.open(ds.budget_tokens, ds.budget_usd, self.cfg.run.budget_mode))
         run.resumed_rows = rows
         log.info(
             "%s: start (%s, %s budget %s tokens%s%s)", ds.name, ds.length, self.cfg.run.budget_mode,
@@ -359,7 +369,7 @@ class Runner:
         Redis lost kept rows the shards hold (a server without persistence restarted): rebuilt from
         the shards. Redis counts rows the shards lack (written over by a producer that had lost its
         lock, or a folder emptied by hand): those prompts are asked again."""
-        if budget.agrees_with(writer.last_id, writer.rows):
+        if self.hold(lambda: budget.agrees_with(writer.last_id, writer.rows)):
             return
         rows_in_redis = budget.snapshot().rows
         ids: list[str] = []
@@ -378,7 +388,7 @@ class Runner:
                                                   use_bin_type=True)
                 if end:
                     ended.append(row["id"])
-        changed = budget.reconcile(writer.last_id, ids, tokens, costs)
+        changed = self.hold(lambda: budget.reconcile(writer.last_id, ids, tokens, costs))
         if changed is None:
             return
         rows, lost = changed
@@ -387,11 +397,11 @@ class Runner:
                         "hold either: those prompts are asked again (the shards hold %s rows)", budget.keys.dataset,
                         f"{lost:,}", f"{writer.rows:,}")
         if rows_in_redis < rows:
-            log.warning("%s: Redis knew %d kept rows, the shards and the stream hold %d: restored from the shards "
+            log.warning("%s: Redis knew %d kept rows, the shards and the stream hold %d: restoring from the shards "
                         "(dollars from the rows' usage.cost: billed answers that were not kept are not on disk)",
                         budget.keys.dataset, rows_in_redis, rows)
         if turns:
-            restore_turns(self.client, budget.keys, turns, ended)
+            self.hold(lambda: restore_turns(self.client, budget.keys, turns, ended))
 
     def _enqueue(self, run: DatasetRun, batch: list[Prompt]) -> int:
         done = self.client.smismember(_outcome_key(run), [p.id for p in batch])
@@ -440,7 +450,7 @@ class Runner:
             self._last_reap_s = now
             self.lock.refresh()
             for r in self._runs:
-                if r.finished_s is None and (n := r.budget.reap()):
+                if r.finished_s is None and (n := self.hold(r.budget.reap)):
                     log.warning("%s: reclaimed %d expired lease(s) of dead workers", r.name, n)
         states = {r.name: read_state(self.client, r.name) for r in self._runs if r.finished_s is None}
         for r in self._runs:
@@ -528,7 +538,7 @@ class Runner:
         self.lock.write(("HDEL", keys.ACTIVE_QUEUES, k.queue))
         if reason not in BUDGET_END_REASONS.values():
             self.lock.refresh()
-            run.budget.close()
+            self.hold(run.budget.close)
         purged = int(self.lock.write(("LLEN", k.queue), ("DEL", k.queue))[0])
         try:
             self.app.control.cancel_consumer(k.queue)
@@ -547,10 +557,10 @@ class Runner:
         elif self._top_up(run, st):
             return
         self.lock.refresh()  # what follows (the budget's close, the summary) is this producer's to write
-        run.budget.close()
+        self.hold(run.budget.close)
         run.finished_s = now
         final = run.final_state = read_state(self.client, run.name)
-        self.client.rpush(run.budget.keys.timeline, json.dumps(final.to_json()))  # the plot ends where it did
+        self.lock.write(("RPUSH", run.budget.keys.timeline, json.dumps(final.to_json())))  # the plot ends where it did
         self._finalize(run, final)
         if self.progress is not None and hasattr(self.progress, "finish"):
             self.progress.finish(final, run.end_reason)  # the last frame shows how it ended
@@ -571,7 +581,7 @@ class Runner:
             return False
         room = st.limit - st.kept_tokens
         self.lock.refresh()
-        run.budget.open(run.cfg.budget_tokens, run.cfg.budget_usd, self.cfg.run.budget_mode)
+        self.hold(lambda: run.budget.open(run.cfg.budget_tokens, run.cfg.budget_usd, self.cfg.run.budget_mode))
         self._follow(run.budget.keys.queue)
         queued = self._sweep(run)
         if not queued:
@@ -652,6 +662,17 @@ class Runner:
         run.summary = summary
         atomic_write(self._dataset_dir(run) / "summary.json", summary.dumps())
         log.info("%s", report_line(summary))
+
+
+def retry_window_s(client: redis.Redis) -> float:
+    """The client's retry window (``SPECFLEET_REDIS_RETRY_WINDOW_S``): how long any wait for Redis lasts."""
+    return float(getattr(client.get_retry(), "window_s", 300.0))
+
+
+def where(client: redis.Redis) -> str:
+    """``host:port/db`` of the client's server, for the lines that name it."""
+    kw = client.connection_pool.connection_kwargs
+    return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
 
 
 def _outcome_key(run: DatasetRun) -> str:

@@ -61,7 +61,16 @@ def test_a_folder_that_refuses_writes_stops_cleanly_and_the_rerun_writes_each_ro
 
     # Every kept row that did not reach the disk is still in the results stream.
     path = fleet.out / "F" / ".checkpoint.json"
-    checkpoint = json.loads(path.read_text()) if path.exists() else {"rows": 0, "last_id": "0-0"}
+    checkpoint = json.loads(path.read_text()) if path.exists() else {"rows": 0, "last_id": "0-0", "shard": 0,
+                                                                      "offset": 0}
+    # And no torn line waits for the rerun: the failed write was cut back to the last durable offset
+    # at once, so a reader of the folder meanwhile reads whole rows only.
+    for shard in sorted((fleet.out / "F").glob("shard-*.jsonl")):
+        data = shard.read_bytes()
+        assert not data or data.endswith(b"\n"), f"{shard.name}: torn last line ({len(data):,} bytes)"
+        assert all(json.loads(line) for line in data.splitlines())
+    open_shard = fleet.out / "F" / f"shard-{checkpoint['shard']:05d}.jsonl"
+    assert (open_shard.stat().st_size if open_shard.exists() else 0) == checkpoint["offset"]
     assert checkpoint["rows"] < n, "the limit must have hit before the run's rows were all on disk"
     waiting = redis_client.xrange("specfleet:ds:F:results", min="(" + checkpoint["last_id"])
     assert len(waiting) == n - checkpoint["rows"]

@@ -64,6 +64,13 @@ def assert_disk_whole(fleet: Fleet, n: int) -> None:
     assert _checkpoint(fleet)["rows"] == lines == n
 
 
+def disk_report(fleet: Fleet, n: int) -> str:
+    ids = Counter(r["id"] for r in read_rows(fleet.out, DATASET))
+    lines = sum(s.read_bytes().count(b"\n") for s in (fleet.out / DATASET).glob("shard-*.jsonl"))
+    return (f"{n - len(ids)} of {n} prompts missing, {sum(1 for c in ids.values() if c > 1)} twice, "
+            f"checkpoint rows {_checkpoint(fleet)['rows']} over {lines} lines")
+
+
 def _stopped_line(fleet: Fleet, name: str) -> str:
     text = fleet.log(name)
     assert "Traceback" not in text, text
@@ -87,9 +94,8 @@ def test_a_producer_paused_past_its_lock_writes_nothing_once_another_took_over(
         a_rows = int(_checkpoint(fleet)["rows"])
         _wait(lambda: not redis_client.exists(LOCK), 30, "A's lock to expire", fleet)
         b = fleet.start_producer(config, "B")
-        # B has taken the lock and written rows of its own over A's checkpoint.
-        _wait(lambda: int(_checkpoint(fleet)["rows"]) > a_rows + 20 and
-              int(_checkpoint(fleet).get("generation", 0)) > 1, 120, "B's rows on disk", fleet)
+        # B has taken the lock and written rows of its own past A's checkpoint.
+        _wait(lambda: int(_checkpoint(fleet)["rows"]) > a_rows + 20, 120, "B's rows on disk", fleet)
         if b_done_first:
             assert b.wait(timeout=180) == 0, fleet.all_logs()
             before = _folder_digest(fleet)
@@ -102,13 +108,16 @@ def test_a_producer_paused_past_its_lock_writes_nothing_once_another_took_over(
         a.wait(timeout=60)
     except subprocess.TimeoutExpired:
         raise AssertionError("A did not stop after it resumed\n" + fleet.all_logs()) from None
+    if not b_done_first:
+        b.wait(timeout=180)
+    print(f"A resumed: exit {a.returncode}; on disk: {disk_report(fleet, n)}")
     assert a.returncode == EXIT_FENCED, f"A exit {a.returncode}\n{fleet.all_logs()}"
     line = _stopped_line(fleet, "A")
     assert "another producer" in line and "generation" in line, line
     if b_done_first:
         assert _folder_digest(fleet) == before, "A wrote to the output folder after it lost the lock"
     else:
-        assert b.wait(timeout=180) == 0, fleet.all_logs()
+        assert b.returncode == 0, fleet.all_logs()
     assert_disk_whole(fleet, n)
     fleet.assert_exactly_once(redis_client, DATASET, n)
     # Nothing was asked twice: no worker was killed, and the stale producer queued nothing.
@@ -154,8 +163,9 @@ def test_a_rerun_asks_again_for_rows_redis_counts_but_the_folder_lost(
     asked = fleet.sim_stats()["requests"]
 
     out = fleet.run_producer(config, name="rerun")
-    assert "37 kept rows the shards do not hold" in out, out
+    print(f"after the rerun: {disk_report(fleet, n)}; asked again {fleet.sim_stats()['requests'] - asked}")
     assert_disk_whole(fleet, n)
+    assert "37 kept rows the shards do not hold" in out, out
     fleet.assert_exactly_once(redis_client, DATASET, n)
     summary = read_summary(fleet.out, DATASET)
     assert summary["results"] == n and summary["results_this_run"] == 37, summary
