@@ -17,16 +17,15 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from redis.exceptions import OutOfMemoryError, ReadOnlyError
+from redis.exceptions import ReadOnlyError
 
 from common.errors import RedisRefusesWrites
+from common.redis_client import REFUSED_WRITES
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Redis' answers that mean "there, but not taking writes now".
-REFUSALS = (OutOfMemoryError, ReadOnlyError)
 BACKOFF_BASE_S = 0.1
 BACKOFF_CAP_S = 2.0
 NOTICE_EVERY_S = 5.0
@@ -60,7 +59,7 @@ class WriteHold:
         while True:
             try:
                 result = write()
-            except REFUSALS as exc:
+            except REFUSED_WRITES as exc:
                 failures += 1
                 self._refused(exc)
                 time.sleep(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** min(failures, 8)))
