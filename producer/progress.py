@@ -165,9 +165,10 @@ class ProgressView:
         else:
             self._plain(states, rates, throttle)
 
-    def finish(self, state: DatasetState, end_reason: str = "") -> None:
+    def finish(self, state: DatasetState, end_reason: str = "", throttle: ThrottleSnapshot | None = None) -> None:
         """The dataset's final state (read once it was finalized): its bar (or a last plain line)
-        shows these figures and "done" from now on, whatever a later, older read says."""
+        shows these figures and "done" from now on, whatever a later, older read says. ``throttle``:
+        the fleet's throttle then, so the last dataset's end leaves that row current too."""
         if self._closed:
             return
         self._finished[state.dataset] = end_reason
@@ -175,6 +176,8 @@ class ProgressView:
         rate = self._rates.setdefault(state.dataset, TokenRate()).rate()
         if self._progress is not None:
             self._render_bar(state, rate)
+            if throttle is not None:
+                self._render_throttle(throttle)
 
     def notice(self, text: str) -> None:
         """A one-off line between the bars (or the plain lines), e.g. "Redis unreachable, retrying"."""

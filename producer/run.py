@@ -563,7 +563,8 @@ class Runner:
         self.lock.write(("RPUSH", run.budget.keys.timeline, json.dumps(final.to_json())))  # the plot ends where it did
         self._finalize(run, final)
         if self.progress is not None and hasattr(self.progress, "finish"):
-            self.progress.finish(final, run.end_reason)  # the last frame shows how it ended
+            # The last frame shows how it ended, and the fleet's throttle as it is then.
+            self.progress.finish(final, run.end_reason, self.throttle.snapshot())
 
     def _top_up(self, run: DatasetRun, st: DatasetState) -> bool:
         """Give the room a budget stop left another round, while the next dataset runs.

@@ -347,6 +347,7 @@ def test_image_is_slim_non_root_with_a_healthcheck() -> None:
     assert re.search(r'pip install "uv==\$\{UV_VERSION\}"', run_lines)
     uv_pin = re.search(r"UV_VERSION=(\S+)", " ".join(a for i, a in dockerfile() if i == "ARG"))
     assert uv_pin and f'"uv=={uv_pin[1]}"' in (REPO / "pyproject.toml").read_text()
+    assert f"UV_VERSION := {uv_pin[1]}\n" in (REPO / "Makefile").read_text()  # one uv everywhere
     # BuildKit's default frontend: a `# syntax=` line would pull one from Docker Hub first.
     assert not DOCKERFILE.read_text().startswith("# syntax")
     # The producer starts as root only to hand /out to the user owning the config (ops/docker/as-owner),

@@ -286,3 +286,5 @@ def test_the_live_display_of_specfleet_run_ends_on_the_final_state(fleet: Any) -
         why = {"budget": "budget", "complete": "all prompts"}[summary["end_reason"]]
         assert last.rstrip().endswith(f"done: {why}"), last
         assert "active" not in last and "ETA" not in last, last
+    # The fleet's throttle row as the run ended: nothing in flight.
+    assert "in flight 0/" in [line for line in bars if line.startswith("upstream")][-1]
