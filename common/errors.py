@@ -24,6 +24,14 @@ class ConfigError(SpecfleetError):
     """A run file or environment variable is wrong; the message names the file/variable and field."""
 
 
+class PlanRefused(ConfigError):
+    """The run must not start (``producer/plan.py``): one line per problem."""
+
+
+class UnknownModel(ConfigError):
+    """The models endpoint answered, and the run file's model is not in its list."""
+
+
 class DatasetRowError(SpecfleetError):
     """One dataset row cannot be used. ``where`` is ``file:line``; the rest of the file still runs."""
 
@@ -104,6 +112,10 @@ class MisconfiguredError(UpstreamError):
         self.target = target
 
 
+class ModelsUnavailable(SpecfleetError):
+    """The models endpoint could not be read: prices and context length are unknown."""
+
+
 # --- the target tokenizer -----------------------------------------------------------------------
 
 
@@ -148,6 +160,18 @@ class RedisRefusesWrites(StoreError):
 class ProducerFenced(StoreError):
     """Another producer took the producer lock (a newer generation) while this one was paused or
     cut off: this one must not write again, in Redis or in the output folder."""
+
+
+# --- how a run ends short of done --------------------------------------------------------------
+
+
+class Interrupted(SpecfleetError):
+    """SIGTERM/SIGINT: the run stopped where it was; running it again resumes."""
+
+
+class Halted(SpecfleetError):
+    """A worker found the OpenRouter account refused (bad key, no credits) or the URL/model wrong:
+    the fleet stopped admitting; nothing was marked failed, and running again after the fix resumes."""
 
 
 # --- the output folder --------------------------------------------------------------------------

@@ -52,9 +52,10 @@ def execute(
 ) -> int:
     """Run a config to its end against ``redis_url`` and print the per-dataset report. ``plan``:
     the plan still counting (``producer/plan.start_plan``); the run holds every request until it passes."""
+    from common.errors import Halted, Interrupted
     from producer.celery_app import make_app
     from producer.progress import ProgressView
-    from producer.run import Halted, Interrupted, Runner, Tuning
+    from producer.run import Runner, Tuning
     from producer.state import read_timeline
     from producer.summary import report_line
 

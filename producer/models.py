@@ -15,19 +15,11 @@ from typing import Any
 import requests
 
 from common.config import Pricing
-from common.errors import ConfigError, SpecfleetError
+from common.errors import ModelsUnavailable, UnknownModel
 
 log = logging.getLogger(__name__)
 
 MODELS_TIMEOUT_S = 15.0
-
-
-class ModelsUnavailable(SpecfleetError):
-    """The models endpoint could not be read: prices and context length are unknown."""
-
-
-class UnknownModel(ConfigError):
-    """The endpoint answered, and the run file's model is not in its list."""
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,9 @@ from typing import Any, TextIO
 
 from common.config import DatasetConfig, LengthClass, Pricing, RunConfig
 from common.datasets import Prompt, ReadStats, read_prompts
-from common.errors import ConfigError, DatasetRowError, SpecfleetError
+from common.errors import DatasetRowError, ModelsUnavailable, PlanRefused, SpecfleetError
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer, tokens_bound
-from producer.models import ModelInfo, ModelsUnavailable, fetch_model, models_url
+from producer.models import ModelInfo, fetch_model, models_url
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,6 @@ _COUNT_BATCH = 512
 _SCAN_CHUNK_BYTES = 1 << 20
 #: Counts the byte bound made optional wait at most this long for the first wave to leave.
 COUNTS_WAIT_MAX_S = 10.0
-
-
-class PlanRefused(ConfigError):
-    """The run must not start: one line per problem."""
 
 
 @dataclass

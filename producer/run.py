@@ -28,7 +28,15 @@ from common.budget import Budget, open_run
 from common.config import DatasetConfig, RunConfig
 from common.contract import CONTRACT_VERSION, FOLLOW_COMMAND, TaskPayload, conversation_of, halt_line
 from common.datasets import Prompt, ReadStats, read_prompts
-from common.errors import ConfigError, DatasetRowError, ProducerFenced, RedisRefusesWrites, SpecfleetError
+from common.errors import (
+    ConfigError,
+    DatasetRowError,
+    Halted,
+    Interrupted,
+    ProducerFenced,
+    RedisRefusesWrites,
+    SpecfleetError,
+)
 from common.redis_client import CLOCK, RedisOutage
 from common.stats import DatasetStats
 from common.throttle import FleetThrottle
@@ -98,15 +106,6 @@ class DatasetRun:
     @property
     def name(self) -> str:
         return self.cfg.name
-
-
-class Interrupted(SpecfleetError):
-    """SIGTERM/SIGINT: the run stopped where it was; running it again resumes."""
-
-
-class Halted(SpecfleetError):
-    """A worker found the OpenRouter account refused (bad key, no credits) or the URL/model wrong:
-    the fleet stopped admitting; nothing was marked failed, and running again after the fix resumes."""
 
 
 class Runner:
