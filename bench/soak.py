@@ -125,6 +125,9 @@ class Chaos:
         self.rng = random.Random(args.seed)
         self.live: list[str] = []
         self.worker_kills: list[tuple[float, str]] = []  # (time.time(), X-Title of the killed worker)
+        #: Workers that exited with nobody asking: (time.time(), name, exit code); each is replaced, as a
+        #: supervisor would, and counts against the soak.
+        self.died: list[tuple[float, str, int]] = []
         self.redis_kills: list[float] = []
         #: (from, to) wall-clock windows in which Redis took no writes: SIGKILLed, or refusing them.
         self.outages: list[tuple[float, float]] = []
@@ -145,6 +148,14 @@ class Chaos:
         self.fleet.start_worker(name, concurrency=self.args.concurrency, SPECFLEET_APP_TITLE=name,
                                 SPECFLEET_LOG_LEVEL=self.args.worker_log_level, **self.args.worker_env)
         self.live.append(name)
+
+    def reap(self) -> None:
+        for name in list(self.live):
+            code = self.fleet.procs[name].poll()
+            if code is not None:
+                self.died.append((time.time(), name, code))
+                self.live.remove(name)
+                self.start_worker()
 
     def kill_worker(self) -> None:
         name = self.rng.choice(self.live)
@@ -274,6 +285,7 @@ class Chaos:
         ]
         next_worker_kill = started + self.rng.uniform(5, 10)
         while not self.stop.is_set() and self.alive():
+            self.reap()
             now = time.monotonic()
             rows = self.rows()
             if phases and rows >= phases[0][0] * n:
@@ -417,6 +429,7 @@ class Billing:
 
     n: Counter[str] = field(default_factory=Counter)
     usd: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    unseen_by_fault: Counter[str] = field(default_factory=Counter)
 
     def add(self, kind: str, cost: float) -> None:
         self.n[kind] += 1
@@ -446,6 +459,7 @@ def billing(generations: list[dict[str, Any]], records: list[dict[str, Any]], ke
             out.add(DEAD_SURE if left[1] else DEAD_MAYBE, cost)
         elif g["abandoned"] or g["fault"] in UNDELIVERED:
             out.add(UNSEEN, cost)
+            out.unseen_by_fault[g["fault"] or "abandoned"] += 1
         elif left is not None and hash_to_id.get(g["prompt_hash"]) not in ends.spooled:
             out.add(STOP_LEFT, cost)
         else:
@@ -526,8 +540,8 @@ def main() -> int:
         sweeps = producer_logs.count("re-enqueued")
         worker_names = [n for n in fleet.procs if n.startswith("soak-w")]
         worker_logs = {n: fleet.log(n) for n in worker_names}
-        ended_by_us = {n for _, n in chaos.worker_kills} | {chaos.found.stop.get("worker")}
-        died = [n for n in worker_names if fleet.procs[n].poll() is not None and n not in ended_by_us]
+        chaos.reap()
+        died = [f"{name} (exit {code})" for _, name, code in chaos.died]
         (tmp / "requests.json").write_text(json.dumps(records))  # for a post-mortem
         (tmp / "ledger.json").write_text(json.dumps(ledger))
         (tmp / "kills.json").write_text(json.dumps({"workers": chaos.worker_kills, "redis": chaos.redis_kills,
@@ -596,7 +610,8 @@ def main() -> int:
 
     print(f"billed (simulator's ledger, /_sim/stats?detail=1): {billed_n:,} requests ${billed_usd:.6f} = kept rows "
           f"{part(KEPT)} + other answers the simulator sent whole to live workers {part(RECEIVED)} + never whole "
-          f"in a worker (cut by the deadline or mid-body: no usage reached the fleet) {part(UNSEEN)} + SIGKILLed "
+          f"in a worker (cut by the deadline or mid-body: no usage reached the fleet) {part(UNSEEN)} ("
+          f"{', '.join(f'{k} {v}' for k, v in sorted(b.unseen_by_fault.items()))}) + SIGKILLed "
           f"workers' unsettled "
           f"{part(DEAD_SURE)} (+ {part(DEAD_MAYBE)} answered just before the kill) + left by the stopped worker "
           f"{part(STOP_LEFT)}")
