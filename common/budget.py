@@ -40,8 +40,6 @@ Mode = Literal["hard", "projected"]
 Admission = Literal["ok", "done", "stopped", "busy", "over", "wait", "halted"]
 Renewal = Literal["ok", "done", "stopped", "halted", "lost"]
 Settled = Literal["kept", "duplicate", "discarded"]
-#: The limit that exhausted a dataset: its tokens, its dollars, the run's dollars ("" while open).
-EndedBy = Literal["tokens", "usd", "run_usd", ""]
 
 NUSD_PER_USD = 1_000_000_000
 

@@ -2,12 +2,46 @@
 
 Every failure the product reports is a ``SpecfleetError``. Foreign exceptions (requests, redis,
 tokenizers) are translated at the boundary that meets them, so callers decide on a class, never on
-a library's exception or a message string.
+a library's exception or a message string. The tree (httpx's ``_exceptions.py`` is the model)::
+
+    SpecfleetError
+    ├── ConfigError                    a run file or environment variable is wrong: exit 2
+    │   ├── PlanRefused                the plan says the run must not start
+    │   └── UnknownModel               the models endpoint does not list the run file's model
+    ├── DatasetRowError                one dataset row is unusable (file:line); the rest runs
+    ├── ModelsUnavailable              the models endpoint could not be read
+    ├── UpstreamError                  no usable answer (workers/retry.py decides on the class)
+    │   ├── RetryableUpstreamError     try again: 408, 429, 5xx, resets, bad JSON
+    │   │   └── UpstreamTimeoutError   the attempt's timeout_s passed
+    │   ├── FatalUpstreamError         fail this prompt: 400, 403, filtered
+    │   │   └── AnswerTooLargeError    over SPECFLEET_MAX_ANSWER_BYTES
+    │   ├── AccountRefusedError        halt the fleet: 401, 402 without Retry-After
+    │   └── MisconfiguredError         halt once it repeats: 404, model not found
+    ├── TokenizerError                 the target tokenizer cannot load or fails its round trip
+    ├── TokenMismatch                  a rebuilt row failed its self-check
+    ├── PromptFailed                   (inside a worker's task) the prompt fails with a reason
+    ├── PromptEnded                    (inside a worker's task) the lease says: stop, no outcome
+    ├── RedisRefusesWrites             Redis answers, refuses writes past the retry window: exit 6
+    ├── ProducerFenced                 another producer holds the lock: exit 5
+    ├── Interrupted                    SIGTERM/SIGINT: the run stopped, resumable: exit 130
+    ├── Halted                         the fleet stopped admitting (account, URL, model): exit 3
+    └── OutputError                    the output folder refused a write
+
+    redis.exceptions.ConnectionError
+    └── RedisOutage                    Redis unreachable past the retry window: exit 4
+
+``RedisOutage`` alone is not a ``SpecfleetError``: it is raised from inside redis-py (the retry of
+``common/redis_client.py``), so every clause that catches an unreachable Redis (``UNREACHABLE``,
+kombu's and Celery's reconnects, ``except redis.ConnectionError``) must keep catching it, and the
+clauses that catch ``SpecfleetError`` (a worker refusing a run it cannot prepare, the CLI's exit 2)
+must not take an outage for a bad run file.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 if TYPE_CHECKING:
     from common.contract import Usage
@@ -140,14 +174,39 @@ class TokenMismatch(SpecfleetError):
         self.detail = detail
 
 
+# --- inside a worker's task (workers/generate.py): how a prompt leaves its pipeline early ------
+
+
+class PromptFailed(SpecfleetError):
+    """The prompt fails with ``reason`` (``prompt_too_long``, a retry decision's reason …); caught by
+    ``generate()``, which records the failure. Never leaves the task."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
+
+
+class PromptEnded(SpecfleetError):
+    """The lease renewal found the prompt must end without another attempt (``outcome``: done,
+    stopped, halted, lost); caught by the call step. Never leaves the task."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
 # --- the store ----------------------------------------------------------------------------------
 
 
-class StoreError(SpecfleetError):
-    """Redis is unreachable or answered something the key layout does not allow."""
+class RedisOutage(RedisConnectionError):
+    """Redis stayed unreachable longer than the retry window (``common/redis_client.py``)."""
+
+    def __init__(self, window_s: float, cause: BaseException) -> None:
+        super().__init__(f"Redis unreachable for {window_s:.0f} s ({cause})")
+        self.window_s = window_s
 
 
-class RedisRefusesWrites(StoreError):
+class RedisRefusesWrites(SpecfleetError):
     """Redis answers but refuses writes (maxmemory reached with noeviction, or a read-only replica)
     for longer than the retry window. ``what`` is the one line that says which and what to do."""
 
@@ -157,7 +216,7 @@ class RedisRefusesWrites(StoreError):
         self.window_s = window_s
 
 
-class ProducerFenced(StoreError):
+class ProducerFenced(SpecfleetError):
     """Another producer took the producer lock (a newer generation) while this one was paused or
     cut off: this one must not write again, in Redis or in the output folder."""
 

@@ -39,6 +39,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
+from common.errors import RedisOutage as RedisOutage  # defined in the tree; importable here as before
 from common.redis_url import parse
 
 log = logging.getLogger(__name__)
@@ -69,14 +70,6 @@ def refused_writes(exc: BaseException) -> str:
         return "it is a read-only replica (READONLY): point REDIS_URL at the primary"
     return ("it is full (OOM: used memory over maxmemory, policy noeviction): raise maxmemory "
             "(REDIS_MAXMEMORY in compose) or free memory")
-
-
-class RedisOutage(RedisConnectionError):
-    """Redis stayed unreachable longer than the retry window."""
-
-    def __init__(self, window_s: float, cause: BaseException) -> None:
-        super().__init__(f"Redis unreachable for {window_s:.0f} s ({cause})")
-        self.window_s = window_s
 
 
 class OutageClock:

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.config import RunConfig
-from common.errors import OutputError, ProducerFenced, RedisRefusesWrites
-from common.redis_client import CLOCK, RedisOutage, connect, describe
+from common.errors import OutputError, ProducerFenced, RedisOutage, RedisRefusesWrites
+from common.redis_client import CLOCK, connect, describe
 from common.settings import Settings
 
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ from common.contract import (
     TaskPayload,
     Usage,
 )
-from common.errors import MisconfiguredError, TokenMismatch, UpstreamError
+from common.errors import MisconfiguredError, PromptEnded, PromptFailed, TokenMismatch, UpstreamError
 from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
 from workers.answer_room import answer_bytes, answer_room
@@ -145,12 +145,6 @@ class _Job:
         return "failed"
 
 
-class _Failed(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(reason)
-        self.reason, self.detail = reason, detail
-
-
 def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = None) -> str | Busy:
     """Run one prompt (or, with ``turn``, one turn of a conversation); returns the outcome word
     (kept, failed, duplicate, skipped:…, done, halted) or Busy."""
@@ -159,7 +153,7 @@ def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = N
     job = _Job(ctx, payload)
     try:
         prepared = prepare(job)
-    except _Failed as refused:
+    except PromptFailed as refused:
         return job.fail(refused.reason, refused.detail)
 
     outcome = reserve(job, prepared)
@@ -180,7 +174,7 @@ def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = N
             rebuilt = rebuild_row(job, prepared, answer)
         except TokenMismatch as exc:
             return job.fail(FAIL_TOKEN_MISMATCH, str(exc))
-        except _Failed as failed:
+        except PromptFailed as failed:
             return job.fail(failed.reason, failed.detail)
         except (redis.RedisError, gevent.GreenletExit, KeyboardInterrupt, SystemExit):
             # Not the prompt's fault (Redis gone, worker shutting down): give the admission back so the
@@ -201,23 +195,23 @@ def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = N
 
 
 def prepare(job: _Job) -> Prepared:
-    """Render and count the prompt; raise ``_Failed(prompt_too_long)`` when it cannot fit."""
+    """Render and count the prompt; raise ``PromptFailed(prompt_too_long)`` when it cannot fit."""
     target = job.ctx.tokenizer(job.view)
     try:
         prompt = _off_hub(render_prompt, (target, job.payload["messages"], job.payload.get("tools")),
                           _chars(job.payload["messages"]) + (1000 if job.payload.get("tools") else 0))
     except Exception as exc:  # a template that cannot render this conversation: the row's problem
         detail = f"{job.where}: the chat template cannot render it: {type(exc).__name__}: {exc}"
-        raise _Failed(FAIL_INTERNAL, detail) from None
+        raise PromptFailed(FAIL_INTERNAL, detail) from None
     prepared = Prepared(target, prompt)
     n, max_tokens = prepared.prompt_tokens, job.length.max_tokens
     limit, context = job.length.max_prompt_tokens, job.view.model.context_length
     length_name = job.view.datasets[job.dataset]
     if limit is not None and n > limit:
-        raise _Failed(FAIL_PROMPT_TOO_LONG,
+        raise PromptFailed(FAIL_PROMPT_TOO_LONG,
                       f"{job.where}: prompt is {n:,} tokens, over lengths.{length_name}.max_prompt_tokens = {limit:,}")
     if context is not None and n + max_tokens > context:
-        raise _Failed(FAIL_PROMPT_TOO_LONG,
+        raise PromptFailed(FAIL_PROMPT_TOO_LONG,
                       f"{job.where}: prompt {n:,} + max_tokens {max_tokens:,} = {n + max_tokens:,} tokens, over "
                       f"model.context_length = {context:,}")
     log.info("%s/%s prepare: %d prompt tokens", job.dataset, job.pid, n)
@@ -257,7 +251,7 @@ def _admission_outcome(job: _Job, admission: Reservation) -> str | Busy | None:
 
 def call(job: _Job, prepared: Prepared) -> Answer | str:
     """The upstream call with retries; the outcome word instead of an answer when the prompt
-    ends without one (halted, stopped, kept elsewhere). Raises ``_Failed`` when it fails."""
+    ends without one (halted, stopped, kept elsewhere). Raises ``PromptFailed`` when it fails."""
     request = Request(
         model=job.view.model.name,
         messages=job.payload["messages"],
@@ -273,7 +267,7 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
         t0 = time.monotonic()
         try:
             answer = _attempt(job, upstream, request)
-        except _Ended as ended:
+        except PromptEnded as ended:
             return ended.outcome
         except UpstreamError as exc:
             if exc.usage is not None:  # billed though not usable (an answer too large to keep)
@@ -287,7 +281,7 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
             if decision.action == "halt":
                 return _halt(job, decision.reason, exc)
             if decision.action == "fail":
-                raise _Failed(decision.reason, str(exc)) from None
+                raise PromptFailed(decision.reason, str(exc)) from None
             gevent.sleep(decision.delay_s)
             if (outcome := _renew(job)) is not None:
                 return outcome
@@ -299,14 +293,6 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
         return answer
 
 
-class _Ended(Exception):
-    """The lease renewal found the prompt must end without another attempt (``outcome``)."""
-
-    def __init__(self, outcome: str) -> None:
-        super().__init__(outcome)
-        self.outcome = outcome
-
-
 def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
     """One attempt through the fleet-wide throttle (``workers/gate.py``): wait for a slot of the
     fleet's in-flight limit, renewing the lease meanwhile, and give it back with the outcome (a
@@ -314,7 +300,7 @@ def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
 
     def keepalive() -> None:
         if (ended := _renew(job)) is not None:
-            raise _Ended(ended)
+            raise PromptEnded(ended)
 
     ttl_ms = int((job.length.timeout_s + LEASE_SLACK_S) * 1000)
     # The send room (workers/send_room.py) counts this task as needing a slot until it returns.

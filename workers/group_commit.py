@@ -41,7 +41,8 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from common.redis_client import CLOCK, UNREACHABLE, RedisOutage, fence_command, fence_failed
+from common.errors import RedisOutage
+from common.redis_client import CLOCK, UNREACHABLE, fence_command, fence_failed
 
 #: Pipelines out at once. With ``everysec`` a fence waits ~0.5 s, and a ramp's budget reserves queue
 #: behind the pipelines already out. Measured (``bench/versus_seed.py --prompts 2000 --latencies-ms
