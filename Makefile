@@ -68,15 +68,15 @@ lint: install  ## ruff and mypy on the packages
 check: lint test  ## every check CI runs
 
 bench: install  ## benchmark scripts that print figures
-	$(BIN)/python bench/enqueue.py
-	$(BIN)/python bench/rebuild_throughput.py
-	$(BIN)/python bench/fleet_run.py --prompts 10000 --in-flight 2000
-	$(BIN)/python bench/mismatch_run.py --prompts 10000
-	$(BIN)/python bench/throttle_run.py --prompts 12000 --workers 3 --greenlets 500 --capacity 300
-	$(BIN)/python bench/budget_fill.py --prompts 10000 --with-projected
-	$(BIN)/python bench/engine_ids_run.py --prompts 10000 --noncanonical-rate 0.02
-	$(BIN)/python bench/conversations_run.py --conversations 1000
-	$(BIN)/python bench/versus_seed.py --prompts 6000 --latencies-ms 300,15000
+	$(BIN)/python -m bench.enqueue
+	$(BIN)/python -m bench.rebuild_throughput
+	$(BIN)/python -m bench.fleet_run --prompts 10000 --in-flight 2000
+	$(BIN)/python -m bench.mismatch_run --prompts 10000
+	$(BIN)/python -m bench.throttle_run --prompts 12000 --workers 3 --greenlets 500 --capacity 300
+	$(BIN)/python -m bench.budget_fill --prompts 10000 --with-projected
+	$(BIN)/python -m bench.engine_ids_run --prompts 10000 --noncanonical-rate 0.02
+	$(BIN)/python -m bench.conversations_run --conversations 1000
+	$(BIN)/python -m bench.versus_seed --prompts 6000 --latencies-ms 300,15000
 
 soak: install  ## chaos soak (not part of test): 10k prompts, faults, worker and Redis SIGKILLs
 	$(BIN)/python bench/soak.py --prompts 10000

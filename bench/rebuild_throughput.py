@@ -3,7 +3,7 @@
 Prints the time of one call (the CPU work a worker hands to ``gevent.get_hub().threadpool``) and the
 longest gap a ticking greenlet saw while that call ran in the threadpool: what the hub would stall.
 
-    python bench/rebuild_throughput.py [--tokens 32000] [--runs 5]
+    python -m bench.rebuild_throughput [--tokens 32000] [--runs 5]
 """
 
 from __future__ import annotations
@@ -11,17 +11,15 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import gevent
+
+from workers.rebuild import Answer, RebuiltRow, rebuild
+from workers.target import TargetTokenizer
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import gevent  # noqa: E402
-
-from workers.rebuild import Answer, RebuiltRow, rebuild  # noqa: E402
-from workers.target import TargetTokenizer  # noqa: E402
 
 # Words of English prose, code/JSON and other scripts; one sentence-sized stream of them.
 _PHRASES = (

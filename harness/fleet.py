@@ -1,0 +1,220 @@
+"""A real fleet for tests and benches: simulator, ``celery worker`` processes and the producer as subprocesses.
+
+Everything runs as it would in production (real Redis protocol, real gevent workers, real HTTP);
+only timings are shortened. Logs go to files under the test's tmp dir and are printed on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from common.budget import Budget
+from common.worker_cmd import worker_argv
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_TOKENIZER = REPO / "demo" / "tokenizer"
+TEST_KEY = "sk-or-v1-" + "5ec7e7" * 10  # shaped like a real key, so redaction is tested for real
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_jsonl(path: Path, rows: Sequence[dict[str, Any] | str]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows))
+    return path
+
+
+def prompts(n: int, prefix: str = "p") -> list[dict[str, Any]]:
+    return [{"id": f"{prefix}{i:05d}", "messages": [{"role": "user", "content": f"Question {i}: explain {i} ✓"}]}
+            for i in range(n)]
+
+
+def read_rows(out_dir: Path, dataset: str) -> list[dict[str, Any]]:
+    rows = []
+    for shard in sorted((out_dir / dataset).glob("shard-*.jsonl")):
+        rows += [json.loads(line) for line in shard.read_text().split("\n") if line.strip()]
+    return rows
+
+
+def read_summary(out_dir: Path, dataset: str) -> dict[str, Any]:
+    return json.loads((out_dir / dataset / "summary.json").read_text())
+
+
+class Fleet:
+    def __init__(self, tmp_path: Path, redis_url: str) -> None:
+        self.tmp = tmp_path
+        self.redis_url = redis_url
+        self.logs = tmp_path / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.out = tmp_path / "out"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.sim_url = ""
+
+    # --- processes --------------------------------------------------------------------------
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENROUTER_", "SPECFLEET_"))}
+        env.update(
+            REDIS_URL=self.redis_url,
+            OPENROUTER_BASE_URL=self.sim_url,
+            OPENROUTER_API_KEY=TEST_KEY,
+            SPECFLEET_QUEUE_POLL_S="0.3",
+            SPECFLEET_VISIBILITY_TIMEOUT_S="20",
+            # Each test's own: fleets of parallel tests run the same datasets (workers/spool.py).
+            SPECFLEET_SPOOL_DIR=str(self.tmp / "spool"),
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(extra)
+        return env
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = (self.logs / f"{name}.log").open("ab")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.procs[name] = proc
+        return proc
+
+    def start_simulator(self, *args: str) -> str:
+        port = free_port()
+        self._spawn("simulator", [sys.executable, "-m", "simulator", "--host", "127.0.0.1", "--port", str(port),
+                                  "--tokenizer", str(DEMO_TOKENIZER), *args], self.env())
+        self.sim_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                requests.get(self.sim_url + "/_sim/stats", timeout=1)
+                return self.sim_url
+            except requests.RequestException:
+                time.sleep(0.1)
+        raise AssertionError("simulator did not start:\n" + self.log("simulator"))
+
+    def sim_config(self, **settings: Any) -> None:
+        requests.post(self.sim_url + "/_sim/config", json=settings, timeout=5).raise_for_status()
+
+    def sim_stats(self) -> dict[str, Any]:
+        return requests.get(self.sim_url + "/_sim/stats", timeout=5).json()
+
+    def sim_requests(self) -> list[dict[str, Any]]:
+        """The simulator's record of every chat request: prompt, start_s, end_s, status (wall clock)."""
+        return requests.get(self.sim_url + "/_sim/requests", timeout=30).json()["requests"]
+
+    def start_worker(self, name: str, *, concurrency: int = 50, celery_args: tuple[str, ...] | None = None,
+                     **env: str) -> subprocess.Popen[bytes]:
+        """A worker as ``specfleet worker`` starts it, named ``<name>@%h`` unless ``celery_args`` names it."""
+        extra = ("-n", f"{name}@%h") if celery_args is None else celery_args
+        cmd = worker_argv(concurrency, extra=extra)
+        return self._spawn(name, cmd, self.env(SPECFLEET_CONCURRENCY=str(concurrency), **env))
+
+    def producer_cmd(self, config: Path, *extra: str) -> list[str]:
+        # --yes: a small dollar budget is what tests use, and the plan would ask to confirm it
+        # (tests/test_plan.py tests that question on its own).
+        return [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "5", "--yes",
+                *extra]
+
+    def start_producer(self, config: Path, name: str = "producer", *extra: str) -> subprocess.Popen[bytes]:
+        return self._spawn(name, self.producer_cmd(config, *extra), self.env())
+
+    def run_producer(self, config: Path, *, timeout_s: float = 180, name: str = "producer") -> str:
+        proc = self.start_producer(config, name)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"producer did not finish in {timeout_s} s\n{self.all_logs()}") from None
+        out = self.log(name)
+        assert proc.returncode == 0, f"producer exit {proc.returncode}\n{self.all_logs()}"
+        return out
+
+    def wait_ready(self, name: str, timeout_s: float = 90) -> None:
+        """Until worker ``name`` has started consuming (Celery logs "ready.")."""
+        deadline = time.monotonic() + timeout_s
+        while "ready." not in self.log(name):
+            assert self.procs[name].poll() is None and time.monotonic() < deadline, self.log(name)
+            time.sleep(0.2)
+
+    def wait_rows(self, client: Any, dataset: str, n: int, timeout_s: float = 60) -> None:
+        """Until ``n`` rows of ``dataset`` are kept: a point mid-run to break something at."""
+        deadline = time.monotonic() + timeout_s
+        while Budget(client, dataset).snapshot().rows < n:
+            assert time.monotonic() < deadline, self.all_logs()
+            time.sleep(0.1)
+
+    def assert_exactly_once(self, client: Any, dataset: str, n: int | None = None) -> list[dict[str, Any]]:
+        """Each prompt at most once across the shards, and the budget counted exactly those rows."""
+        rows = read_rows(self.out, dataset)
+        ids = Counter(r["id"] for r in rows)
+        assert not [i for i, c in ids.items() if c > 1], "a prompt id appears twice across the shards"
+        snap = Budget(client, dataset).snapshot()
+        assert snap.kept == sum(r["num_tokens"] for r in rows), "budget and rows disagree"
+        assert snap.rows == len(rows)
+        for r in rows:
+            assert sum(r["loss_mask"]) == r["num_tokens"]
+            assert len(r["input_ids"]) == len(r["loss_mask"])
+        if n is not None:
+            assert len(rows) == n, f"{len(rows)} rows of {dataset}, expected {n}"
+        return rows
+
+    def signal(self, name: str, sig: int) -> None:
+        self.procs[name].send_signal(sig)
+
+    def stop_all(self) -> None:
+        """The test is over: nothing left is worth a graceful stop (a warm worker shutdown costs
+        ~5 s each; graceful stops have tests of their own in test_operations.py)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            proc.wait()
+
+    # --- files ------------------------------------------------------------------------------
+
+    def log(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def all_logs(self) -> str:
+        parts = [f"===== {p.name}\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(self.logs.iterdir())]
+        return "\n".join(parts)
+
+    def one_dataset(self, name: str, n_prompts: int, *, budget_tokens: int = 10_000_000,
+                    **config: Any) -> Path:
+        """A run file with one short dataset of ``n_prompts`` generated prompts."""
+        data = write_jsonl(self.tmp / f"{name.lower()}.jsonl", prompts(n_prompts, name.lower()))
+        return self.write_config(
+            [{"name": name, "path": data, "length": "short", "budget_tokens": budget_tokens}], **config)
+
+    def write_config(self, datasets: list[dict[str, Any]], *, timeout_s: float = 10, max_attempts: int = 4,
+                     estimate_tokens: int | None = None, request: str = "", tokenizer: Path = DEMO_TOKENIZER,
+                     trust_remote_code: bool = False) -> Path:
+        lines = [
+            "[model]", 'name = "moonshotai/kimi-k2.5"', f'tokenizer = "{tokenizer}"',
+            f"trust_remote_code = {str(trust_remote_code).lower()}", "",
+            "[request]", request or "temperature = 1.0", "",
+            "[lengths.short]", "max_tokens = 1024", f"timeout_s = {timeout_s}",
+            f"estimate_tokens = {estimate_tokens}" if estimate_tokens else "",
+            "", "[lengths.long]", "max_tokens = 4096", f"timeout_s = {timeout_s}", "",
+            "[retry]", f"max_attempts = {max_attempts}", "backoff_base_s = 0.05", "backoff_max_s = 0.5", "",
+            "[output]", f'dir = "{self.out}"', "shard_rows = 100", "",
+        ]
+        for ds in datasets:
+            lines.append("[[datasets]]")
+            for key, value in ds.items():
+                lines.append(f"{key} = {json.dumps(str(value)) if isinstance(value, str | Path) else value}")
+            lines.append("")
+        path = self.tmp / "fleet.toml"
+        path.write_text("\n".join(lines))
+        return path
