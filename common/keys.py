@@ -48,6 +48,8 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:deadletter:counts     HASH    queue -> messages refused from it, in all runs (summary, status)
     specfleet:writes:probe          STRING  a worker's test write while Redis refuses writes (workers/writes.py);
                                             expires in seconds
+    specfleet:store                 STRING  this store's random id, written once (SET NX) by the first worker to
+                                            find none: a worker that meets another id leaves (workers/server.py)
 
 Celery's own keys (the queue lists ``specfleet.q.<ds>``, ``unacked``, ``_kombu.*``) are kombu's.
 """
@@ -74,6 +76,7 @@ DEAD_LETTER_COUNTS = f"{PREFIX}:deadletter:counts"
 DEAD_LETTER_MAX = 1000
 DEAD_LETTER_RAW_BYTES = 2048
 WRITE_PROBE = f"{PREFIX}:writes:probe"
+STORE_ID = f"{PREFIX}:store"
 
 #: Prefix of the per-dataset Celery queue name (a Redis list of the same name).
 QUEUE_PREFIX = f"{PREFIX}.q."

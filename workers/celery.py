@@ -10,12 +10,12 @@ import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import setup_logging, worker_ready
+from celery.signals import setup_logging, worker_ready, worker_shutting_down
 
 from common import logs
 from common.celeryconf import celery_config
 from common.settings import Settings
-from workers import poison, writes
+from workers import poison, stop, writes
 from workers.context import context
 from workers.dns import install as install_cached_lookups
 from workers.events import BatchedTaskEvents
@@ -60,3 +60,8 @@ def _logging(**_: Any) -> None:
 @worker_ready.connect
 def _heap(**_: Any) -> None:
     settle_long_lived("worker ready")
+
+
+@worker_shutting_down.connect
+def _stop(**_: Any) -> None:
+    stop.begin()  # the shutdown ends within workers/stop.py's bound, whatever Redis does

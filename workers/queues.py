@@ -26,6 +26,7 @@ from common import keys
 from common.contract import FOLLOW_COMMAND
 from common.errors import SpecfleetError
 from common.hf import auto_tokenizer
+from workers import server
 from workers.context import context
 from workers.transport import wake_consumer
 
@@ -72,8 +73,12 @@ class FollowActiveQueues(bootsteps.StartStopStep):
             self._syncing = False
 
     def _sync(self, c: Any) -> None:
+        if getattr(c, "connection", None) is None:  # the consumer is reconnecting: its start syncs
+            return
         ctx = context()
         try:
+            if not server.check(ctx.redis, ctx.settings.require_redis_url()):
+                return  # another Redis: this worker follows none of its queues, it is leaving
             raw = ctx.redis.hgetall(keys.ACTIVE_QUEUES)
         except Exception as exc:  # a Redis blip must not kill the timer; next tick retries
             log.warning("cannot read active queues: %s", exc)
@@ -93,6 +98,7 @@ class FollowActiveQueues(bootsteps.StartStopStep):
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             c.add_task_queue(queue)
+            server.serving(config_id)
             woken = wake_consumer(c.task_consumer.channel, ctx.redis)
             log.info("following %s (run %s)%s", queue, config_id, "" if woken else ", from the next poll")
         # Only dataset queues a run has left: a queue the user added (``-Q other``, an

@@ -21,6 +21,7 @@ from celery import bootsteps
 
 from common.redis_client import REFUSED_WRITES
 from workers import spool, writes
+from workers import stop as worker_stop
 from workers.context import context
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class RestoreUnacked(bootsteps.StartStopStep):
         self._timer: Any = None
 
     def start(self, c: Any) -> None:
+        worker_stop.consumer(c)  # its unacked messages go back if a stop reaches its bound
         self._timer = c.timer.call_repeatedly(context().settings.unacked_restore_s, self.restore, (c,), priority=10)
 
     def stop(self, c: Any) -> None:

@@ -85,8 +85,46 @@ def _apply(client: Any, entry: dict[str, Any]) -> str:
     return "failed" if failed else "duplicate"
 
 
+#: Settles and fails being written now (workers/stop.py waits for them before it exits).
+_writing = 0
+#: Set once the worker is stopping (workers/stop.py): an unreachable Redis is waited for this long
+#: at most, not the lease's slack. And why every outcome goes to the spool at once (None: it does
+#: not): the Redis at the URL is not the one the worker served (workers/server.py).
+_hurry_s: float | None = None
+_diverted: str | None = None
+
+
+def writing() -> int:
+    return _writing
+
+
+def hurry(within_s: float) -> None:
+    global _hurry_s
+    _hurry_s = within_s
+
+
+def divert(reason: str) -> None:
+    global _diverted
+    _diverted = reason
+
+
 def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> str | None:
     """The script's word; None: Redis stayed away for ``within_s``, spooled."""
+    global _writing
+    _writing += 1
+    try:
+        return _settle_or_spool(client, spool_dir, entry, within_s)
+    finally:
+        _writing -= 1
+
+
+def _settle_or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> str | None:
+    if _diverted is not None:
+        path = write_entry(spool_dir, entry)
+        log.warning("%s/%s %s: %s: spooled to %s", entry["dataset"], entry["id"], entry["op"], _diverted, path)
+        return None
+    if _hurry_s is not None:
+        within_s = min(within_s, _hurry_s)
     try:
         with deadline(within_s):
             return _apply(client, entry)

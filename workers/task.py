@@ -10,11 +10,12 @@ from typing import Any
 
 import gevent
 from celery import Task
+from celery.exceptions import Reject
 
 from common.contract import TASK_NAME, TaskPayload
 from common.errors import ConfigError
 from common.redis_client import REFUSED_WRITES
-from workers import poison, writes
+from workers import poison, server, writes
 from workers.celery import app
 from workers.context import WorkerContext, context
 from workers.conversation import handle
@@ -34,6 +35,8 @@ def generate_task(self: Task, payload: TaskPayload) -> str:
     room = process_room()
     with room.task(self.request.id):
         ctx = context()
+        if server.left():  # another Redis than the one this worker served: its tasks are not ours
+            raise Reject("this worker is leaving a Redis it did not serve", requeue=True)
         if _refused(ctx, payload, self.request.delivery_info):
             return DEAD_LETTER
         outcome = _handle(ctx, payload, room)

@@ -45,8 +45,9 @@
 - **Redis refusing writes is waited out** (workers/writes.py): kombu writes a message's unacked
   record right after its BRPOP, and on a full (noeviction) server that raised inside the read and
   ended the worker, the message lost with it; its restore after an empty poll did the same. A
-  refused record keeps the message in memory (recorded once writes are back), a refused ack is sent
-  again then, no BRPOP starts while refused, and kombu's restore skips its turn.
+  refused record keeps the message in memory (recorded once writes are back), a refused ack (or one
+  Redis was away for) is sent again once Redis answers, no BRPOP starts while refused, and kombu's
+  restore skips its turn.
 
 Nothing else changes for a good message: the same pool, the same messages; only when they are taken.
 """
@@ -71,7 +72,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.eventio import READ
 from kombu.utils.json import loads
 
-from common.redis_client import REFUSED_WRITES
+from common.redis_client import REFUSED_WRITES, UNREACHABLE
 from workers import writes
 from workers.send_room import SendRoom
 
@@ -333,10 +334,12 @@ def _remove_acked(qos: Any, acks: _Acks) -> None:
     try:
         with qos.pipe_or_acquire() as pipe:
             pipe.zrem(qos.unacked_index_key, *acks.tags).hdel(qos.unacked_key, *acks.tags).execute()
-    except REFUSED_WRITES as exc:
-        # The task is done: it ends; its record goes once writes are back (or, if this worker dies
-        # first, the visibility timeout delivers the message again and the done set answers it).
-        writes.refused(exc)
+    except (*REFUSED_WRITES, *UNREACHABLE) as exc:
+        # The task is done: it ends; its record goes once Redis takes writes again (or, if this
+        # worker stops first, the visibility timeout delivers the message again and the done set
+        # answers it). Raised, it was a CRITICAL "Couldn't ack" and a traceback per task.
+        if isinstance(exc, REFUSED_WRITES):
+            writes.refused(exc)
         _unremoved.append((qos, list(acks.tags)))
         acks.done.set(None)
     except BaseException as exc:
@@ -345,6 +348,8 @@ def _remove_acked(qos: Any, acks: _Acks) -> None:
             raise
     else:
         acks.done.set(None)
+        if _unremoved:  # Redis answers again: the acks an outage kept
+            gevent.spawn(_catch_up)
 
 
 def _room_left(qos: Any) -> int:
