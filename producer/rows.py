@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from common import files
 from common.errors import OutputError, ProducerFenced
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,8 @@ def output_error(path: Path, exc: OSError) -> OutputError:
 
 def atomic_write(path: Path, text: str) -> None:
     """Write a whole small file (summary, failures) so a reader never sees half of it."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        files.atomic_write(path, text.encode("utf-8"))
     except OSError as exc:
         raise output_error(path, exc) from None
 
@@ -158,14 +157,6 @@ def shard_path(dataset_dir: Path, shard: int) -> Path:
 
 def _shard_number(path: Path) -> int:
     return int(path.stem.split("-")[1])
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class JsonlShards:
@@ -327,12 +318,7 @@ class JsonlShards:
             self._recover()
 
     def _save_checkpoint(self, cp: Checkpoint) -> None:
-        tmp = self.dir / (CHECKPOINT + ".tmp")
-        tmp.write_text(json.dumps(asdict(cp)))
-        with tmp.open("rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.dir / CHECKPOINT)
-        _fsync_dir(self.dir)
+        files.atomic_write(self.dir / CHECKPOINT, json.dumps(asdict(cp)).encode())
 
     def iter_kept(self) -> Iterator[dict[str, Any]]:
         for shard in range(self.cp.shard + 1):
