@@ -25,7 +25,12 @@
 -- KEYS[8] orphans  HASH   lease -> nano-usd held for a reaped lease whose answer may still be billed
 -- KEYS[9] turns    HASH   row key "<id>#<turn>" -> msgpack {message, end}: regenerate = "all" only
 -- KEYS[10] ended   SET    conversation ids that ended with a kept turn: regenerate = "all" only
--- KEYS[11] stats   HASH   the dataset's usage counters (fields named by common/stats.py, given in ARGV)
+-- KEYS[11] stats   HASH   the dataset's usage counters (common/accounting.py's COUNTERS; a test checks
+--                         these lists against it). Added here from the usage ARGV of settle, fail and
+--                         release (common/stats.answer_counts): requests, billed_prompt_tokens,
+--                         billed_completion_tokens, billed_reasoning_tokens, cost_micro_usd. Added by
+--                         workers (common/stats.py): duplicates, skipped, engine_rows, engine_mismatch,
+--                         engine_prompt_mismatch.
 -- KEYS[12] settled HASH   "<lease>:<id>" -> "<answer>|<over_hold>": that lease's settle, fail or release of the
 --                         prompt was applied
 --

@@ -7,10 +7,11 @@ producer's progress, metrics and reports read through ``DatasetStats.read`` or `
 caller that already pipelined the HGETALL). Counters only ever grow, so any read is consistent
 enough for a progress bar.
 
-Fields: ``requests`` and ``billed_*``/``cost_micro_usd`` per answer received (billed whether kept
-or not), ``duplicates`` and ``skipped`` per outcome, ``engine_rows``/``engine_mismatch``/
-``engine_prompt_mismatch`` per kept row with an engine's ids, ``err:<reason>`` per failed upstream
-attempt (``err:http_429`` …) and ``fail:<reason>`` per prompt that ended failed (``fail:token_mismatch`` …).
+Fields: the counters of the accounting record (``common/accounting.COUNTERS``: ``requests`` and
+``billed_*``/``cost_micro_usd`` per answer received, billed whether kept or not, ``duplicates`` and
+``skipped`` per outcome, ``engine_*`` per kept row with an engine's ids), ``err:<reason>`` per failed
+upstream attempt (``err:http_429`` …) and ``fail:<reason>`` per prompt that ended failed
+(``fail:token_mismatch`` …).
 
 Also the fleet-wide misconfiguration streak (``keys.MISCONFIG_STREAK``): prompts that met a
 "wrong URL or model" answer since the last answer anywhere (``workers/retry.py`` halts on it).
@@ -23,24 +24,24 @@ from typing import Any
 
 import redis
 
+from common.accounting import BY_NAME, Counted, parse_counts
 from common.contract import Usage
 from common.keys import MISCONFIG_STREAK, DatasetKeys
 
-REQUESTS = "requests"
-BILLED_PROMPT = "billed_prompt_tokens"
-BILLED_COMPLETION = "billed_completion_tokens"
-BILLED_REASONING = "billed_reasoning_tokens"
-COST_MICRO_USD = "cost_micro_usd"
-DUPLICATES = "duplicates"
-SKIPPED = "skipped"
+# The writers' fields, named by the accounting record (``common/accounting.COUNTERS``).
+REQUESTS = BY_NAME["requests"].source
+BILLED_PROMPT = BY_NAME["billed_prompt_tokens"].source
+BILLED_COMPLETION = BY_NAME["billed_completion_tokens"].source
+BILLED_REASONING = BY_NAME["billed_reasoning_tokens"].source
+COST_MICRO_USD = BY_NAME["cost_usd"].source
+DUPLICATES = BY_NAME["duplicates"].source
+SKIPPED = BY_NAME["skipped_by_workers"].source
+ENGINE_ROWS = BY_NAME["engine_rows"].source
+ENGINE_MISMATCH = BY_NAME["engine_mismatch"].source
+ENGINE_PROMPT_MISMATCH = BY_NAME["engine_prompt_mismatch"].source
 #: Good prompts in the dataset's file, set by the producer once it has read the file (not a
 #: counter): the exporter's skipped = prompts without an outcome, as summary.json counts them.
 PROMPTS = "prompts"
-#: Kept rows whose ids came from an engine; of those, rows the text rebuild got wrong, and rows
-#: whose prompt ids differ from the template-rendered prompt (``workers/engine_ids.py``).
-ENGINE_ROWS = "engine_rows"
-ENGINE_MISMATCH = "engine_mismatch"
-ENGINE_PROMPT_MISMATCH = "engine_prompt_mismatch"
 _ERROR = "err:"
 _FAILURE = "fail:"
 
@@ -48,18 +49,10 @@ _FAILURE = "fail:"
 MISCONFIG_STREAK_TTL_S = 600
 
 
-@dataclass(frozen=True)
-class StatsSnapshot:
-    requests: int = 0
-    billed_prompt_tokens: int = 0
-    billed_completion_tokens: int = 0
-    billed_reasoning_tokens: int = 0
-    cost_usd: float = 0.0
-    duplicates: int = 0
-    skipped: int = 0
-    engine_rows: int = 0
-    engine_mismatch: int = 0
-    engine_prompt_mismatch: int = 0
+@dataclass
+class StatsSnapshot(Counted):
+    """The counters (``common/accounting.COUNTERS``) and the two reason maps."""
+
     #: Failed upstream attempts by reason (``http_429``, ``timeout`` …).
     errors: dict[str, int] = field(default_factory=dict)
     #: Prompts that ended failed, by reason (``retries_exhausted``, ``prompt_too_long`` …).
@@ -142,19 +135,9 @@ class DatasetStats:
         """A snapshot from the hash's HGETALL reply."""
         counts = {k.decode(): int(v) for k, v in raw.items()}
         return StatsSnapshot(
-            requests=counts.get(REQUESTS, 0),
-            billed_prompt_tokens=counts.get(BILLED_PROMPT, 0),
-            billed_completion_tokens=counts.get(BILLED_COMPLETION, 0),
-            billed_reasoning_tokens=counts.get(BILLED_REASONING, 0),
-            cost_usd=counts.get(COST_MICRO_USD, 0) / 1e6,
-            duplicates=counts.get(DUPLICATES, 0),
-            skipped=counts.get(SKIPPED, 0),
-            engine_rows=counts.get(ENGINE_ROWS, 0),
-            engine_mismatch=counts.get(ENGINE_MISMATCH, 0),
-            engine_prompt_mismatch=counts.get(ENGINE_PROMPT_MISMATCH, 0),
+            **parse_counts(counts),
             errors={k.removeprefix(_ERROR): v for k, v in counts.items() if k.startswith(_ERROR)},
             failures={k.removeprefix(_FAILURE): v for k, v in counts.items() if k.startswith(_FAILURE)},
         )
-
 
 __all__ = ["DatasetStats", "StatsSnapshot"]

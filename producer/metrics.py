@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from common import keys
+from common.accounting import COUNTERS
 from common.errors import ConfigError
 from common.stats import PROMPTS
 from common.throttle import FleetThrottle, ThrottleSnapshot
@@ -52,24 +53,12 @@ _GAUGES: list[tuple[str, str, str]] = [
     ("specfleet_run_budget_usd", "Dollar budget of the whole run (0: none)", "run_budget_usd"),
     ("specfleet_run_spent_usd", "Dollars the budget counted across the run's datasets", "run_spent_usd"),
 ]
+# The budget's own totals; then every counter of the accounting record, under its name.
 _COUNTERS: list[tuple[str, str, str]] = [
     ("specfleet_kept_tokens", "Tokens of kept rows (sum of loss_mask), what the budget counts", "kept_tokens"),
     ("specfleet_rows", "Rows kept", "rows"),
-    ("specfleet_requests", "Upstream requests sent", "requests"),
-    ("specfleet_billed_prompt_tokens", "Prompt tokens billed by the provider", "billed_prompt_tokens"),
-    (
-        "specfleet_billed_completion_tokens",
-        "Completion tokens billed by the provider",
-        "billed_completion_tokens",
-    ),
-    (
-        "specfleet_billed_reasoning_tokens",
-        "Reasoning tokens billed (part of completion)",
-        "billed_reasoning_tokens",
-    ),
-    ("specfleet_cost_usd", "Cost reported by OpenRouter, USD", "cost_usd"),
     ("specfleet_spent_usd", "Dollars the budget counted: every billed answer, kept or not", "spent_usd"),
-    ("specfleet_duplicates", "Second deliveries of an already kept prompt, row dropped", "duplicates"),
+    *((f"specfleet_{c.name}", c.doc, c.name) for c in COUNTERS),
 ]
 
 

@@ -19,6 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
+from common.accounting import COUNTERS, USD
 from producer.progress import fmt_duration, fmt_tokens
 from producer.summary import Summary
 
@@ -195,6 +196,22 @@ def _engine_ids(summaries: Sequence[dict[str, Any]]) -> list[str]:
     return ["## Engine ids", "", *lines, "", note, ""]
 
 
+def _accounting(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """Every counter of the accounting record (``common/accounting.COUNTERS``) of each dataset, as
+    summary.json counted it, so the table above hides none; their meanings below."""
+    lines = []
+    for s in summaries:
+        cells = []
+        for c in COUNTERS:
+            v = _num(s, c.name)
+            cells.append(f"`{c.name}` " + ("-" if v is None else f"{v:.6f}" if c.unit == USD else f"{int(v):,}"))
+        lines.append(f"- **{s.get('dataset', '?')}**: " + " · ".join(cells))
+    if not lines:
+        return []
+    meanings = "; ".join(f"`{c.name}`: {c.doc}" for c in COUNTERS)
+    return ["## Accounting (summary.json's counters)", "", *lines, "", meanings + ".", ""]
+
+
 def _conversations(summaries: Sequence[dict[str, Any]]) -> list[str]:
     """Datasets with ``regenerate = "all"``: rows are turns, prompts are conversations."""
     lines = []
@@ -237,6 +254,7 @@ def render_markdown(
         *_conversations(summaries),
         *_throttle_section(summaries),
         *_engine_ids(summaries),
+        *_accounting(summaries),
         *_breakdown("Upstream errors by class", "errors", timelines),
         *_breakdown("Failures by reason", "failures", timelines),
     ]

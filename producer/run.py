@@ -47,7 +47,7 @@ from producer.plan import PendingPlan
 from producer.refusals import WriteHold
 from producer.rows import RowWriter, atomic_write, disk_generation, output_error
 from producer.state import DatasetState, read_state
-from producer.summary import Summary, report_line, throttle_summary
+from producer.summary import Summary, report_line, summary_counts, throttle_summary
 
 log = logging.getLogger(__name__)
 
@@ -625,22 +625,14 @@ class Runner:
             malformed=run.malformed,
             tokens=st.kept_tokens,
             budget_tokens=st.limit,
-            billed_prompt_tokens=st.billed_prompt_tokens,
-            billed_completion_tokens=st.billed_completion_tokens,
-            billed_reasoning_tokens=st.billed_reasoning_tokens,
-            cost_usd=round(st.cost_usd, 6),
+            **summary_counts(st),
             budget_mode=st.budget_mode,
             budget_usd=run.cfg.budget_usd,
             spent_usd=round(st.spent_usd, 9),
             unresolved_usd=round(st.orphaned_usd, 9),
             run_budget_usd=self.cfg.run.budget_usd,
             run_spent_usd=round(st.run_spent_usd, 9),
-            requests=st.requests,
-            duplicates=st.duplicates,
             dead_letters=st.dead_letters,
-            engine_rows=st.engine_rows,
-            engine_mismatch=st.engine_mismatch,
-            engine_prompt_mismatch=st.engine_prompt_mismatch,
             errors=st.errors,
             failures=st.failures,
             throttle=throttle_summary(self.throttle.snapshot()),

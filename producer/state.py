@@ -12,13 +12,16 @@ from typing import Any
 
 import redis
 
+from common.accounting import Counted, ordered
 from common.budget import NUSD_PER_USD, SNAPSHOT_COMMANDS, parse_snapshot, queue_snapshot
 from common.keys import CURRENT_RUN, DEAD_LETTER_COUNTS, DatasetKeys
 from common.stats import DatasetStats
 
 
 @dataclass
-class DatasetState:
+class DatasetState(Counted):
+    """The budget's snapshot, the queue and the counters (``common/accounting.COUNTERS``)."""
+
     dataset: str
     t_s: float
     limit: int
@@ -29,13 +32,6 @@ class DatasetState:
     in_flight: int
     queued: int
     state: str  # active | exhausted | stopped | "" (not started)
-    requests: int
-    billed_prompt_tokens: int
-    billed_completion_tokens: int
-    billed_reasoning_tokens: int
-    cost_usd: float
-    duplicates: int
-    skipped_by_workers: int
     #: hard | projected; the limit that exhausted admission (tokens, usd, run_usd) or "".
     budget_mode: str = ""
     ended_by: str = ""
@@ -47,10 +43,6 @@ class DatasetState:
     orphaned_usd: float = 0.0
     run_budget_usd: float = 0.0
     run_spent_usd: float = 0.0
-    #: Kept rows with an engine's ids; of those, rebuilt ids or prompt ids that differed.
-    engine_rows: int = 0
-    engine_mismatch: int = 0
-    engine_prompt_mismatch: int = 0
     #: Upstream errors by class (``http_429``, ``timeout`` …) and final failures by reason.
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
@@ -67,7 +59,7 @@ class DatasetState:
         return self.spent_usd / self.budget_usd if self.budget_usd else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return ordered(asdict(self), DatasetState)
 
 
 def read_state(client: redis.Redis, dataset: str) -> DatasetState:
@@ -101,16 +93,7 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
         orphaned_usd=b.orphaned_nusd / NUSD_PER_USD,
         run_budget_usd=b.run_limit_nusd / NUSD_PER_USD,
         run_spent_usd=b.run_spent_nusd / NUSD_PER_USD,
-        requests=stats.requests,
-        billed_prompt_tokens=stats.billed_prompt_tokens,
-        billed_completion_tokens=stats.billed_completion_tokens,
-        billed_reasoning_tokens=stats.billed_reasoning_tokens,
-        cost_usd=stats.cost_usd,
-        duplicates=stats.duplicates,
-        skipped_by_workers=stats.skipped,
-        engine_rows=stats.engine_rows,
-        engine_mismatch=stats.engine_mismatch,
-        engine_prompt_mismatch=stats.engine_prompt_mismatch,
+        **stats.counts(),
         errors=stats.errors,
         failures=stats.failures,
         dead_letters=int(dead_letters or 0),

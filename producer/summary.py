@@ -1,7 +1,8 @@
 """What a finished dataset reports: the ``Summary`` record (``OUT/<dataset>/summary.json``) and its
 one-line form printed at the end of a run.
 
-A field added here reaches summary.json, the CLI's line (if ``report_line`` shows it) and the
+The counters (requests, billed tokens, cost …) are the accounting record's (``common/accounting.py``):
+declared there, not here. A field added here reaches summary.json, the CLI's line (if ``report_line`` shows it) and the
 report (``producer/report.py`` reads summary.json's keys, so it can be rebuilt offline).
 """
 
@@ -11,11 +12,14 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from common.accounting import BY_NAME, USD, Counted, ordered
 from common.throttle import ThrottleSnapshot
 
 
 @dataclass
-class Summary:
+class Summary(Counted):
+    """With the counters of the accounting record (``common/accounting.COUNTERS``) under their names."""
+
     dataset: str
     #: budget (tokens) | budget_usd | run_budget | complete | stalled
     end_reason: str
@@ -31,12 +35,6 @@ class Summary:
     #: Kept tokens (the loss-mask ones) against the budget.
     tokens: int
     budget_tokens: int
-    billed_prompt_tokens: int
-    billed_completion_tokens: int
-    billed_reasoning_tokens: int
-    cost_usd: float
-    requests: int
-    duplicates: int
     #: Messages refused from the dataset's queue (not its prompts: a dead-letter list's entries).
     dead_letters: int = 0
     #: hard: never over a budget; projected: tokens admitted on an estimate (see common/budget.py).
@@ -48,11 +46,6 @@ class Summary:
     unresolved_usd: float = 0.0
     run_budget_usd: float | None = None
     run_spent_usd: float = 0.0
-    #: Rows with an engine's ids (``model.upstream`` an engine); of those, rows whose text rebuild
-    #: differed from them, and rows whose prompt ids differed from the template-rendered prompt.
-    engine_rows: int = 0
-    engine_mismatch: int = 0
-    engine_prompt_mismatch: int = 0
     #: Attempts that failed, by reason, and prompts that failed for good, by reason.
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
@@ -79,7 +72,7 @@ class Summary:
     turns_per_conversation: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return ordered(asdict(self), Summary)
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2) + "\n"
@@ -89,6 +82,11 @@ class Summary:
         """A summary.json read back; keys this version does not know are ignored."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def summary_counts(counted: Counted) -> dict[str, Any]:
+    """The counters as summary.json keeps them: dollars to the micro-dollar the hash counts in."""
+    return {k: round(v, 6) if BY_NAME[k].unit == USD else v for k, v in counted.counts().items()}
 
 
 _HEADS = {"budget": "budget reached", "budget_usd": "dollar budget reached",

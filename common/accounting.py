@@ -1,0 +1,95 @@
+"""The accounting record: every usage counter of a dataset, declared once.
+
+A counter lives in the dataset's stats hash (``DatasetKeys.stats``) under its ``source`` field,
+written by budget.lua with a settle, fail or release (a billed answer's usage, once per lease) or by
+the workers (``common/stats.py``). From ``COUNTERS`` follow, under the one ``name``: the parse of
+the hash (``StatsSnapshot``), the producer's state (``DatasetState``), ``summary.json``
+(``Summary``), the report's accounting table and the exporter's ``specfleet_<name>`` series.
+tests/test_accounting.py checks that budget.lua's header lists the same fields and that each counter
+reaches every one of those places: adding a counter is budget.lua's line that writes it plus its
+entry here.
+
+The classes that carry the counters derive from ``Counted``: a dataclass whose keyword-only fields
+are made from ``COUNTERS`` (for the type checker, any counter attribute is ``Any``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import TYPE_CHECKING, Any
+
+#: Units: a count of events, tokens, or dollars (stored in micro-dollars, an integer for HINCRBY).
+COUNT, TOKENS, USD = "count", "tokens", "usd"
+_MICRO = 1e6
+
+
+@dataclass(frozen=True)
+class Counter:
+    #: The one name: attribute, summary.json key, report row, metric ``specfleet_<name>``.
+    name: str
+    #: The stats hash's field (budget.lua's header lists them).
+    source: str
+    unit: str
+    #: One line: the metric's help and the report's row.
+    doc: str
+
+    def value(self, raw: int) -> int | float:
+        """The hash's integer as the counter's value (micro-dollars become dollars)."""
+        return raw / _MICRO if self.unit == USD else raw
+
+    @property
+    def zero(self) -> int | float:
+        return 0.0 if self.unit == USD else 0
+
+
+COUNTERS: tuple[Counter, ...] = (
+    Counter("requests", "requests", COUNT, "Upstream requests sent"),
+    Counter("billed_prompt_tokens", "billed_prompt_tokens", TOKENS, "Prompt tokens billed by the provider"),
+    Counter("billed_completion_tokens", "billed_completion_tokens", TOKENS, "Completion tokens billed by the provider"),
+    Counter("billed_reasoning_tokens", "billed_reasoning_tokens", TOKENS,
+            "Reasoning tokens billed (part of completion)"),
+    Counter("cost_usd", "cost_micro_usd", USD, "Cost reported by OpenRouter, USD"),
+    Counter("duplicates", "duplicates", COUNT, "Second deliveries of an already kept prompt, row dropped"),
+    Counter("skipped_by_workers", "skipped", COUNT, "Tasks workers skipped (their dataset not active, or stopped)"),
+    Counter("engine_rows", "engine_rows", COUNT, "Kept rows whose token ids came from an engine"),
+    Counter("engine_mismatch", "engine_mismatch", COUNT,
+            "Engine rows whose text rebuild differed from the engine's ids"),
+    Counter("engine_prompt_mismatch", "engine_prompt_mismatch", COUNT,
+            "Engine rows whose prompt ids differed from the template-rendered prompt"),
+)
+
+BY_NAME: dict[str, Counter] = {c.name: c for c in COUNTERS}
+BY_SOURCE: dict[str, Counter] = {c.source: c for c in COUNTERS}
+NAMES: tuple[str, ...] = tuple(c.name for c in COUNTERS)
+
+
+def parse_counts(counts: dict[str, int]) -> dict[str, int | float]:
+    """Every counter's value from the stats hash's fields (absent: zero)."""
+    return {c.name: c.value(counts.get(c.source, 0)) for c in COUNTERS}
+
+
+if TYPE_CHECKING:
+    class Counted:
+        """The counters as attributes (``COUNTERS``); the type checker sees each as ``Any``."""
+
+        def __getattr__(self, name: str) -> Any: ...
+
+        def counts(self) -> dict[str, Any]: ...
+else:
+    def _counts(self: Any) -> dict[str, Any]:
+        return {c.name: getattr(self, c.name) for c in COUNTERS}
+
+    Counted = make_dataclass(
+        "Counted", [(c.name, int | float, field(default=c.zero, kw_only=True)) for c in COUNTERS],
+        namespace={"counts": _counts, "__doc__": "The counters as keyword-only fields (``COUNTERS``)."},
+    )
+
+
+def ordered(data: dict[str, Any], cls: type) -> dict[str, Any]:
+    """``asdict`` of a ``Counted`` subclass with its own fields first, then the counters in
+    ``COUNTERS`` order: the counters follow the record's identity in summary.json."""
+    own = [f.name for f in fields(cls) if f.name not in BY_NAME]
+    return {**{k: data[k] for k in own}, **{k: data[k] for k in NAMES}}
+
+
+__all__ = ["BY_NAME", "BY_SOURCE", "COUNTERS", "NAMES", "Counted", "Counter", "ordered", "parse_counts"]
