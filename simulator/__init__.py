@@ -129,10 +129,10 @@ when its client left before the last byte, too); not billed: HTTP errors,
 
 from simulator.engine import predict
 from simulator.run import SimHandle, serve, start_in_thread
-from simulator.settings import LengthClass, Settings, SettingsError
+from simulator.settings import LengthDistribution, Settings, SettingsError
 
 __all__ = [
-    "LengthClass",
+    "LengthDistribution",
     "Settings",
     "SettingsError",
     "SimHandle",

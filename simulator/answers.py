@@ -25,7 +25,7 @@ from simulator.kimi import (
 from simulator.request import ChatRequest
 from simulator.script import Script
 from simulator.seeding import rng_for
-from simulator.settings import LEAK_IM_END, LengthClass, Settings
+from simulator.settings import LEAK_IM_END, LengthDistribution, Settings
 from simulator.text import generate_text, schema_value
 from simulator.tokens import TokenCounter
 
@@ -77,7 +77,7 @@ class ToolSpec:
     parameters: Any
 
 
-def length_class(classes: Mapping[str, LengthClass], max_tokens: int | None) -> LengthClass:
+def length_class(classes: Mapping[str, LengthDistribution], max_tokens: int | None) -> LengthDistribution:
     ordered = sorted(classes.values(), key=lambda c: c.min_max_tokens)
     if max_tokens is None:
         return ordered[-1]
@@ -158,7 +158,7 @@ def _scripted_shape(req: ChatRequest, script: Script) -> _Shape:
 
 def _generated_shape(
     req: ChatRequest, settings: Settings, counter: TokenCounter, left: int | None,
-    klass: LengthClass,
+    klass: LengthDistribution,
 ) -> _Shape:
     rng = rng_for(settings.seed, req.prompt_hash, "shape")
     text_rng = rng_for(settings.seed, req.prompt_hash, "content")

@@ -22,7 +22,7 @@ MAX_RECORDS = 500_000  # generation records kept for /api/v1/generation; oldest 
 
 
 @dataclass(frozen=True)
-class Usage:
+class BilledUsage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int = 0
@@ -42,16 +42,16 @@ class Usage:
 
 def priced(prompt: int, completion: int, reasoning: int, cached: int, *,
            price_in_per_mtok: float, price_out_per_mtok: float,
-           price_request_usd: float = 0.0) -> Usage:
+           price_request_usd: float = 0.0) -> BilledUsage:
     # Reasoning is part of completion and billed at the completion price (pricing.internal_reasoning
     # is published as 0); cached prompt tokens are not discounted (input_cache_read = prompt).
     cost = (prompt * price_in_per_mtok + completion * price_out_per_mtok) / 1e6 + price_request_usd
-    return Usage(prompt, completion, reasoning, cached, round(cost, 12))
+    return BilledUsage(prompt, completion, reasoning, cached, round(cost, 12))
 
 
-def with_overrides(usage: Usage, overrides: Mapping[str, float], *,
+def with_overrides(usage: BilledUsage, overrides: Mapping[str, float], *,
                    price_in_per_mtok: float, price_out_per_mtok: float,
-                   price_request_usd: float = 0.0) -> Usage:
+                   price_request_usd: float = 0.0) -> BilledUsage:
     """A ``#sim`` ``usage`` override; cost is recomputed unless it is overridden too."""
     if not overrides:
         return usage
@@ -61,7 +61,7 @@ def with_overrides(usage: Usage, overrides: Mapping[str, float], *,
                  fields["cached_tokens"], price_in_per_mtok=price_in_per_mtok,
                  price_out_per_mtok=price_out_per_mtok, price_request_usd=price_request_usd)
     if "cost" in overrides:
-        new = Usage(**{**asdict(new), "cost": float(overrides["cost"])})
+        new = BilledUsage(**{**asdict(new), "cost": float(overrides["cost"])})
     return new
 
 
@@ -71,7 +71,7 @@ class GenerationRecord:
     prompt_hash: str
     model: str
     provider: str
-    usage: Usage
+    usage: BilledUsage
     finish_reason: str
     native_finish_reason: str
     fault: str | None

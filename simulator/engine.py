@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from simulator.answers import Answer, build_answer
-from simulator.billing import Usage, priced, with_overrides
+from simulator.billing import BilledUsage, priced, with_overrides
 from simulator.engine_ids import EngineIds, EngineIdsError, EngineTokenizer, engine_ids
 from simulator.kimi import render_prompt
 from simulator.request import ChatRequest, parse_chat_request
@@ -30,7 +30,7 @@ _Z99 = 2.3263478740408408  # standard normal quantile at 0.99: sigma = ln(p99/me
 @dataclass(frozen=True)
 class Generation:
     answer: Answer
-    usage: Usage
+    usage: BilledUsage
     ids: EngineIds | None = None  # with return_token_ids (engine_ids.py)
 
 

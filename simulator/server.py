@@ -21,7 +21,7 @@ from urllib.parse import parse_qs
 
 import gevent
 
-from simulator.billing import GenerationRecord, Ledger, Usage, priced
+from simulator.billing import BilledUsage, GenerationRecord, Ledger, priced
 from simulator.capacity import IN_FLIGHT
 from simulator.engine import Generation, base_latency_ms, generate
 from simulator.engine_ids import EngineIdsError
@@ -84,7 +84,7 @@ class _Call:
     gen_id: str = "-"
     status: str = "500"
     fault: str | None = None
-    usage: Usage = field(default_factory=Usage)
+    usage: BilledUsage = field(default_factory=BilledUsage)
     admitted: bool = False  # holds a capacity slot (capacity.py) until done
     _done: bool = False
 
@@ -499,12 +499,12 @@ class SimApp:
                 self._bill(call, req, gen, provider, usage, streamed=True, abandoned=True)
 
     @staticmethod
-    def _partial(gen: Generation, sent_tokens: int, s: Settings) -> Usage:
+    def _partial(gen: Generation, sent_tokens: int, s: Settings) -> BilledUsage:
         u = gen.usage
         return priced(u.prompt_tokens, sent_tokens, min(u.reasoning_tokens, sent_tokens),
                       u.cached_tokens, **s.prices())
 
-    def _bill(self, call: _Call, req: ChatRequest, gen: Generation, provider: str, usage: Usage,
+    def _bill(self, call: _Call, req: ChatRequest, gen: Generation, provider: str, usage: BilledUsage,
               *, streamed: bool, abandoned: bool, finish: str | None = None) -> None:
         call.usage = usage
         if gen.answer.leak_im_end:

@@ -26,7 +26,7 @@ REASONING_FIELDS = ("reasoning", "reasoning_content", "details")
 
 
 @dataclass(frozen=True)
-class LengthClass:
+class LengthDistribution:
     """Token-length distributions (lognormal with this mean and sd) for one class of request.
 
     A request uses the class with the largest ``min_max_tokens`` not above its ``max_tokens``
@@ -41,13 +41,13 @@ class LengthClass:
     content_sd: float = 120.0
 
 
-def _default_classes() -> Mapping[str, LengthClass]:
+def _default_classes() -> Mapping[str, LengthDistribution]:
     return types.MappingProxyType(
         {
-            "short": LengthClass(),
+            "short": LengthDistribution(),
             # Above the client's short max_tokens (8192), below its long one (32768). Long answers
             # spend thousands of tokens reasoning, as Kimi does, so budgets drain realistically.
-            "long": LengthClass(16384, 2500.0, 1200.0, 900.0, 400.0),
+            "long": LengthDistribution(16384, 2500.0, 1200.0, 900.0, 400.0),
         }
     )
 
@@ -111,7 +111,7 @@ class Settings:
         "also send reasoning_details[] beside the reasoning field"))
     cached_fraction: float = field(default=0.0, metadata=_meta(
         "share of prompt tokens reported cached on a prompt's repeat attempts", lo=0, hi=1))
-    length_classes: Mapping[str, LengthClass] = field(default_factory=_default_classes,
+    length_classes: Mapping[str, LengthDistribution] = field(default_factory=_default_classes,
                                                       metadata=_meta("length classes"))
     # --- engine-ids mode (engine_ids.py): requests with return_token_ids ---
     noncanonical_rate: float = field(default=0.0, metadata=_meta(
@@ -276,11 +276,11 @@ def _merge_rates(current: Mapping[str, float], patch: Any) -> Mapping[str, float
     return types.MappingProxyType({k: v for k, v in merged.items() if v > 0})
 
 
-def _merge_classes(current: Mapping[str, LengthClass], patch: Any) -> Mapping[str, LengthClass]:
+def _merge_classes(current: Mapping[str, LengthDistribution], patch: Any) -> Mapping[str, LengthDistribution]:
     if not isinstance(patch, Mapping):
         raise SettingsError("length_classes: expected an object of class name -> fields")
     merged = dict(current)
-    names = {f.name for f in dataclasses.fields(LengthClass)}
+    names = {f.name for f in dataclasses.fields(LengthDistribution)}
     for cls_name, fields_patch in patch.items():
         where = f"length_classes.{cls_name}"
         if fields_patch is None:  # null removes a class
@@ -288,14 +288,14 @@ def _merge_classes(current: Mapping[str, LengthClass], patch: Any) -> Mapping[st
             continue
         if not isinstance(fields_patch, Mapping):
             raise SettingsError(f"{where}: expected an object")
-        base = merged.get(cls_name, LengthClass())
+        base = merged.get(cls_name, LengthDistribution())
         values = dataclasses.asdict(base)
         for key, value in fields_patch.items():
             if key not in names:
                 raise SettingsError(f"{where}.{key}: unknown field")
             hint = int if key == "min_max_tokens" else float
             values[key] = _coerce(f"{where}.{key}", hint, value, _meta("", lo=0))
-        merged[cls_name] = LengthClass(**values)
+        merged[cls_name] = LengthDistribution(**values)
     if not merged:
         raise SettingsError("length_classes: at least one class is needed")
     return types.MappingProxyType(merged)

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from simulator.answers import Answer
-from simulator.billing import Usage
+from simulator.billing import BilledUsage
 from simulator.engine_ids import EngineIds
 from simulator.faults import error_body
 from simulator.kimi import ToolCall, render_tool_calls
@@ -63,7 +63,7 @@ def _envelope(gen_id: str, created: int, model: str, provider: str, obj: str) ->
 
 
 def completion_body(*, gen_id: str, created: int, model: str, provider: str, answer: Answer,
-                    usage: Usage, ids: EngineIds | None = None) -> dict[str, Any]:
+                    usage: BilledUsage, ids: EngineIds | None = None) -> dict[str, Any]:
     body = _envelope(gen_id, created, model, provider, "chat.completion")
     body["choices"] = [{
         "logprobs": None,
@@ -89,7 +89,7 @@ def error200_body(*, gen_id: str, created: int, model: str, provider: str) -> di
         "message": {"role": "assistant", "content": None, "refusal": None},
         "error": error,
     }]
-    body["usage"] = Usage().to_json()
+    body["usage"] = BilledUsage().to_json()
     body["error"] = error
     return body
 
