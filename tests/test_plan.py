@@ -22,19 +22,45 @@ from common import keys
 from common.config import load_config
 from common.datasets import ReadStats, read_prompts
 from common.errors import ConfigError
-from producer.plan import ByteShape, byte_shape, start_plan
+from producer.plan import ByteShape, PendingPlan, byte_shape, start_plan
 from tests.fleet import DEMO_TOKENIZER, REPO, Fleet, free_port, prompts, write_jsonl
 
 DEMO_CONFIG = REPO / "demo" / "fleet.toml"
 
 
-def _cli(fleet: Fleet, *args: str, base_url: str | None = None,
-         pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+#: A plan's answer (its table, or why it refuses) comes a few seconds after the CLI starts here (the
+#: tokenizer's load, counts of at most 41 prompts): an answer missing past this is the behaviour
+#: under test failing (the counts never reaching the run, a refusal that does not end it), asserted
+#: as such, not left to a subprocess timeout minutes later.
+ANSWER_S = 60.0
+#: A run that goes on to completion (at most 40 prompts; one test's answers take 4 s each).
+RUN_S = 120.0
+
+
+def _cli(fleet: Fleet, *args: str, base_url: str | None = None, pythonpath: Path | None = None,
+         within_s: float = ANSWER_S) -> subprocess.CompletedProcess[str]:
     env = fleet.env(OPENROUTER_BASE_URL=base_url or fleet.sim_url)
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
-    return subprocess.run([sys.executable, "-m", "producer.cli", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=180)
+    proc = subprocess.Popen([sys.executable, "-m", "producer.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        out, err = proc.communicate(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"specfleet {args[0]} did not end within {within_s:.0f} s: the plan's answer never "
+                             f"reached it\n--- stdout\n{out}\n--- stderr\n{err[-6000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _answered(pending: PendingPlan, within_s: float = ANSWER_S) -> PendingPlan:
+    """``pending`` once its counts are in (or failed): ``settle`` would otherwise wait for ever."""
+    deadline = time.monotonic() + within_s
+    while not pending.done():
+        assert time.monotonic() < deadline, f"the plan's counts gave no answer within {within_s:.0f} s"
+        time.sleep(0.05)
+    return pending
 
 
 def _prompt_tokens(path: Path) -> list[int]:
@@ -223,7 +249,7 @@ def test_requests_start_before_slow_counts_when_the_files_bytes_rule_out_a_refus
     fleet.start_worker("w1", concurrency=10)
     fleet.wait_ready("w1")
     started = time.time()
-    out = _cli(fleet, "run", str(config), "--no-progress", pythonpath=site)
+    out = _cli(fleet, "run", str(config), "--no-progress", pythonpath=site, within_s=RUN_S)
     assert out.returncode == 0, out.stdout + out.stderr
     fleet.assert_exactly_once(redis_client, "B1", 30)
     assert re.search(r"^total ", out.stdout, re.M)  # the plan, printed when its counts came in
@@ -251,7 +277,7 @@ def test_counts_the_byte_bound_made_optional_wait_for_the_first_wave_to_leave(
     config = _one_dataset(fleet, prompts(30))
     fleet.start_worker("w1", concurrency=50)
     fleet.wait_ready("w1")
-    out = _cli(fleet, "run", str(config), "--no-progress", pythonpath=site)
+    out = _cli(fleet, "run", str(config), "--no-progress", pythonpath=site, within_s=RUN_S)
     assert out.returncode == 0, out.stdout + out.stderr
     fleet.assert_exactly_once(redis_client, "B1", 30)
     assert re.search(r"^total ", out.stdout, re.M)  # the plan, printed all the same
@@ -373,7 +399,7 @@ def test_the_plan_reads_the_same_counted_in_a_forked_process_or_in_a_thread(flee
     try:
         out = io.StringIO()
         _, pending = start_plan(load_config(config), fleet.sim_url, yes=False)
-        pending.settle(out)
+        _answered(pending).settle(out)
     finally:
         another.set()
     assert out.getvalue() == forked.stdout
@@ -384,7 +410,7 @@ def test_the_plan_reads_the_same_counted_in_a_forked_process_or_in_a_thread(flee
     assert cli.returncode == 2 and "cannot load tokenizer '/nonexistent/tok'" in cli.stderr, cli.stderr
     _, pending = start_plan(load_config(config), fleet.sim_url, yes=False)
     with pytest.raises(ConfigError, match="cannot load tokenizer '/nonexistent/tok'"):
-        pending.settle(io.StringIO())
+        _answered(pending).settle(io.StringIO())
 
 
 def test_the_byte_shape_reads_lines_across_chunks_and_leaves_out_lines_a_run_refuses(tmp_path: Path) -> None:
