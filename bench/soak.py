@@ -6,9 +6,9 @@
 A private Valkey with AOF (appendfsync everysec) on a fixed port, the simulator with 5% each of
 429, 502, hang, bad JSON and 200-with-error and 3% of trickling answers (a byte a second for
 longer than the attempt's ``timeout_s``: cut by the deadline and asked again), worker processes of
-which one is SIGKILLed and a new one started every 5–10 s. The producer's idle-queue sweep is
-pushed out of the way (``--stall-s``) so a killed worker's tasks can only come back by the
-visibility timeout. At set shares of the kept rows, one after the other:
+which one is SIGKILLed and a new one started every 5–10 s (``--worker-kills`` of them, 8 by
+default). The producer's idle-queue sweep is pushed out of the way (``--stall-s``) so a killed
+worker's tasks can only come back by the visibility timeout. At set shares of the kept rows, one after the other:
 
 - 10%: Redis SIGKILLed and started again 3 s later (same port and data);
 - 20%: a dozen poison messages pushed into the active queue (tests/chaos.py): each must be
@@ -76,6 +76,9 @@ TRICKLE_EVERY_S, TRICKLE_S = 1.0, 15.0  # 15 s of trickle > the 6 s deadline: ev
 REDIS_DOWN_S = 3.0
 #: An answer whose worker was SIGKILLed this soon after it arrived may or may not have been settled.
 SETTLE_WINDOW_S = 5.0
+#: A stopped worker's last line comes at its bound; the interpreter's exit after it, on a box with a
+#: load of 10 on 2 cores, has taken a few tenths of a second more.
+EXIT_SLACK_S = 2.0
 #: A worker's line for a paid answer it put on disk instead of Redis: "<dataset>/<id> settle: … spooled to".
 SPOOLED = re.compile(r"\S+/(\S+) (?:settle|fail)\b[^\n]*spooled to")
 
@@ -294,7 +297,7 @@ class Chaos:
                 phase()
                 # A worker killed right on a phase's heels would be counted as the phase's doing.
                 next_worker_kill = max(next_worker_kill, time.monotonic() + 3)
-            elif now >= next_worker_kill and rows < 0.9 * n:
+            elif now >= next_worker_kill and rows < 0.9 * n and len(self.worker_kills) < self.args.worker_kills:
                 self.kill_worker()
                 next_worker_kill = now + self.rng.uniform(5, 10)
             time.sleep(0.2)
@@ -350,6 +353,7 @@ KILLED = "killed worker's in-flight request"
 STOPPED = "stopped worker's prompt left at its bound"
 STOPPED_PAID = "stopped worker's paid answer left at its bound"
 REDIS_KILLED = "answered just before a Redis SIGKILL"
+READ_LATE = "sent whole within timeout_s, its worker asked again (read after its deadline)"
 ELSE = "anything else"
 #: Causes a repeat may have: the worker that asked before died (SIGKILL) or left it (its stop bound).
 EXPECTED = (KILLED, STOPPED)
@@ -370,16 +374,18 @@ class Ends:
         span = max(0.0, end - start)
         return span - sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.outages)
 
-    def left(self, app: str, end_s: float | None) -> tuple[str, bool] | None:
+    def left(self, app: str, end_s: float | None, *, answered: bool = True) -> tuple[str, bool] | None:
         """(KILLED | STOPPED, sure) if a request of ``app`` that ended at ``end_s`` was still the
         worker's when it died or stopped: open then (sure), or answered so shortly before, counting
-        only time Redis took writes, that its settle may not have landed."""
+        only time Redis took writes, that its settle may not have landed. ``answered=False`` (an
+        attempt that failed): its prompt stays the worker's until its next attempt, however long
+        the backoff, the throttle or Redis keep it waiting."""
         for cause, at in ((KILLED, self.kills.get(app)), (STOPPED, (self.stopped.get(app) or (None, None))[0])):
             if at is None:
                 continue
             if end_s is None or end_s >= at:
                 return cause, True
-            if self.writable_s(end_s, at) < SETTLE_WINDOW_S:
+            if not answered or self.writable_s(end_s, at) < SETTLE_WINDOW_S:
                 return cause, False
         return None
 
@@ -387,8 +393,8 @@ class Ends:
         return end_s is not None and any(0 <= t - end_s < 1.5 for t in self.redis_kills)
 
 
-def asked_twice(records: list[dict[str, Any]], delivered: set[str], ends: Ends,
-                hash_to_id: dict[str, str]) -> tuple[Counter[str], list[float], dict[str, list[str]]]:
+def asked_twice(records: list[dict[str, Any]], delivered: set[str], ends: Ends, hash_to_id: dict[str, str],
+                timeout_s: float = TIMEOUT_S) -> tuple[Counter[str], list[float], dict[str, list[str]]]:
     """Repeats by cause, the delay from each worker kill to its prompts being asked again, examples."""
     by_prompt: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -406,7 +412,7 @@ def asked_twice(records: list[dict[str, Any]], delivered: set[str], ends: Ends,
             again = cur["app"] != prev["app"] or (answered_at is not None and answered_at <= cur["start_s"])
             if not again:
                 continue
-            left = ends.left(prev["app"], prev["end_s"])
+            left = ends.left(prev["app"], prev["end_s"], answered=prev["gen_id"] in delivered)
             if left is not None and left[0] == KILLED:
                 cause = KILLED
                 delays.append(cur["start_s"] - ends.kills[prev["app"]])
@@ -415,6 +421,12 @@ def asked_twice(records: list[dict[str, Any]], delivered: set[str], ends: Ends,
                 cause = STOPPED_PAID if paid else STOPPED
             elif prev["gen_id"] in delivered and ends.before_redis_kill(prev["end_s"]):
                 cause = REDIS_KILLED
+            elif (prev["gen_id"] in delivered and cur["app"] == prev["app"]
+                  and prev["end_s"] - prev["start_s"] < timeout_s):
+                # Sent whole within timeout_s, yet its worker gave the attempt up at its deadline
+                # (which starts before the request reaches the upstream): it read the socket too
+                # late, its hub held by something else or starved of CPU.
+                cause = READ_LATE
             else:
                 cause = ELSE
             causes[cause] += 1
@@ -475,6 +487,9 @@ def main() -> int:
     ap.add_argument("--visibility-timeout-s", type=int, default=40)
     ap.add_argument("--restore-s", type=float, default=5.0)
     ap.add_argument("--latency-median-ms", type=int, default=1000)
+    # A new worker takes 10-20 s to load on a busy box: kills without an end would leave the fleet
+    # mostly starting, the run longer, and longer runs more kills.
+    ap.add_argument("--worker-kills", type=int, default=8, help="worker SIGKILLs at most, one every 5-10 s")
     ap.add_argument("--refuse-s", type=float, default=15.0, help="how long Redis refuses writes")
     ap.add_argument("--freeze-s", type=float, default=15.0, help="how long the producer is frozen (> its lock TTL)")
     ap.add_argument("--seed", type=int, default=7)
@@ -497,7 +512,7 @@ def main() -> int:
         # hang holds past the attempt's deadline: the worker gives up and retries (and is billed).
         fleet.start_simulator("--latency-median-ms", str(args.latency_median_ms), "--hang-s", str(HANG_S),
                               "--trickle-every-s", str(TRICKLE_EVERY_S), "--trickle-s", str(TRICKLE_S), *fault_args)
-        data = write_jsonl(tmp / "soak.jsonl", items)  # type: ignore[arg-type]
+        data = write_jsonl(tmp / "soak.jsonl", items)
         config = fleet.write_config([{"name": DATASET, "path": data, "length": "short",
                                       "budget_tokens": 1_000_000_000}], timeout_s=TIMEOUT_S, estimate_tokens=600)
         cmd = [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "150"]
@@ -545,7 +560,8 @@ def main() -> int:
         (tmp / "requests.json").write_text(json.dumps(records))  # for a post-mortem
         (tmp / "ledger.json").write_text(json.dumps(ledger))
         (tmp / "kills.json").write_text(json.dumps({"workers": chaos.worker_kills, "redis": chaos.redis_kills,
-                                                    "stopped": chaos.found.stop, "frozen": chaos.found.frozen}))
+                                                    "outages": chaos.outages, "stopped": chaos.found.stop,
+                                                    "frozen": chaos.found.frozen, "died": chaos.died}))
     finally:
         fleet.stop_all()
         valkey.stop()
@@ -586,7 +602,7 @@ def main() -> int:
     print("prompts asked twice: " + " · ".join(
         f"{cause} {causes[cause]}" + (f" (e.g. {', '.join(examples[cause][:4])})"
                                       if causes[cause] and cause not in EXPECTED else "")
-        for cause in (KILLED, STOPPED, STOPPED_PAID, REDIS_KILLED, ELSE)))
+        for cause in (KILLED, STOPPED, STOPPED_PAID, REDIS_KILLED, READ_LATE, ELSE)))
     unexpected = sum(n for cause, n in causes.items() if cause not in EXPECTED)
     counter_kept, counter_rows = budget.kept, budget.rows
     same = counter_kept == kept_tokens and counter_rows == len(rows)
@@ -651,10 +667,12 @@ def main() -> int:
     stop_ok = True
     if s:
         limit = (STOP_BOUND_S or 0) + STOP_GRACE_S
-        stop_ok = s["exit"] is not None and s["stop_s"] <= limit
+        stop_ok = s["exit"] is not None and s["stop_s"] <= limit + EXIT_SLACK_S
+        verdict = "within it" if s["stop_s"] <= limit else f"over it by {s['stop_s'] - limit:.1f} s"
         print(f"worker SIGTERMed 2 s into a Redis outage: exited {s['exit']} after {s['stop_s']:.1f} s "
-              f"(bound {STOP_BOUND_S:g} s + {STOP_GRACE_S:g} s for spool writes, workers/stop.py) "
-              f"{'within' if stop_ok else 'OVER'} it; Redis down {s['redis_down_s']:.1f} s in all")
+              f"(bound {STOP_BOUND_S:g} s + {STOP_GRACE_S:g} s for spool writes, workers/stop.py) {verdict}"
+              f"{'' if stop_ok else ' past the allowance'} (judged with {EXIT_SLACK_S:g} s for the process to end "
+              f"on a busy box); Redis down {s['redis_down_s']:.1f} s in all")
 
     if delays:
         print(f"redelivery after a worker kill (kill → asked again): median {statistics.median(delays):.1f} s, "
