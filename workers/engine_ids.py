@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.errors import TokenMismatch
-from workers.rebuild import ENDED_FINISH_REASONS, Prompt, ReasoningEnd, RebuiltRow, rebuild
+from workers.rebuild import ENDED_FINISH_REASONS, ReasoningEnd, RebuiltRow, RenderedPrompt, rebuild
 from workers.target import TargetTokenizer
 from workers.upstream import Answer
 
@@ -63,7 +63,7 @@ def rebuild_from_engine(
     tools: list[dict[str, Any]] | None,
     answer: Answer,
     *,
-    prompt: Prompt,
+    prompt: RenderedPrompt,
 ) -> RebuiltRow:
     """The row from the engine's ids, ``engine_check`` filled from the text rebuild. A rebuild that
     fails its own self-checks (which would fail the row without ids) is a mismatch too: the row

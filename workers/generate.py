@@ -53,7 +53,7 @@ from common.stats import DatasetStats
 from workers.answer_room import answer_bytes, answer_room
 from workers.context import WorkerContext
 from workers.engine_ids import rebuild_from_engine
-from workers.rebuild import Prompt, RebuiltRow, rebuild, render_prompt
+from workers.rebuild import RebuiltRow, RenderedPrompt, rebuild, render_prompt
 from workers.retry import RetryPolicy
 from workers.send_room import process_room
 from workers.spool import USAGE_WAIT_S, fail_or_spool, settle_or_spool
@@ -84,7 +84,7 @@ class Prepared:
     """What the prepare step hands on: the target and the prompt as the model will see it."""
 
     target: TargetTokenizer
-    prompt: Prompt
+    prompt: RenderedPrompt
 
     @property
     def prompt_tokens(self) -> int:

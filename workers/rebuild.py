@@ -37,7 +37,7 @@ _KIMI_CALL_ID = re.compile(r"functions\.(?P<name>.+):(?P<index>\d+)", re.DOTALL)
 
 
 @dataclass(frozen=True)
-class Prompt:
+class RenderedPrompt:
     """The prompt as the model saw it: the template rendered with the generation prompt, and its
     ids. Rendered once per prompt (``render_prompt``), counted before any money is spent, reused
     here."""
@@ -48,9 +48,9 @@ class Prompt:
 
 def render_prompt(
     target: TargetTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-) -> Prompt:
+) -> RenderedPrompt:
     text = target.render(messages, tools, add_generation_prompt=True)
-    return Prompt(text, target.encode(text))
+    return RenderedPrompt(text, target.encode(text))
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def rebuild(
     tools: list[dict[str, Any]] | None,
     answer: Answer,
     *,
-    prompt: Prompt | None = None,
+    prompt: RenderedPrompt | None = None,
 ) -> RebuiltRow:
     """Rebuild ``answer`` as the token ids the model produced after ``messages``; self-checked.
 
