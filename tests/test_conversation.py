@@ -26,7 +26,7 @@ from common.contract import CONTRACT_VERSION, TaskPayload
 from common.errors import RetryableUpstreamError
 from common.settings import Settings
 from simulator.run import SimHandle, start_in_thread
-from simulator.settings import Settings as SimSettings
+from simulator.settings import SimSettings
 from tests.fleet import DEMO_TOKENIZER
 from tests.tokenizer_factory import DEEPSEEK, QWEN3, write_tokenizer
 from workers.context import WorkerContext
@@ -347,7 +347,12 @@ def test_a_spooled_turn_is_stored_with_its_row_when_replayed(world: World, tmp_p
     write_entry(tmp_path, entry)
     assert replay(world.client, tmp_path) == 1
     assert world.client.hget(keys.DatasetKeys(DS).turns, "c9#0") == record and world.ended() == {"c9"}
-    # Replayed twice (another worker on the host): a duplicate, nothing stored again.
+    # Replayed twice (another worker on the host): the same settle answers what it answered first
+    # (budget.lua's settled marker) and stores nothing again.
     assert world.budget.settle("c9#0", "gone", 5, b"row", cost_usd=0.0, turn=TurnKeep("c9", b"other", True)) \
+        == "kept"
+    assert world.client.hget(keys.DatasetKeys(DS).turns, "c9#0") == record
+    # Another delivery's answer for the same turn (another lease): a duplicate, nothing stored again.
+    assert world.budget.settle("c9#0", "other", 5, b"row", cost_usd=0.0, turn=TurnKeep("c9", b"other", True)) \
         == "duplicate"
     assert world.client.hget(keys.DatasetKeys(DS).turns, "c9#0") == record
