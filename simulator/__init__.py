@@ -1,7 +1,7 @@
 """A local OpenRouter simulator, faithful to ``shared/reference/openrouter.md``.
 
 Run it: ``python -m simulator --host 127.0.0.1 --port 8765 [flags]`` (``--help`` lists every
-setting), or in tests ``with start_in_thread(Settings(port=0, latency_median_ms=0)) as sim:`` and
+setting), or in tests ``with start_in_thread(SimSettings(port=0, latency_median_ms=0)) as sim:`` and
 point the client at ``sim.api_base``.
 
 Routes
@@ -129,13 +129,13 @@ when its client left before the last byte, too); not billed: HTTP errors,
 
 from simulator.engine import predict
 from simulator.run import SimHandle, serve, start_in_thread
-from simulator.settings import LengthDistribution, Settings, SettingsError
+from simulator.settings import LengthDistribution, SettingsError, SimSettings
 
 __all__ = [
     "LengthDistribution",
-    "Settings",
     "SettingsError",
     "SimHandle",
+    "SimSettings",
     "predict",
     "serve",
     "start_in_thread",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from simulator.run import serve
-from simulator.settings import Settings, SettingsError, settings_fields
+from simulator.settings import SettingsError, SimSettings, settings_fields
 
 _COMPOUND = ("rates", "length_classes")  # set with --fault / --config, not one flag each
 
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings_from_args(argv: Sequence[str] | None = None) -> tuple[Settings, str]:
+def settings_from_args(argv: Sequence[str] | None = None) -> tuple[SimSettings, str]:
     ns = build_parser().parse_args(argv)
     patch: dict[str, Any] = {}
     if ns.config:
@@ -76,7 +76,7 @@ def settings_from_args(argv: Sequence[str] | None = None) -> tuple[Settings, str
             raise SettingsError(f"--fault {item}: rate is not a number") from None
     if rates:
         patch["rates"] = rates
-    return Settings().updated(patch, allow_fixed=True), ns.log_level
+    return SimSettings().updated(patch, allow_fixed=True), ns.log_level
 
 
 def main(argv: Sequence[str] | None = None) -> int:

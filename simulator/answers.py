@@ -25,7 +25,7 @@ from simulator.kimi import (
 from simulator.request import ChatRequest
 from simulator.script import Script
 from simulator.seeding import rng_for
-from simulator.settings import LEAK_IM_END, LengthDistribution, Settings
+from simulator.settings import LEAK_IM_END, LengthDistribution, SimSettings
 from simulator.text import generate_text, schema_value
 from simulator.tokens import TokenCounter
 
@@ -86,7 +86,7 @@ def length_class(classes: Mapping[str, LengthDistribution], max_tokens: int | No
 
 
 def build_answer(
-    req: ChatRequest, settings: Settings, script: Script | None, counter: TokenCounter
+    req: ChatRequest, settings: SimSettings, script: Script | None, counter: TokenCounter
 ) -> Answer:
     given = script.given if script else frozenset()
     klass = length_class(settings.length_classes, req.max_tokens)
@@ -117,7 +117,7 @@ def build_answer(
 
 
 def _answer(
-    req: ChatRequest, settings: Settings, script: Script | None, reasoning: str | None,
+    req: ChatRequest, settings: SimSettings, script: Script | None, reasoning: str | None,
     content: str | None, calls: tuple[ToolCall, ...], finish: str,
 ) -> Answer:
     given = script.given if script else frozenset()
@@ -157,7 +157,7 @@ def _scripted_shape(req: ChatRequest, script: Script) -> _Shape:
 
 
 def _generated_shape(
-    req: ChatRequest, settings: Settings, counter: TokenCounter, left: int | None,
+    req: ChatRequest, settings: SimSettings, counter: TokenCounter, left: int | None,
     klass: LengthDistribution,
 ) -> _Shape:
     rng = rng_for(settings.seed, req.prompt_hash, "shape")

@@ -16,7 +16,7 @@ from typing import Any
 
 from simulator.capacity import IN_FLIGHT, PER_SECOND, CapacityGate
 from simulator.series import InFlightSeries
-from simulator.settings import Settings
+from simulator.settings import SimSettings
 
 MAX_RECORDS = 500_000  # generation records kept for /api/v1/generation; oldest dropped first
 
@@ -153,7 +153,7 @@ class Ledger:
         self.series.record(time.monotonic(), interval_s, in_flight=self.in_flight,
                            admitted=self.gate.admitted, arrived=True)
 
-    def admit(self, settings: Settings) -> str | None:
+    def admit(self, settings: SimSettings) -> str | None:
         """The capacity gate (``capacity.py``): None when admitted, else the limit hit."""
         now = time.monotonic()
         refused = self.gate.admit(settings, now)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from simulator.settings import Settings
+from simulator.settings import SimSettings
 
 WINDOW_S = 1.0
 IN_FLIGHT = "in_flight"
@@ -37,7 +37,7 @@ class CapacityGate:
             self._arrivals.popleft()
         return len(self._arrivals)
 
-    def admit(self, s: Settings, now: float) -> str | None:
+    def admit(self, s: SimSettings, now: float) -> str | None:
         """Take a slot, or name the limit that refuses one (``in_flight`` / ``per_second``)."""
         per_s = self._window(now)
         refused: str | None = None

@@ -20,7 +20,7 @@ from simulator.kimi import render_prompt
 from simulator.request import ChatRequest, parse_chat_request
 from simulator.script import Script, find_script
 from simulator.seeding import rng_for
-from simulator.settings import Settings
+from simulator.settings import SimSettings
 from simulator.tokens import SimpleCounter, TokenCounter
 from simulator.wire import message_json
 
@@ -50,7 +50,7 @@ def engine_tokenizer(counter: TokenCounter) -> EngineTokenizer:
     return tok
 
 
-def _engine_ids(req: ChatRequest, settings: Settings, script: Script | None,
+def _engine_ids(req: ChatRequest, settings: SimSettings, script: Script | None,
                 counter: TokenCounter, answer: Answer) -> EngineIds:
     if script is not None and "noncanonical" in script.given:
         inject = script.noncanonical
@@ -61,7 +61,7 @@ def _engine_ids(req: ChatRequest, settings: Settings, script: Script | None,
                       rng=rng_for(settings.seed, req.prompt_hash, "split"))
 
 
-def generate(req: ChatRequest, settings: Settings, script: Script | None,
+def generate(req: ChatRequest, settings: SimSettings, script: Script | None,
              counter: TokenCounter, *, attempt: int = 1) -> Generation:
     """The answer and its usage; with ``return_token_ids`` also the engine's ids, and then usage
     counts them, as vLLM does (prompt ids, completion ids with the end-of-turn token)."""
@@ -83,7 +83,7 @@ def generate(req: ChatRequest, settings: Settings, script: Script | None,
     return Generation(answer, usage, ids)
 
 
-def base_latency_ms(rng: random.Random, settings: Settings) -> float:
+def base_latency_ms(rng: random.Random, settings: SimSettings) -> float:
     """Time to first token: lognormal with the configured median and p99."""
     median = settings.latency_median_ms
     if median <= 0:
@@ -92,12 +92,12 @@ def base_latency_ms(rng: random.Random, settings: Settings) -> float:
     return median * math.exp(sigma * rng.gauss(0.0, 1.0))
 
 
-def predict(body: Mapping[str, Any], settings: Settings | None = None,
+def predict(body: Mapping[str, Any], settings: SimSettings | None = None,
             counter: TokenCounter | None = None, *, attempt: int = 1) -> dict[str, Any]:
     """What the server answers to ``body`` when no fault hits:
     ``{"message", "finish_reason", "native_finish_reason", "usage"}``, plus ``prompt_token_ids``,
     ``token_ids`` and ``noncanonical`` (the injection or None) with ``return_token_ids``."""
-    settings = settings or Settings()
+    settings = settings or SimSettings()
     counter = counter or SimpleCounter()
     req = parse_chat_request(json.dumps(body).encode(), default_model=settings.model)
     gen = generate(req, settings, find_script(req.messages), counter, attempt=attempt)

@@ -1,6 +1,6 @@
 """The failures the simulator can inject: their names, how one is picked, and how each one replies.
 
-Every fault has a rate in ``Settings.rates`` (0..1, summing to at most 1) and can also be forced
+Every fault has a rate in ``SimSettings.rates`` (0..1, summing to at most 1) and can also be forced
 for one prompt's first attempts by a ``#sim`` script's ``fail_attempts``. Picking uses an RNG seeded
 by (seed, prompt hash, attempt number), so the n-th attempt of a prompt meets the same fault in
 every run, whatever order thousands of concurrent requests arrive in.

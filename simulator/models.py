@@ -1,6 +1,6 @@
 """The model catalogue: ``GET /api/v1/models`` and ``/api/v1/models/{author}/{slug}/endpoints``.
 
-Built from the same settings the chat route bills with (``Settings.prices()``), so a client that
+Built from the same settings the chat route bills with (``SimSettings.prices()``), so a client that
 prices a run from the catalogue gets exactly what the ledger charges: per token
 ``price_in_per_mtok / 1e6`` (prompt) and ``price_out_per_mtok / 1e6`` (completion, reasoning
 included), plus ``price_request_usd`` per billed request. Prices are decimal strings, never
@@ -12,7 +12,7 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from simulator.settings import Settings
+from simulator.settings import SimSettings
 
 CREATED = 1769040000  # a fixed listing date, so the catalogue is the same in every run
 
@@ -34,7 +34,7 @@ def _plain(value: Decimal) -> str:
     return "0" if Decimal(text) == 0 else text
 
 
-def pricing_json(s: Settings) -> dict[str, str]:
+def pricing_json(s: SimSettings) -> dict[str, str]:
     prompt = per_token(s.price_in_per_mtok)
     return {
         "prompt": prompt,
@@ -61,7 +61,7 @@ def _architecture() -> dict[str, Any]:
             "output_modalities": ["text"], "tokenizer": "Other", "instruct_type": None}
 
 
-def model_json(model_id: str, s: Settings) -> dict[str, Any]:
+def model_json(model_id: str, s: SimSettings) -> dict[str, Any]:
     """One ``data[]`` entry of ``GET /api/v1/models``."""
     return {
         "id": model_id,
@@ -81,11 +81,11 @@ def model_json(model_id: str, s: Settings) -> dict[str, Any]:
     }
 
 
-def models_json(s: Settings) -> dict[str, Any]:
+def models_json(s: SimSettings) -> dict[str, Any]:
     return {"data": [model_json(m, s) for m in s.served_models]}
 
 
-def endpoints_json(model_id: str, s: Settings) -> dict[str, Any] | None:
+def endpoints_json(model_id: str, s: SimSettings) -> dict[str, Any] | None:
     """``GET /api/v1/models/{author}/{slug}/endpoints``: one endpoint per provider, all at the
     simulator's one price. None when the model is not served."""
     if model_id not in s.served_models:
@@ -121,7 +121,7 @@ def no_endpoints_message(model_id: str) -> str:
     return f"No endpoints found for {model_id}."
 
 
-def context_error_message(s: Settings, prompt_tokens: int, max_tokens: int) -> str:
+def context_error_message(s: SimSettings, prompt_tokens: int, max_tokens: int) -> str:
     """OpenRouter's 400 when prompt + max_tokens exceed the context length."""
     return (f"This endpoint's maximum context length is {s.context_length} tokens. However, you "
             f"requested about {prompt_tokens + max_tokens} tokens ({prompt_tokens} of text input, "

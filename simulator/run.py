@@ -23,7 +23,7 @@ from gevent import socket as gsocket
 
 from simulator.requestlog import RequestLog
 from simulator.server import CONNECTION_KEY, SimApp, SimState
-from simulator.settings import Settings
+from simulator.settings import SimSettings
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def make_server(state: SimState, listener: Any) -> pywsgi.WSGIServer:
     )
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: SimSettings) -> None:
     """Serve in this thread until SIGINT/SIGTERM."""
     state = SimState(settings)
     listener = _listen(settings.host, settings.port)
@@ -136,10 +136,10 @@ class SimHandle:
         self.stop()
 
 
-def start_in_thread(settings: Settings | None = None) -> SimHandle:
+def start_in_thread(settings: SimSettings | None = None) -> SimHandle:
     """Start a simulator on its own thread and gevent hub (port 0 by default: a free port).
     For tests: the caller's thread needs no gevent and no monkey-patching."""
-    settings = settings or Settings(port=0)
+    settings = settings or SimSettings(port=0)
     ready = threading.Event()
     box: dict[str, Any] = {}
 

@@ -36,7 +36,7 @@ from simulator.models import (
 from simulator.request import BadRequest, ChatRequest, parse_chat_request
 from simulator.script import Script, find_script
 from simulator.seeding import rng_for
-from simulator.settings import LEAK_IM_END, Settings, SettingsError
+from simulator.settings import LEAK_IM_END, SettingsError, SimSettings
 from simulator.tokens import TokenCounter, load_counter
 from simulator.wire import (
     DONE,
@@ -60,7 +60,7 @@ StartResponse = Callable[..., Any]
 class SimState:
     """What the server knows; replaced wholesale by ``POST /_sim/reset``."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: SimSettings) -> None:
         self.launch_settings = settings
         self.settings = settings
         self.counter: TokenCounter = load_counter(settings.tokenizer)
@@ -77,7 +77,7 @@ class SimState:
 class _Call:
     """One chat request's bookkeeping: in-flight count, its log line, exactly once."""
 
-    settings: Settings
+    settings: SimSettings
     ledger: Ledger
     t0: float = field(default_factory=time.monotonic)
     created: float = field(default_factory=time.time)
@@ -499,7 +499,7 @@ class SimApp:
                 self._bill(call, req, gen, provider, usage, streamed=True, abandoned=True)
 
     @staticmethod
-    def _partial(gen: Generation, sent_tokens: int, s: Settings) -> BilledUsage:
+    def _partial(gen: Generation, sent_tokens: int, s: SimSettings) -> BilledUsage:
         u = gen.usage
         return priced(u.prompt_tokens, sent_tokens, min(u.reasoning_tokens, sent_tokens),
                       u.cached_tokens, **s.prices())

@@ -58,7 +58,7 @@ def _meta(help_text: str, *, lo: float | None = None, hi: float | None = None,
 
 
 @dataclass(frozen=True)
-class Settings:
+class SimSettings:
     # --- fixed at start-up (not changeable through /_sim/config) ---
     host: str = field(default="127.0.0.1", metadata=_meta("address to bind", fixed=True))
     port: int = field(default=8765, metadata=_meta("port (0: any free port)", lo=0, hi=65535,
@@ -148,12 +148,12 @@ class Settings:
     stream_abort_billed: bool = field(default=True, metadata=_meta(
         "bill a stream in full when its client goes away (false: bill what was sent)"))
 
-    def updated(self, patch: Mapping[str, Any], *, allow_fixed: bool = False) -> Settings:
+    def updated(self, patch: Mapping[str, Any], *, allow_fixed: bool = False) -> SimSettings:
         """A copy with ``patch`` applied; ``rates`` and ``length_classes`` merge key by key."""
         if not isinstance(patch, Mapping):
             raise SettingsError("settings: expected a JSON object")
         known = {f.name: f for f in dataclasses.fields(self)}
-        hints = typing.get_type_hints(Settings)
+        hints = typing.get_type_hints(SimSettings)
         changes: dict[str, Any] = {}
         for name, value in patch.items():
             f = known.get(name)
@@ -207,8 +207,8 @@ class Settings:
 
 def settings_fields() -> list[tuple[dataclasses.Field[Any], Any]]:
     """Each field with its resolved type hint, for building CLI flags."""
-    hints = typing.get_type_hints(Settings)
-    return [(f, hints[f.name]) for f in dataclasses.fields(Settings)]
+    hints = typing.get_type_hints(SimSettings)
+    return [(f, hints[f.name]) for f in dataclasses.fields(SimSettings)]
 
 
 def _coerce(name: str, hint: Any, value: Any, meta: Mapping[str, Any]) -> Any:

@@ -22,7 +22,7 @@ import redis
 import requests
 
 from simulator.run import start_in_thread
-from simulator.settings import Settings as SimSettings
+from simulator.settings import SimSettings
 from tests.fleet import REPO, Fleet, prompts, read_rows, read_summary, write_jsonl
 
 TIMEOUT_S = 3.0

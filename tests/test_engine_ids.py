@@ -29,7 +29,7 @@ from common.errors import ConfigError
 from common.settings import Settings
 from common.stats import DatasetStats
 from simulator.run import SimHandle, start_in_thread
-from simulator.settings import Settings as SimSettings
+from simulator.settings import SimSettings
 from tests.fleet import DEMO_TOKENIZER, TEST_KEY
 from workers.context import WorkerContext
 from workers.generate import generate

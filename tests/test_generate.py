@@ -33,7 +33,7 @@ from common.stats import DatasetStats
 from common.throttle import POLICY, FleetThrottle
 from producer.state import read_state
 from simulator.run import SimHandle, start_in_thread
-from simulator.settings import Settings as SimSettings
+from simulator.settings import SimSettings
 from tests.fleet import DEMO_TOKENIZER
 from workers import gate
 from workers.context import WorkerContext

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import requests
 
-from simulator import Settings, SimHandle, predict, start_in_thread
+from simulator import SimHandle, SimSettings, predict, start_in_thread
 from simulator import server as server_module
 from simulator.__main__ import settings_from_args
 from simulator.kimi import render_prompt
@@ -33,7 +33,7 @@ from simulator.tokens import SimpleCounter
 
 KEY = "sk-or-v1-simulator-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-BASELINE = Settings(port=0, latency_median_ms=0, error_latency_ms=0, hang_s=0.3,
+BASELINE = SimSettings(port=0, latency_median_ms=0, error_latency_ms=0, hang_s=0.3,
                     generation_delay_s=0.3, keepalive_s=0.05)
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -114,8 +114,8 @@ def test_same_prompt_same_answer_in_another_process(sim: SimHandle) -> None:
     first, second = message(chat(sim, payload)), message(chat(sim, payload))
     assert first == second  # a retry gets the answer its first attempt had
     assert message(chat(sim, body("Another prompt", max_tokens=8192))) != first
-    code = ("import json, sys; from simulator import predict, Settings; "
-            "print(json.dumps(predict(json.loads(sys.argv[1]), Settings())['message']))")
+    code = ("import json, sys; from simulator import predict, SimSettings; "
+            "print(json.dumps(predict(json.loads(sys.argv[1]), SimSettings())['message']))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(payload)], check=True,
                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert json.loads(out.stdout) == first
@@ -940,7 +940,7 @@ def test_hf_tokenizer_counts(tmp_path: Path) -> None:
     tok.add_special_tokens(specials)
     tok.save(str(tmp_path / "tokenizer.json"))
     payload = script({"reasoning": "a b c", "content": "d e"})
-    with start_in_thread(Settings(port=0, latency_median_ms=0, tokenizer=str(tmp_path))) as hf:
+    with start_in_thread(SimSettings(port=0, latency_median_ms=0, tokenizer=str(tmp_path))) as hf:
         data = chat(hf, payload).json()
     prompt = render_prompt(payload["messages"], [])
     assert data["usage"]["prompt_tokens"] == len(tok.encode(prompt, add_special_tokens=False).ids)
@@ -960,7 +960,7 @@ def test_a_plain_answer_is_generated_when_it_is_due_not_when_its_request_arrives
         return real(*args, **kwargs)
 
     monkeypatch.setattr(server_module, "generate", recording)
-    latency = Settings(port=0, latency_median_ms=800, latency_p99_ms=800, keepalive_s=0.05)
+    latency = SimSettings(port=0, latency_median_ms=800, latency_p99_ms=800, keepalive_s=0.05)
     with start_in_thread(latency) as handle:
         sent = time.monotonic()
         plain = chat(handle, body("due later"))
