@@ -68,7 +68,8 @@ def test_every_variable_sets_its_field() -> None:
     ({"SPECFLEET_MAX_ANSWER_BYTES": "10"}, "environment variable SPECFLEET_MAX_ANSWER_BYTES='10': must be >= 1024"),
     ({"OPENROUTER_BASE_URL": "openrouter.ai"},
      "environment variable OPENROUTER_BASE_URL='openrouter.ai': not an http(s) URL"),
-    ({"SPECFLEET_ENGINE_URL": "vllm:8000"}, "environment variable SPECFLEET_ENGINE_URL='vllm:8000': not an http(s) URL"),
+    ({"SPECFLEET_ENGINE_URL": "vllm:8000"},
+     "environment variable SPECFLEET_ENGINE_URL='vllm:8000': not an http(s) URL"),
     ({"SPECFLEET_LOG_LEVEL": "loud"}, "environment variable SPECFLEET_LOG_LEVEL='LOUD': not a log level"),
 ])
 def test_a_bad_value_is_refused_naming_its_variable(env: dict[str, str], message: str) -> None:
