@@ -79,7 +79,7 @@ bench: install  ## benchmark scripts that print figures
 	$(BIN)/python -m bench.versus_seed --prompts 6000 --latencies-ms 300,15000
 
 soak: install  ## chaos soak (not part of test): 10k prompts, faults, worker and Redis SIGKILLs
-	$(BIN)/python bench/soak.py --prompts 10000
+	$(BIN)/python -m bench.soak --prompts 10000
 
 mutants: install  ## one-line mutants of the promises (tests/mutants.toml), each on a temp copy; every one must be caught
 	$(BIN)/python -m tests.mutants $(MUTANTS_ARGS)
