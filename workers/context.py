@@ -73,8 +73,9 @@ class WorkerContext:
                     batch_releases=gevent.monkey.is_module_patched("socket"))
 
     @property
-    def client(self) -> Upstream:
-        """The upstream every greenlet of this process calls; OpenRouter, built on first use."""
+    def default_upstream(self) -> Upstream:
+        """The upstream of runs that name none (OpenRouter, built on first use), or the one given
+        (tests); ``redis`` is the Redis client."""
         if self._upstream is None:
             self._upstream = self._openrouter()
         return self._upstream
@@ -84,7 +85,7 @@ class WorkerContext:
         self-hosted engine the run file's ``model.upstream`` names (one per kind and process)."""
         kind = view.model.upstream
         if self._upstream is not None or kind == "openrouter":
-            return self.client
+            return self.default_upstream
         engine = self._engines.get(kind)
         if engine is None:
             with self._lock:
