@@ -25,6 +25,7 @@ a library's exception or a message string. The tree (httpx's ``_exceptions.py`` 
     ├── ProducerFenced                 another producer holds the lock: exit 5
     ├── Interrupted                    SIGTERM/SIGINT: the run stopped, resumable: exit 130
     ├── Halted                         the fleet stopped admitting (account, URL, model): exit 3
+    ├── IllegalTransition              a dataset run asked for a phase move its table forbids (a bug)
     └── OutputError                    the output folder refused a write
 
     redis.exceptions.ConnectionError
@@ -234,6 +235,11 @@ class Halted(SpecfleetError):
 
 
 # --- the output folder --------------------------------------------------------------------------
+
+
+class IllegalTransition(SpecfleetError):
+    """A dataset run was asked to move between two phases ``producer/dataset_run.TRANSITIONS`` does
+    not join: a bug in the runner, refused before it could act on a state it never planned for."""
 
 
 class OutputError(SpecfleetError):

@@ -1,0 +1,174 @@
+"""A dataset's admission, seen from the producer: its queue followed and filled, watched for its
+end (the budget, every prompt's outcome, a stall after sweeps), ended, and reopened for a top-up.
+
+Each move of the dataset's phase (``producer/dataset_run.py``) that admission makes is here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import redis
+from celery import Celery
+
+from common import keys
+from common.config import RunConfig
+from common.contract import CONTRACT_VERSION, FOLLOW_COMMAND, TaskPayload, conversation_of
+from common.datasets import Prompt, ReadStats, read_prompts
+from common.errors import DatasetRowError
+from producer.dataset_run import BUDGET_END_REASONS, DatasetPhase, DatasetRun, EndReason, Tuning
+from producer.enqueue import push
+from producer.lock import ProducerLock
+from producer.refusals import WriteHold
+from producer.state import DatasetState
+
+log = logging.getLogger(__name__)
+
+ENQUEUE_BATCH = 1000
+
+
+class AdmissionControl:
+    def __init__(self, cfg: RunConfig, client: redis.Redis, app: Celery, lock: ProducerLock, hold: WriteHold,
+                 tuning: Tuning) -> None:
+        self.cfg = cfg
+        self.config_id = cfg.config_id()
+        self.client = client
+        self.app = app
+        self.lock = lock
+        self.hold = hold
+        self.tuning = tuning
+
+    def follow(self, queue: str) -> None:
+        """Make ``queue`` active; workers hear it at once (a broadcast), or at their next poll."""
+        self.lock.write(("HSET", keys.ACTIVE_QUEUES, queue, self.config_id))
+        try:
+            self.app.control.broadcast(FOLLOW_COMMAND)
+        except Exception as exc:
+            log.debug("%s broadcast failed (workers follow on their next poll): %s", FOLLOW_COMMAND, exc)
+
+    def enqueue(self, run: DatasetRun, batch: list[Prompt]) -> int:
+        done = self.client.smismember(run.outcome_key, [p.id for p in batch])
+        payloads: list[TaskPayload] = [
+            {
+                "v": CONTRACT_VERSION,
+                "run": self.config_id,
+                "dataset": run.name,
+                "id": p.id,
+                "where": p.where,
+                "messages": p.messages,
+                "tools": p.tools,
+            }
+            for p, is_done in zip(batch, done, strict=True)
+            if not is_done
+        ]
+        return push(self.client, self.app, run.budget.keys.queue, payloads, fence=self.lock)
+
+    def check(self, run: DatasetRun, st: DatasetState, now: float) -> None:
+        """One look at an admitting dataset: ends its admission when the budget or the outcomes say
+        so; sweeps a queue idle with prompts lacking an outcome; gives up after the last sweep."""
+        if st.state == "exhausted":
+            self.end(run, BUDGET_END_REASONS.get(st.ended_by, EndReason.BUDGET))
+            return
+        if not run.enqueue_done:
+            return
+        outcomes = int(self.client.scard(run.outcome_key)) + st.failed
+        if outcomes >= run.prompts:
+            self.end(run, EndReason.COMPLETE)
+            return
+        if st.queued or st.in_flight:
+            run.idle_since_s = None
+            return
+        if run.idle_since_s is None:
+            run.idle_since_s = now
+        if now - run.idle_since_s < self.tuning.stall_s:
+            return
+        run.idle_since_s = None
+        if run.sweeps >= self.tuning.max_sweeps:
+            log.error("%s: %d prompts never got an outcome after %d sweeps", run.name, run.prompts - outcomes,
+                      run.sweeps)
+            self.end(run, EndReason.STALLED)
+            return
+        run.sweeps += 1
+        requeued = self.sweep(run)
+        log.warning("%s: queue idle with %d prompts lacking an outcome; re-enqueued %d (sweep %d)",
+                    run.name, run.prompts - outcomes, requeued, run.sweeps)
+
+    def sweep(self, run: DatasetRun) -> int:
+        """Re-enqueue prompts with no outcome (a message lost with a Redis that did not persist)."""
+        # A conversation's failure is its failed turn's (row key "<id>#<turn>").
+        failed = set(k.decode() if run.cfg.regenerate == "last" else conversation_of(k.decode())
+                     for k in self.client.hkeys(run.budget.keys.failed))
+        errors: list[DatasetRowError] = []
+        n = 0
+        for batch in batches(read_prompts(run.cfg.path, errors, ReadStats(), limit=run.cfg.max_prompts,
+                                            max_line_bytes=run.cfg.max_line_bytes),
+                             ENQUEUE_BATCH):
+            todo = [p for p in batch if p.id not in failed]
+            if n < 10 and todo:  # which ones, so a lost message can be traced
+                done = self.client.smismember(run.outcome_key, [p.id for p in todo])
+                missing = [p.id for p, d in zip(todo, done, strict=True) if not d]
+                if missing:  # a batch of prompts that all have their outcome says nothing
+                    log.info("%s: sweeping %s", run.name, ", ".join(missing))
+            n += self.enqueue(run, todo)
+        return n
+
+    def end(self, run: DatasetRun, reason: EndReason) -> None:
+        run.transition(DatasetPhase.DRAINING, reason)
+        run.admission_ended_s = time.time()
+        if run.first_stop_s is None:
+            run.first_stop_s = run.admission_ended_s
+            run.rows_at_first_stop = run.budget.snapshot().rows
+        k = run.budget.keys
+        # Order matters: workers stop following the queue, then what is left in it goes. Messages a
+        # worker already reserved find the dataset not active and end without a request.
+        self.lock.write(("HDEL", keys.ACTIVE_QUEUES, k.queue))
+        if not reason.by_budget:
+            self.lock.refresh()
+            self.hold(run.budget.close)
+        purged = int(self.lock.write(("LLEN", k.queue), ("DEL", k.queue))[0])
+        try:
+            self.app.control.cancel_consumer(k.queue)
+        except Exception as exc:  # workers also drop it on their next poll
+            log.debug("cancel_consumer broadcast failed: %s", exc)
+        log.info("%s: admission ended (%s), %s queued prompts removed", run.name, reason.value, f"{purged:,}")
+
+    def top_up(self, run: DatasetRun, st: DatasetState) -> bool:
+        """Give the room a budget stop left another round, while the next dataset runs.
+
+        Projected rule only (BudgetPolicy.should_top_up): its stop projects in-flight requests with
+        the length-biased mean and can end a few percent short once they land; a round admits only
+        what the room can take, so each one leaves a fraction of the previous shortfall. The hard
+        rule stops only when less than one worst case is left, which no round could use.
+        """
+        if run.end_reason is not EndReason.BUDGET or run.top_ups >= self.tuning.max_top_ups:
+            return False
+        length = self.cfg.length_for(run.cfg.length)
+        prior = run.budget.policy.prior_tokens(length.max_tokens, length.estimate_tokens)
+        if not run.budget.policy.should_top_up(run.budget.snapshot(), prior):
+            return False
+        room = st.limit - st.kept_tokens
+        self.lock.refresh()
+        self.hold(lambda: run.budget.open(run.cfg.budget_tokens, run.cfg.budget_usd, self.cfg.run.budget_mode))
+        self.follow(run.budget.keys.queue)
+        queued = self.sweep(run)
+        if not queued:
+            self.lock.write(("HDEL", keys.ACTIVE_QUEUES, run.budget.keys.queue))
+            return False
+        run.top_ups += 1
+        run.transition(DatasetPhase.TOPPING_UP)
+        log.info("%s: %s tokens of budget left once in-flight work landed: top-up round %d",
+                 run.name, f"{room:,}", run.top_ups)
+        return True
+
+
+def batches(items: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:
+    batch: list[Prompt] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
