@@ -89,6 +89,7 @@ def test_sigterm_with_redis_down_ends_workers_within_the_bound_and_their_spool_r
     spooled = len(list(spool.glob("*.spool")))
     billed = fleet.sim_stats()["billed_requests"]
     assert spooled > 0, fleet.all_logs()
+    print(f"{spooled} answers spooled, {billed} billed when both had stopped")
 
     valkey.start()
     fleet.start_worker("w3", concurrency=15)
