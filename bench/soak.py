@@ -11,7 +11,7 @@ default). The producer's idle-queue sweep is pushed out of the way (``--stall-s`
 worker's tasks can only come back by the visibility timeout. At set shares of the kept rows, one after the other:
 
 - 10%: Redis SIGKILLed and started again 3 s later (same port and data);
-- 20%: a dozen poison messages pushed into the active queue (tests/chaos.py): each must be
+- 20%: a dozen poison messages pushed into the active queue (harness/chaos.py): each must be
   dead-lettered, no worker may die of one;
 - 30%: Redis refuses writes (``CONFIG SET maxmemory 1``, noeviction) for ``--refuse-s``;
 - 45%: the producer frozen (SIGSTOP) past its lock's TTL; producer B started with the same command
@@ -62,9 +62,9 @@ sys.path.insert(0, str(REPO))
 from common import keys  # noqa: E402
 from common.budget import Budget  # noqa: E402
 from common.throttle import FleetThrottle  # noqa: E402
+from harness.chaos import RestartableValkey, poison_messages, read_shards  # noqa: E402
+from harness.fleet import Fleet, write_jsonl  # noqa: E402
 from simulator.seeding import prompt_hash  # noqa: E402
-from tests.chaos import RestartableValkey, poison_messages, read_shards  # noqa: E402
-from tests.fleet import Fleet, write_jsonl  # noqa: E402
 
 FAULTS = {"429": 0.05, "502": 0.05, "hang": 0.05, "bad_json": 0.05, "error200": 0.05, "trickle": 0.03}
 #: Faults whose answer never reaches the client whole: their generation is billed, not delivered.
@@ -77,7 +77,7 @@ REDIS_DOWN_S = 3.0
 #: An answer whose worker was SIGKILLed this soon after it arrived may or may not have been settled.
 SETTLE_WINDOW_S = 5.0
 #: The prompt's lease as workers/generate.py sizes it: 1.2 × timeout_s + backoff_max_s (0.5 in
-#: tests/fleet.py's config) + 10 s.
+#: harness/fleet.py's config) + 10 s.
 LEASE_S = 1.2 * TIMEOUT_S + 0.5 + 10
 #: A stopped worker's last line comes at its bound; the interpreter's exit after it, on a box with a
 #: load of 10 on 2 cores, has taken a few tenths of a second more.
@@ -360,7 +360,8 @@ STOPPED = "stopped worker's prompt left at its bound"
 STOPPED_PAID = "stopped worker's paid answer left at its bound"
 REDIS_KILLED = "answered just before a Redis SIGKILL"
 RERUN = "failed, then asked again by producer B's run (a rerun retries failed prompts)"
-PARTITION = "its worker cut from Redis past the prompt's lease (README: the lease bound)"
+PARTITION = "held across a Redis outage longer than its lease (README: the lease bound)"
+OVERLAP = "asked by another worker while an attempt of it was open"
 READ_LATE = "sent whole within timeout_s, its worker asked again (read after its deadline)"
 ELSE = "anything else"
 #: Causes a repeat may have: the worker that asked before died (SIGKILL) or left it (its stop bound).
@@ -381,11 +382,13 @@ class Ends:
     rerun_at: float | None = None
     failed_once: set[str] = field(default_factory=set)
 
-    def lease_lapsed(self, prev_end_s: float | None, cur_start_s: float) -> bool:
-        """A request that ended at ``prev_end_s`` left a lease of at most LEASE_S (renewed before each
-        attempt) that ran out while Redis was down, and the repeat came after Redis was back."""
-        end = prev_end_s or cur_start_s
-        return any(b - a > LEASE_S and a - LEASE_S <= end <= b <= cur_start_s for a, b in self.outages)
+    def lease_lapsed(self, earlier: list[dict[str, Any]], cur_start_s: float, visibility_s: float) -> bool:
+        """The prompt was held (a request of it ended at most LEASE_S before) when Redis went down for
+        longer than the lease, so the lease ran out meanwhile, and the repeat came once Redis was
+        back, before the prompt's message could have come back by the visibility timeout twice."""
+        return any(b - a > LEASE_S and b - 1 <= cur_start_s <= b + visibility_s + LEASE_S
+                   and any(a - LEASE_S <= (r["end_s"] or b) <= b for r in earlier)
+                   for a, b in self.outages)
 
     def writable_s(self, start: float, end: float) -> float:
         """Seconds of [start, end] in which Redis took writes (a settle could land)."""
@@ -411,8 +414,19 @@ class Ends:
         return end_s is not None and any(0 <= t - end_s < 1.5 for t in self.redis_kills)
 
 
+def run_started_at(producer_log: str) -> float | None:
+    """When a producer started the dataset's run (its "<ds>: start (" line, after it cleared the
+    failures of the runs before): from then on a prompt that had failed is asked again."""
+    m = re.search(rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{{3}}) \w+ \S+ [\w.]+: {DATASET}: start \(",
+                  producer_log, re.M)
+    if m is None:
+        return None
+    return time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S")) + int(m[2]) / 1000  # logging's local time
+
+
 def asked_twice(records: list[dict[str, Any]], delivered: set[str], ends: Ends, hash_to_id: dict[str, str],
-                timeout_s: float = TIMEOUT_S) -> tuple[Counter[str], list[float], dict[str, list[str]]]:
+                timeout_s: float = TIMEOUT_S, visibility_s: float = 40,
+                ) -> tuple[Counter[str], list[float], dict[str, list[str]]]:
     """Repeats by cause, the delay from each worker kill to its prompts being asked again, examples."""
     by_prompt: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -424,14 +438,18 @@ def asked_twice(records: list[dict[str, Any]], delivered: set[str], ends: Ends, 
     for h, reqs in by_prompt.items():
         reqs.sort(key=lambda r: r["start_s"])
         answered_at: float | None = None  # end of the first answer its client received
-        for prev, cur in itertools.pairwise(reqs):
+        for i, (prev, cur) in enumerate(itertools.pairwise(reqs)):
             if prev["gen_id"] in delivered:
                 answered_at = prev["end_s"] if answered_at is None else min(answered_at, prev["end_s"])
             again = cur["app"] != prev["app"] or (answered_at is not None and answered_at <= cur["start_s"])
             if not again:
                 continue
             left = ends.left(prev["app"], prev["end_s"], answered=prev["gen_id"] in delivered)
-            if (ends.rerun_at is not None and prev["start_s"] < ends.rerun_at <= cur["start_s"]
+            # The worker gives an attempt up at timeout_s (from a little before the simulator's start).
+            open_until = min(prev["end_s"] or cur["start_s"], prev["start_s"] + timeout_s)
+            if left is None and cur["app"] != prev["app"] and cur["start_s"] + 0.5 < open_until:
+                cause = OVERLAP
+            elif (ends.rerun_at is not None and prev["start_s"] < ends.rerun_at <= cur["start_s"]
                     and hash_to_id[h] in ends.failed_once):
                 cause = RERUN
             elif left is not None and left[0] == KILLED:
@@ -442,7 +460,7 @@ def asked_twice(records: list[dict[str, Any]], delivered: set[str], ends: Ends, 
                 cause = STOPPED_PAID if paid else STOPPED
             elif prev["gen_id"] in delivered and ends.before_redis_kill(prev["end_s"]):
                 cause = REDIS_KILLED
-            elif ends.lease_lapsed(prev["end_s"], cur["start_s"]):
+            elif ends.lease_lapsed(reqs[:i + 1], cur["start_s"], visibility_s):
                 cause = PARTITION
             elif (prev["gen_id"] in delivered and cur["app"] == prev["app"]
                   and prev["end_s"] - prev["start_s"] < timeout_s):
@@ -574,7 +592,8 @@ def main() -> int:
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         checkpoint_path = fleet.out / DATASET / ".checkpoint.json"
         checkpoint = json.loads(checkpoint_path.read_text()) if checkpoint_path.exists() else {}
-        producer_logs = fleet.log("producer") + fleet.log("producer-B")
+        producer_b_log = fleet.log("producer-B")
+        producer_logs = fleet.log("producer") + producer_b_log
         sweeps = producer_logs.count("re-enqueued")
         worker_names = [n for n in fleet.procs if n.startswith("soak-w")]
         worker_logs = {n: fleet.log(n) for n in worker_names}
@@ -601,9 +620,10 @@ def main() -> int:
     spooled = set(SPOOLED.findall(worker_logs.get(stop.get("worker", ""), "")))
     failed_once = {pid for log in worker_logs.values() for pid in FAILED.findall(log)}
     ends = Ends({name: t for t, name in chaos.worker_kills}, stopped, spooled, chaos.outages, chaos.redis_kills,
-                found.frozen.get("b_started_at"), failed_once)
+                run_started_at(producer_b_log), failed_once)
     hash_to_id = {prompt_hash(p["messages"]): p["id"] for p in items}
-    causes, delays, examples = asked_twice(records, delivered, ends, hash_to_id)
+    causes, delays, examples = asked_twice(records, delivered, ends, hash_to_id,
+                                           visibility_s=args.visibility_timeout_s)
     ids = Counter(r["id"] for r in rows)
     failed_ids = {f["id"] for f in failures}
     without = len(set(hash_to_id.values()) - set(ids) - failed_ids)
@@ -633,7 +653,7 @@ def main() -> int:
     print("prompts asked twice: " + " · ".join(
         f"{cause} {causes[cause]}" + (f" (e.g. {', '.join(examples[cause][:4])})"
                                       if causes[cause] and cause not in EXPECTED else "")
-        for cause in (KILLED, STOPPED, RERUN, PARTITION, STOPPED_PAID, REDIS_KILLED, READ_LATE, ELSE)))
+        for cause in (KILLED, STOPPED, RERUN, PARTITION, OVERLAP, STOPPED_PAID, REDIS_KILLED, READ_LATE, ELSE)))
     unexpected = sum(n for cause, n in causes.items() if cause not in EXPECTED)
     counter_kept, counter_rows = budget.kept, budget.rows
     same = counter_kept == kept_tokens and counter_rows == len(rows)
