@@ -1,7 +1,7 @@
 """Chaos soak: a run that meets every fault at once, and the figures that say nothing was lost.
 
-    .venv/bin/python bench/soak.py                                  # make soak: 10,000 prompts
-    .venv/bin/python bench/soak.py --prompts 1500 --concurrency 20  # smaller, while developing
+    .venv/bin/python -m bench.soak                                  # make soak: 10,000 prompts
+    .venv/bin/python -m bench.soak --prompts 1500 --concurrency 20  # smaller, while developing
 
 A private Valkey with AOF (appendfsync everysec) on a fixed port, the simulator with 5% each of
 429, 502, hang, bad JSON and 200-with-error and 3% of trickling answers (a byte a second for
@@ -56,15 +56,12 @@ from typing import Any
 import redis
 import requests
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from common import keys  # noqa: E402
-from common.budget import Budget  # noqa: E402
-from common.throttle import FleetThrottle  # noqa: E402
-from harness.chaos import RestartableValkey, poison_messages, read_shards  # noqa: E402
-from harness.fleet import Fleet, write_jsonl  # noqa: E402
-from simulator.seeding import prompt_hash  # noqa: E402
+from common import keys
+from common.budget import Budget
+from common.throttle import FleetThrottle
+from harness.chaos import RestartableValkey, poison_messages, read_shards
+from harness.fleet import Fleet, write_jsonl
+from simulator.seeding import prompt_hash
 
 FAULTS = {"429": 0.05, "502": 0.05, "hang": 0.05, "bad_json": 0.05, "error200": 0.05, "trickle": 0.03}
 #: Faults whose answer never reaches the client whole: their generation is billed, not delivered.
