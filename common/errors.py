@@ -26,6 +26,7 @@ a library's exception or a message string. The tree (httpx's ``_exceptions.py`` 
     ├── Interrupted                    SIGTERM/SIGINT: the run stopped, resumable: exit 130
     ├── Halted                         the fleet stopped admitting (account, URL, model): exit 3
     ├── IllegalTransition              a dataset run asked for a phase move its table forbids (a bug)
+    ├── PatchDrift                     a library changed code specfleet patches: the worker refuses, exit 7
     └── OutputError                    the output folder refused a write
 
     redis.exceptions.ConnectionError
@@ -240,6 +241,16 @@ class Halted(SpecfleetError):
 class IllegalTransition(SpecfleetError):
     """A dataset run was asked to move between two phases ``producer/dataset_run.TRANSITIONS`` does
     not join: a bug in the runner, refused before it could act on a state it never planned for."""
+
+
+class PatchDrift(SpecfleetError):
+    """An installed library's source differs where specfleet patches it (``common/runtime.py``):
+    the process refuses to run on code nobody verified. The message is the whole one-line reason."""
+
+    def __init__(self, message: str, *, patch: str, dist: str) -> None:
+        super().__init__(message)
+        self.patch = patch
+        self.dist = dist
 
 
 class OutputError(SpecfleetError):

@@ -22,7 +22,6 @@ caller acted on.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import socket
 import threading
@@ -31,7 +30,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import redis
-import redis.utils
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
@@ -39,15 +37,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
+from common import runtime
 from common.errors import RedisOutage as RedisOutage  # defined in the tree; importable here as before
 from common.redis_url import parse
 
 log = logging.getLogger(__name__)
-
-# redis-py reads its own version from the installed packages' metadata for every new connection
-# (a scan of sys.path, ~1 ms); a worker opens a thousand at its ramp, kombu's pool as many. The
-# answer cannot change while the process runs: ask once.
-redis.utils.get_lib_version = functools.cache(redis.utils.get_lib_version)
 
 T = TypeVar("T")
 
@@ -166,7 +160,8 @@ class WindowRetry(Retry):
 
 class SentinelConnection(SentinelManagedConnection):
     """redis-py's connection behind Sentinel, except that one which lost its socket asks the
-    Sentinels for the master whichever way it reconnects. redis-py (8.1) does so in ``connect()``
+    Sentinels for the master whichever way it reconnects (a fenced override: common/runtime.py checks
+    the method it replaces is the one verified). redis-py (8.1) does so in ``connect()``
     only; a command sent on a disconnected connection (``send_packed_command``: every pipeline,
     every retry of a command that met the old master's death) reconnects through
     ``connect_check_health``, which retries the address the connection had: after a failover, the
@@ -190,6 +185,7 @@ def connect(url: str, window_s: float, *, blocking_timeout_s: float | None = Non
     """A client whose commands retry for ``window_s`` while Redis is unreachable. ``url`` is
     ``REDIS_URL`` (a server or Sentinels); with ``blocking_timeout_s`` (and ``max_connections``)
     a caller waits that long for a free connection instead of being refused one."""
+    runtime.install()  # redis-py's fenced patches (common/runtime.py), before its first connection
     kwargs.setdefault("socket_timeout", 30)
     kwargs.setdefault("socket_connect_timeout", 5)
     kwargs.setdefault("health_check_interval", 25)

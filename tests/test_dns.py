@@ -1,4 +1,4 @@
-"""workers/dns.py: greenlets asking for one name at once share one real lookup, kept for its TTL."""
+"""workers/runtime/dns.py: greenlets asking for one name at once share one real lookup, kept for its TTL."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 gevent = pytest.importorskip("gevent")
 
-from workers.dns import CachedLookup  # noqa: E402
+from workers.runtime.dns import CachedLookup  # noqa: E402
 
 
 def _counting(slow_s: float = 0.0) -> tuple[list[Any], Any]:
@@ -54,7 +54,7 @@ def test_a_gevent_worker_process_looks_names_up_through_the_cache() -> None:
     import sys
 
     code = ("from gevent import monkey; monkey.patch_all()\n"
-            "import socket, workers.celery, workers.dns\n"
+            "import socket, workers.celery, workers.runtime.dns\n"
             "print(type(socket.getaddrinfo).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={"REDIS_URL": "redis://127.0.0.1:1/0", "PATH": "/usr/bin:/bin"}, check=True)

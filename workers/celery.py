@@ -14,16 +14,15 @@ from celery.signals import setup_logging, worker_ready, worker_shutting_down
 
 from common import logs
 from common.celeryconf import celery_config
+from common.errors import PatchDrift
 from common.settings import Settings
-from workers import poison, stop, writes
+from workers import poison, runtime, stop, writes
 from workers.context import context
-from workers.dns import install as install_cached_lookups
 from workers.events import BatchedTaskEvents
 from workers.heap import settle_long_lived
 from workers.queues import FollowActiveQueues
 from workers.recovery import ReplaySpool, RestoreUnacked
 from workers.send_room import start as start_send_room
-from workers.transport import install as install_transport
 
 _settings = Settings.from_env()
 
@@ -32,9 +31,13 @@ def _admit(raw: bytes, queue: str, unacked: tuple[str, str] | None = None) -> di
     return poison.admit(context().redis, raw, queue, unacked=unacked)
 
 
-install_transport(start_send_room(_settings.worker_concurrency), admit=_admit)
+try:
+    # Every patch of another library's private code, checked against the versions verified before
+    # any is applied, here: after -P gevent patched the standard library, before Celery consumes.
+    runtime.install(start_send_room(_settings.worker_concurrency), admit=_admit)
+except PatchDrift as exc:
+    runtime.refuse(exc)
 writes.install(lambda: context().redis)
-install_cached_lookups()
 
 app = Celery("specfleet", set_as_current=True, include=["workers.task"])
 app.conf.update(celery_config(_settings, _settings.require_redis_url()))

@@ -3,7 +3,7 @@
 Redis is shared infrastructure: anything can land in a dataset's queue. Each check is made at the
 first place that can make it:
 
-- **When the message is read** (``admit``, which workers/transport.py calls for every message it
+- **When the message is read** (``admit``, which workers/runtime/kombu_redis.py calls for every message it
   takes from a queue, before kombu or Celery see it; local work, no Redis): it must be a kombu
   envelope (a JSON object with a string delivery tag, a delivery info naming the queue it was read
   from, headers), name our task, and carry a base64 msgpack body of Celery's shape (args, kwargs,
@@ -131,7 +131,7 @@ def _payload(envelope: dict[str, Any], props: dict[str, Any]) -> dict[str, Any]:
 def admit(client: redis.Redis, raw: bytes, queue: str, *,
           unacked: tuple[str, str] | None = None) -> dict[str, Any] | None:
     """The envelope to deliver, or None: the message was dead-lettered (``unacked``: the unacked
-    hash and index it was already recorded in, by workers/transport.py's multi-pop)."""
+    hash and index it was already recorded in, by workers/runtime/kombu_redis.py's multi-pop)."""
     if not queue.startswith(keys.QUEUE_PREFIX) and queue != IDLE_QUEUE:
         # Celery's own queues (a remote-control reply's routing key is its ticket, not the queue it
         # is read from): checked as tasks they were all refused, so no `inspect`, Flower or worker

@@ -28,7 +28,7 @@ from common.errors import SpecfleetError
 from common.hf import auto_tokenizer
 from workers import server
 from workers.context import context
-from workers.transport import wake_consumer
+from workers.runtime.kombu_redis import wake_consumer
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ many requests as ended here over the last ``LOOKAHEAD_S``. A prompt taken now ne
 busy worker frees are refilled at once, and a worker whose requests are not ending holds no spare
 prompts another worker could send. Celery's own prefetch (the pool's size) still caps it.
 
-This module only counts; ``workers/transport.py`` asks it before kombu takes a message and lets it
+This module only counts; ``workers/runtime/kombu_redis.py`` asks it before kombu takes a message and lets it
 wake the consumer when room opens (else kombu notices only when its poll next returns: a take
 lagged the answer that made room by ~0.5 s, against ~0.05 s woken; tests/test_send_room.py).
 """

@@ -7,7 +7,7 @@ thrown away. Now whatever part of the worker meets the refusal calls ``refused(e
 says it in one line (what, and what to do) and starts a probe that tries one small write
 (``keys.WRITE_PROBE``, expiring in seconds) every ``PROBE_S``. Until a probe passes:
 
-- the consumer takes no new message (workers/transport.py's ``can_consume``); a message it had
+- the consumer takes no new message (workers/runtime/kombu_redis.py's ``can_consume``); a message it had
   taken whose unacked record was refused is kept in memory and recorded once writes are back;
 - a task that meets the refusal before its request (the budget's reserve or renew, the throttle's
   slot) waits here with its message unacked (``wait``), then starts over (workers/task.py): no

@@ -1,4 +1,8 @@
-"""Eight kombu Redis-transport tweaks for a gevent worker with 1,000 greenlets.
+"""kombu Redis-transport patches for a gevent worker with 1,000 greenlets (fenced: ``PATCHES``).
+
+Each replaced kombu method is declared in ``PATCHES`` with the kombu it was verified on and the
+fingerprint of its source there; ``install`` refuses (``PatchDrift``) before patching anything if
+the installed kombu's source differs (common/runtime.py).
 
 - **One client per channel instead of one per ack.** kombu's Redis channel builds a new
   ``redis.Redis`` object (which copies redis-py's table of ~250 response callbacks) for every
@@ -73,6 +77,7 @@ from kombu.utils.eventio import READ
 from kombu.utils.json import loads
 
 from common.redis_client import REFUSED_WRITES, UNREACHABLE
+from common.runtime import Patch, check
 from workers import writes
 from workers.send_room import SendRoom
 
@@ -430,6 +435,7 @@ def install(room: SendRoom | None = None, admit: Admit | None = None) -> None:
     """Patch kombu in this process; with ``room``, a consumer takes messages as the room allows;
     with ``admit``, each message is checked before kombu reads it (see ``Admit``)."""
     global _room, _wake_r, _wake_w, _admit
+    check(PATCHES)  # before any of them: all or none
     _admit = admit
     if room is not None:
         _room = room
@@ -452,3 +458,74 @@ def install(room: SendRoom | None = None, admit: Admit | None = None) -> None:
     setattr(kombu_redis.MultiChannelPoller, "on_poll_init", _on_poll_init)  # noqa: B010
     writes.on_resume(_catch_up)
     setattr(kombu_redis.QoS, "ack", _qos_ack)  # noqa: B010
+
+
+_SEND_ROOM = ("A message is taken only when it can be sent soon: kombu's prefetch check also asks the send room "
+              "(workers/send_room.py), and a task leaving its request wakes a consumer that found no room through a "
+              "pipe registered in kombu's poller; kombu would notice only when its poll next returned (~0.5 s).")
+_REFUSED = ("Redis refusing writes is waited out (workers/writes.py): on a full (noeviction) server or a replica, "
+            "kombu raised inside its read or restore and ended the worker, the message lost with it.")
+
+
+def _kombu(target: str, why: str, reason: str, replacement: str, fingerprint: str,
+           upstream: str = "none filed") -> Patch:
+    return Patch(target=f"kombu.transport.redis:{target}", dist="kombu", verified="5.7.0", fingerprint=fingerprint,
+                 why=why, reason=reason, upstream=upstream, replacement=f"workers.runtime.kombu_redis:{replacement}")
+
+
+#: Every kombu method this module replaces (the module docstring says each why at length).
+PATCHES = (
+    _kombu("Channel._create_client", "one client per channel instead of one per ack",
+           "kombu builds a new redis.Redis (copying ~250 response callbacks) for every QoS.append and ack: 2.4% "
+           "of a busy worker's main thread. One per pool is shared; the BRPOP loop's own client is left alone.",
+           "_create_client",
+           "6b81dc416d4e243ce27c3d90f1e47e9f06d7f2b1631a5e396595918486d2892b"),
+    _kombu("Channel._brpop_start", "a new queue is consumed at once",
+           "kombu adds a queue to its BRPOP only when the running one times out (up to 1 s); the BRPOP "
+           "connection's CLIENT ID is read once per socket so wake_consumer can CLIENT UNBLOCK it.",
+           "_brpop_start",
+           "d1b05887a43db7d8bc0ef46651fc8a95c46a91a49c57bacbb44ce2f05739bbe7"),
+    _kombu("Channel._brpop_read", "the multi-pop, the poison check and refused writes",
+           "After a BRPOP delivered one message, POP_MANY takes up to POP_BATCH more in one script (kombu: two "
+           "round trips per message, 12% of a busy worker); each message is checked by workers/poison.py before "
+           "kombu parses it (one that is not a task's envelope ended the worker: 'Unrecoverable error'); a "
+           "replica refusing the pop is waited out. " + _REFUSED,
+           "_brpop_read",
+           "dfd713e8c65cd60493d4471ec6e9f2d5f7365f7dddace4f8333094115cbce64d",
+           upstream="none filed for Redis (the same crash on SQS: "
+           "https://github.com/celery/kombu/issues/2421; https://github.com/celery/celery/issues/4308)"),
+    _kombu("Channel._basic_cancel", "a late cancel leaves a queue consumed again alone",
+           "kombu puts off a cancel asked for while its poller reads until that read ends; under gevent the read "
+           "can deliver the broadcast that consumes the queue again under a new tag, and the late cancel took "
+           "the new consumer's callback: the worker requeued every message of the queue to itself, forever.",
+           "_basic_cancel_now",
+           "1f5f6786028e03dd10855dd19079493d2fa7bf929812a43a33a03d5cb8e1a414", upstream="https://github.com/celery/celery/issues/1773"),
+    _kombu("QoS.append", "the multi-pop's messages are recorded once; refused writes",
+           "POP_MANY wrote the unacked record already (kombu's write is skipped for those); a record Redis "
+           "refuses keeps the message in memory, recorded once writes are back; the send room hears of it.",
+           "_qos_append",
+           "deb496d226e23155c5a1dfe588c91b25d26338404b201ca9d49e89c266b878be"),
+    _kombu("QoS.ack", "acks of the moment share a round trip",
+           "A late ack is a pipeline of its own per task; here an ack waits up to ACK_LINGER_S for others and one "
+           "pipeline removes them all. An ack Redis refused (or was away for) is sent again once it answers.",
+           "_qos_ack",
+           "e327206e27ae8803262812b349d9b2abff756c8ede52a5662f97f7db05ee4064"),
+    _kombu("QoS.can_consume", "a message is taken only when it can be sent soon", _SEND_ROOM + " " + _REFUSED,
+           "_can_consume",
+           "d62fcf40edc2228b05722f120f838e27ee26042bc3e001bcde9e34bdd9990149"),
+    _kombu("QoS.can_consume_max_estimate", "the prefetch room is also the send room's", _SEND_ROOM,
+           "_can_consume_max_estimate",
+           "786d5344492b763914d85bdacd4ec28feb56484998bb826e8227fd20539149c7"),
+    _kombu("MultiChannelPoller.on_poll_start", "the send room's wake-up pipe is polled", _SEND_ROOM,
+           "_on_poll_start",
+           "7942846217955c13f23e587744b39bb11f58423079297f335d227b9f84350fbb"),
+    _kombu("MultiChannelPoller.handle_event", "the send room's wake-up pipe is read", _SEND_ROOM,
+           "_handle_event",
+           "6a59639e051602ca11f585900ec2949fdaf1a254ac3b37ef4c8453e2545f70c4"),
+    _kombu("MultiChannelPoller.maybe_restore_messages", "its restore waits while Redis refuses writes", _REFUSED,
+           "_maybe_restore_messages",
+           "f9a877fa075481bd30f71d64aeb464cf40b020965642d748bf78fc7f438af6be"),
+    _kombu("MultiChannelPoller.on_poll_init", "its restore waits while Redis refuses writes", _REFUSED,
+           "_on_poll_init",
+           "eb833c235d4b08ffdb7a25ecddbee17f2b36957c48764933adf3f85f972a855b"),
+)

@@ -22,6 +22,8 @@ from typing import Any
 import gevent.event
 import gevent.monkey
 
+from common.runtime import Patch, check
+
 #: How long an answer serves. DNS TTLs of API hosts are minutes; a changed address is picked up
 #: by the next connection after this.
 TTL_S = 30.0
@@ -62,7 +64,19 @@ class CachedLookup:
         return answer
 
 
+PATCHES = (
+    Patch(target="gevent._socketcommon:getaddrinfo", dist="gevent", verified="26.9.0",
+          fingerprint="ed94eb6d70a8cc149ea3d148dbf11871c944387b5406d0e2e7fed5df0c889a76",
+          why="greenlets asking for one name share one lookup, kept TTL_S",
+          reason="Each socket.getaddrinfo of a gevent worker goes to the hub's thread pool (a thread wake-up, a GIL "
+                 "hand-over and a hub notification) for the same one or two names, a thousand times at the ramp; "
+                 "CachedLookup wraps gevent's, calling it with its six positional arguments.",
+          upstream="none filed", replacement="workers.runtime.dns:CachedLookup"),
+)
+
+
 def install() -> None:
     """Wrap the (gevent-patched) ``socket.getaddrinfo``; nothing outside a gevent worker."""
+    check(PATCHES)
     if gevent.monkey.is_module_patched("socket") and not isinstance(socket.getaddrinfo, CachedLookup):
         socket.getaddrinfo = CachedLookup(socket.getaddrinfo)
