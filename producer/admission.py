@@ -1,5 +1,6 @@
-"""A dataset's admission, seen from the producer: its queue followed and filled, watched for its
-end (the budget, every prompt's outcome, a stall after sweeps), ended, and reopened for a top-up.
+"""A dataset's admission, seen from the producer: opened (its shards' truth, its budget), its queue
+followed and filled, watched for its end (the budget, every prompt's outcome, a stall after sweeps),
+ended, and reopened for a top-up.
 
 Each move of the dataset's phase (``producer/dataset_run.py``) that admission makes is here.
 """
@@ -22,6 +23,8 @@ from producer.dataset_run import BUDGET_END_REASONS, DatasetPhase, DatasetRun, E
 from producer.enqueue import push
 from producer.lock import ProducerLock
 from producer.refusals import WriteHold
+from producer.restore import restore_from_disk
+from producer.rows import RowWriter
 from producer.state import DatasetState
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,26 @@ class AdmissionControl:
         self.lock = lock
         self.hold = hold
         self.tuning = tuning
+
+    def open(self, run: DatasetRun, writer: RowWriter, phase: DatasetPhase) -> None:
+        """Start the dataset: Redis made to agree with its shards, its failures given another
+        chance, its budget opened, its queue followed; ``phase``: planning (requests held for the
+        plan) or admitting."""
+        ds, budget = run.cfg, run.budget
+        k = budget.keys
+        self.lock.refresh()  # the budget's calls are not fenced in their script: checked just before
+        restore_from_disk(self.client, self.hold, budget, writer, ds.regenerate)
+        # Failures of an earlier run get another chance; the queue is rebuilt from the file.
+        self.lock.write(("DEL", k.failed, k.queue))
+        kept, rows = self.hold(lambda: budget.open(ds.budget_tokens, ds.budget_usd, self.cfg.run.budget_mode))
+        run.resumed_rows = rows
+        log.info(
+            "%s: start (%s, %s budget %s tokens%s%s)", ds.name, ds.length, self.cfg.run.budget_mode,
+            f"{ds.budget_tokens:,}", f", ${ds.budget_usd:,.2f}" if ds.budget_usd else "",
+            f", resuming with {kept:,} tokens in {rows:,} rows" if rows else "",
+        )
+        run.transition(phase)
+        self.follow(k.queue)
 
     def follow(self, queue: str) -> None:
         """Make ``queue`` active; workers hear it at once (a broadcast), or at their next poll."""

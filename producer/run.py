@@ -6,9 +6,10 @@ and the next dataset starts at once; the ended one drains in the background (adm
 paid for, so they land) and is finalized — summary.json, failed.jsonl — when nothing is in flight.
 
 The runner is the loop: the lock, signals and Redis' outages here; each dataset's phases and their
-moves in ``producer/dataset_run.py``; admission (enqueue, sweeps, its end, top-ups) in
+moves in ``producer/dataset_run.py``; admission (its start, enqueue, sweeps, its end, top-ups) in
 ``producer/admission.py``; the plan's hold on requests in ``producer/plan_gate.py``; the shards'
-truth restored in ``producer/restore.py``; the dataset's files in ``producer/finalize.py``.
+truth restored in ``producer/restore.py``; the dataset's files in ``producer/finalize.py``; the
+workers' ping in ``producer/ping.py``.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ from producer.collector import Collector
 from producer.dataset_run import DatasetPhase, DatasetRun, EndReason, Tuning
 from producer.finalize import finalize, write_malformed
 from producer.lock import ProducerLock
+from producer.ping import warn_if_no_workers
 from producer.plan import PendingPlan
 from producer.plan_gate import PlanGate
 from producer.refusals import WriteHold
-from producer.restore import restore_from_disk
 from producer.rows import disk_generation, output_error
 from producer.state import DatasetState, read_state
 from producer.summary import Summary, throttle_summary
@@ -146,7 +147,7 @@ class Runner:
         if self.cfg.run.budget_usd:
             log.info("run budget $%.2f, $%.4f spent so far", self.cfg.run.budget_usd, spent)
         try:
-            self._warn_if_no_workers()
+            warn_if_no_workers(self.app)
             for ds in self.cfg.datasets:
                 self._run_dataset(ds)
             self._settle_plan(block=True)  # every dataset ended already (resumed, all done): still print it
@@ -216,24 +217,6 @@ class Runner:
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
 
-    def _warn_if_no_workers(self) -> None:
-        # A broadcast ping waits its whole timeout for replies: in a thread, so the first prompt is
-        # queued at once instead of a second later.
-        threading.Thread(target=self._ping_workers, name="ping", daemon=True).start()
-
-    def _ping_workers(self) -> None:
-        try:
-            # A connection of its own: on the pooled one the run's enqueue also uses, the wait for
-            # replies lasted until the run ended (seen in `specfleet demo`: the warning came last).
-            with self.app.connection_for_write() as conn:
-                replies = self.app.control.ping(timeout=1.0, connection=conn)
-        except Exception:  # control needs the broker only; a failure here is not fatal
-            replies = []
-        if not replies:
-            log.warning("no worker answered a ping: start some with `specfleet worker` (same REDIS_URL)")
-        else:
-            log.info("%d worker(s) online", len(replies))
-
     # --- one dataset -----------------------------------------------------------------------
 
     def _run_dataset(self, ds: DatasetConfig) -> None:
@@ -241,7 +224,6 @@ class Runner:
         run = DatasetRun(cfg=ds, budget=budget)
         self._runs.append(run)
         sink = self.collector.add(ds.name)
-        k = budget.keys
         if budget.snapshot().run_exhausted:
             # The run's dollars are spent: this dataset gets no request (finalized on the next tick).
             run.transition(DatasetPhase.DRAINING, EndReason.RUN_BUDGET)
@@ -249,19 +231,8 @@ class Runner:
             run.admission_ended_s = run.first_stop_s = time.time()
             log.warning("%s: skipped, the run's dollar budget is spent", ds.name)
             return
-        self.lock.refresh()  # the budget's calls are not fenced in their script: checked just before
-        restore_from_disk(self.client, self.hold, budget, sink.writer, ds.regenerate)
-        # Failures of an earlier run get another chance; the queue is rebuilt from the file below.
-        self.lock.write(("DEL", k.failed, k.queue))
-        kept, rows = self.hold(lambda: budget.open(ds.budget_tokens, ds.budget_usd, self.cfg.run.budget_mode))
-        run.resumed_rows = rows
-        log.info(
-            "%s: start (%s, %s budget %s tokens%s%s)", ds.name, ds.length, self.cfg.run.budget_mode,
-            f"{ds.budget_tokens:,}", f", ${ds.budget_usd:,.2f}" if ds.budget_usd else "",
-            f", resuming with {kept:,} tokens in {rows:,} rows" if rows else "",
-        )
-        run.transition(DatasetPhase.ADMITTING if self.gate.cleared() else DatasetPhase.PLANNING)
-        self.admission.follow(k.queue)
+        self.admission.open(run, sink.writer,
+                            DatasetPhase.ADMITTING if self.gate.cleared() else DatasetPhase.PLANNING)
         previous = self._runs[-2] if len(self._runs) > 1 else None
         errors: list[DatasetRowError] = []
         stats = ReadStats()
