@@ -423,8 +423,9 @@ def run_started_at(producer_log: str) -> float | None:
 
 def asked_twice(records: list[dict[str, Any]], delivered: set[str], ends: Ends, hash_to_id: dict[str, str],
                 timeout_s: float = TIMEOUT_S, visibility_s: float = 40,
-                ) -> tuple[Counter[str], list[float], dict[str, list[str]]]:
-    """Repeats by cause, the delay from each worker kill to its prompts being asked again, examples."""
+                read_late: set[str] | None = None) -> tuple[Counter[str], list[float], dict[str, list[str]]]:
+    """Repeats by cause, the delay from each worker kill to its prompts being asked again, examples.
+    ``read_late`` gets the generations sent whole in time that their worker gave up on."""
     by_prompt: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         if r["prompt"] in hash_to_id:
@@ -465,6 +466,8 @@ def asked_twice(records: list[dict[str, Any]], delivered: set[str], ends: Ends, 
                 # (which starts before the request reaches the upstream): it read the socket too
                 # late, its hub held by something else or starved of CPU.
                 cause = READ_LATE
+                if read_late is not None:
+                    read_late.add(prev["gen_id"])
             else:
                 cause = ELSE
             causes[cause] += 1
@@ -486,17 +489,18 @@ class Billing:
         self.usd[kind] += cost
 
 
-KEPT, RECEIVED, UNSEEN = "kept", "received", "unseen"
+KEPT, RECEIVED, UNSEEN, LATE = "kept", "received", "unseen", "late"
 DEAD_SURE, DEAD_MAYBE, STOP_LEFT = "dead", "dead_maybe", "stop_left"
 
 
 def billing(generations: list[dict[str, Any]], records: list[dict[str, Any]], kept_gens: set[str], ends: Ends,
-            hash_to_id: dict[str, str], delivered: set[str]) -> Billing:
+            hash_to_id: dict[str, str], delivered: set[str], read_late: set[str]) -> Billing:
     """``kept``: a row's answer; ``received``: an answer a live worker had whole (a duplicate, a
     failure), which it must count; ``unseen``: billed but never whole in a worker (cut by the
     attempt's deadline, a body cut short): no usage ever reached the fleet; ``dead``/``dead_maybe``:
     a SIGKILLed worker's, surely or maybe never settled; ``stop_left``: the stopped worker's, not
-    spooled (left at its bound)."""
+    spooled (left at its bound); ``late``: sent whole within timeout_s, given up by its worker at its
+    deadline (read too late: a repeat of its prompt is a failure of its own)."""
     by_gen = {r["gen_id"]: r for r in records if r["gen_id"]}
     out = Billing()
     for g in generations:
@@ -507,6 +511,8 @@ def billing(generations: list[dict[str, Any]], records: list[dict[str, Any]], ke
         left = ends.left(r["app"], r["end_s"]) if r is not None else None
         if left is not None and left[0] == KILLED:
             out.add(DEAD_SURE if left[1] else DEAD_MAYBE, cost)
+        elif g["id"] in read_late:
+            out.add(LATE, cost)
         elif g["id"] not in delivered:
             out.add(UNSEEN, cost)
             out.unseen_by_fault[g["fault"] or ("abandoned" if g["abandoned"] else "past timeout_s")] += 1
@@ -619,8 +625,9 @@ def main() -> int:
     ends = Ends({name: t for t, name in chaos.worker_kills}, stopped, spooled, chaos.outages, chaos.redis_kills,
                 run_started_at(producer_b_log), failed_once)
     hash_to_id = {prompt_hash(p["messages"]): p["id"] for p in items}
+    read_late: set[str] = set()
     causes, delays, examples = asked_twice(records, delivered, ends, hash_to_id,
-                                           visibility_s=args.visibility_timeout_s)
+                                           visibility_s=args.visibility_timeout_s, read_late=read_late)
     ids = Counter(r["id"] for r in rows)
     failed_ids = {f["id"] for f in failures}
     without = len(set(hash_to_id.values()) - set(ids) - failed_ids)
@@ -660,7 +667,7 @@ def main() -> int:
     # Billed = counted: every answer a live worker had whole is in the summary; what no worker had
     # whole (cut by the deadline or mid-body), or a dead one never settled, is listed apart.
     kept_gens = {str(r.get("generation_id", "")) for r in rows}
-    b = billing(generations, records, kept_gens, ends, hash_to_id, delivered)
+    b = billing(generations, records, kept_gens, ends, hash_to_id, delivered, read_late)
     billed_n, billed_usd = int(ledger.get("billed_requests", 0)), float(ledger.get("billed_cost_usd", 0.0))
     counted_n = int(summary.get("requests", -1))
     counted_usd = float(summary.get("spent_usd") or summary.get("cost_usd") or 0.0)
@@ -673,13 +680,13 @@ def main() -> int:
         return f"{b.n[kind]:,} ${b.usd[kind]:.6f}"
 
     print(f"billed (simulator's ledger, /_sim/stats?detail=1): {billed_n:,} requests ${billed_usd:.6f} = kept rows "
-          f"{part(KEPT)} + other answers the simulator sent whole to live workers {part(RECEIVED)} + never whole "
+          f"{part(KEPT)} + other answers live workers had whole {part(RECEIVED)} + never whole "
           f"in a worker (cut by the deadline or mid-body: no usage reached the fleet) {part(UNSEEN)} ("
           f"{', '.join(f'{k} {v}' for k, v in sorted(b.unseen_by_fault.items()))}) + SIGKILLed "
           f"workers' unsettled "
           f"{part(DEAD_SURE)} (+ {part(DEAD_MAYBE)} answered just before the kill) + left by the stopped worker "
-          f"{part(STOP_LEFT)}")
-    print(f"summary billed: {counted_n:,} requests ${counted_usd:.6f} · against the answers sent whole to live workers "
+          f"{part(STOP_LEFT)} + sent whole in time, given up at the worker's deadline {part(LATE)}")
+    print(f"summary billed: {counted_n:,} requests ${counted_usd:.6f} · against the answers live workers had whole "
           f"{want_n:,} ${want_usd:.6f}"
           + (f" (up to {b.n[DEAD_MAYBE]} more)" if b.n[DEAD_MAYBE] else "")
           + f": {'billed = counted' if billed_ok else 'BILLED ≠ COUNTED'} · against all billed: "
