@@ -7,12 +7,17 @@ and worked the next run's prompts as if nothing had happened, its in-flight answ
 settled into the new store. So every store gets an identity (``keys.STORE_ID``, a random id the
 first worker to find none writes, ``SET NX``; it persists and restarts with the data), and each
 poll of the active queues reads it (``check``, one round trip). The same id: carry on. Another id
-(or a store that lost its data, which then gets a new one) after this worker had followed a run:
-one line says so, every outcome of the old run still in flight goes to the spool (where only a
-worker of its own Redis replays it), no task of the new Redis is started, and the worker stops
+after this worker had followed a run, while that Redis serves other runs: one line says so, every
+outcome of the old run still in flight goes to the spool (where only a worker of its own Redis
+replays it), no task of the new Redis is started, and the worker stops
 (warm, within workers/stop.py's bound). A supervisor (compose's ``restart: unless-stopped``,
 Kubernetes) starts it again, fresh, for the new Redis: explicit, rather than a silent re-join with
 the old run's state. A worker that had followed no run yet just takes the new store as its own.
+
+A store that lost its data (a Redis without persistence restarted, ``FLUSHDB``) also gets a new id,
+but the producer resumes the same run on it from the shards: the worker waits (following nothing)
+until the new store's active queues name a run, then carries on if that run is the one it served
+(one warning line), and leaves as above if it is another.
 """
 
 from __future__ import annotations
@@ -63,6 +68,14 @@ def check(client: redis.Redis, url: str) -> bool:
     store = raw.decode() if raw is not None else None
     if store is None or store == _store or _served is None or _store is None:
         _store = store if store is not None else _store
+        return True
+    runs = {v.decode() for v in client.hvals(keys.ACTIVE_QUEUES)}
+    if not runs:
+        return False  # no run there yet: the producer may be resuming ours on it
+    if _served in runs:
+        log.warning("Redis at %s has a new store id (%s, was %s): it lost its data or was replaced, and it serves "
+                    "run %s, the one this worker served: carrying on", describe(url), store[:12], _store[:12], _served)
+        _store = store
         return True
     _left = (f"Redis at {describe(url)} is a different Redis (store {store[:12]}, was {_store[:12]}), not the one "
              f"this worker served run {_served} on")
