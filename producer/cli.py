@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -31,6 +32,9 @@ from common.redis_client import connect
 from common.settings import Settings
 from common.worker_cmd import pool_size, worker_argv
 from producer.execute import SCRAPE_REDIS_WINDOW_S, execute
+
+if TYPE_CHECKING:
+    from producer.state import DatasetState
 
 log = logging.getLogger("specfleet")
 
@@ -99,8 +103,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     throttle = FleetThrottle(client)
     try:
         while True:
-            view.update([read_state(client, n) for n in names], throttle.snapshot())
-            if not args.watch:
+            states = [read_state(client, n) for n in names]
+            snapshot = throttle.snapshot()
+            view.update(states, snapshot)
+            ended = {st.dataset: why for st in states if (why := _end_reason(client, st))}
+            for st in states:
+                if st.dataset in ended:
+                    view.finish(st, ended[st.dataset], snapshot)
+            # The run is over once every dataset ended: the last frame is its final state.
+            if not args.watch or len(ended) == len(names):
                 break
             time.sleep(1.0)
     except KeyboardInterrupt:
@@ -109,6 +120,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         view.close()
     print(_dead_letters(client))
     return 0
+
+
+def _end_reason(client: redis.Redis, st: DatasetState) -> str | None:
+    """How a dataset ended, from the last timeline sample its producer wrote when it finalized it
+    (None while it runs: a resumed dataset is active again, whatever an older sample says)."""
+    if st.state == "active":
+        return None
+    raw = client.lindex(keys.DatasetKeys(st.dataset).timeline, -1)
+    reason = json.loads(raw).get("end_reason") if raw else None
+    return str(reason) if reason else None
 
 
 def _dead_letters(client: redis.Redis) -> str:

@@ -305,9 +305,12 @@ class Runner:
                 self._check_drained(r, st, now)
         if now - self._last_sample_s >= SAMPLE_EVERY_S:
             self._last_sample_s = now
-            if states:
+            # Not a dataset this tick ended: its final sample (with how it ended) stays the last.
+            ended = {r.name for r in self._runs if r.ended}
+            sampled = [(name, st) for name, st in states.items() if name not in ended]
+            if sampled:
                 self.lock.write(*[("RPUSH", keys.DatasetKeys(name).timeline, json.dumps(st.to_json()))
-                                  for name, st in states.items()])
+                                  for name, st in sampled])
             taken = bool(self._runs) and all(r.enqueue_done for r in self._runs) and not any(
                 st.queued for st in states.values())
             self.gate.observe(sum(st.in_flight for st in states.values()), taken)
@@ -329,7 +332,9 @@ class Runner:
         self.hold(run.budget.close)
         run.finished_s = now
         final = run.final_state = read_state(self.client, run.name)
-        self.lock.write(("RPUSH", run.budget.keys.timeline, json.dumps(final.to_json())))  # the plot ends where it did
+        # The plot ends where it did; the sample names how, for `specfleet status --watch`'s last frame.
+        ended = {**final.to_json(), "end_reason": run.end_reason.value if run.end_reason else None}
+        self.lock.write(("RPUSH", run.budget.keys.timeline, json.dumps(ended)))
         run.summary = finalize(self.client, self.out_dir, run, final, run_budget_usd=self.cfg.run.budget_usd,
                                throttle=throttle_summary(self.throttle.snapshot()),
                                shards=self.collector.add(run.name).writer.files())

@@ -261,7 +261,7 @@ def test_the_live_display_of_specfleet_run_ends_on_the_final_state(fleet: Any) -
     says it ended (its rows, "done" and why), not a read from before its last rows landed."""
     import sys
 
-    from tests.fleet import prompts, read_summary, write_jsonl
+    from tests.fleet import prompts, write_jsonl
 
     fleet.start_simulator("--latency-median-ms", "300")
     fleet.start_worker("w1", concurrency=40)
@@ -276,6 +276,17 @@ def test_the_live_display_of_specfleet_run_ends_on_the_final_state(fleet: Any) -
     code, screen = _run_under_a_terminal(
         [sys.executable, "-m", "producer.cli", "run", str(config), "--stall-s", "5", "--yes"], env, timeout_s=180)
     assert code == 0, screen[-4000:]
+    _assert_last_frame_is_final(screen, fleet)
+    # `specfleet status --watch` on the ended run: it draws the same final state and ends by itself.
+    code, screen = _run_under_a_terminal(
+        [sys.executable, "-m", "producer.cli", "status", "--watch"], env, timeout_s=60)
+    assert code == 0, screen[-4000:]
+    _assert_last_frame_is_final(screen, fleet)
+
+
+def _assert_last_frame_is_final(screen: str, fleet: Any) -> None:
+    from tests.fleet import read_summary
+
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07", "", screen).replace("\r", "\n")
     bars = [line for line in text.split("\n") if "━" in line]
     assert bars, text[-4000:]
