@@ -41,6 +41,7 @@ writes.install(lambda: context().redis)
 
 app = Celery("specfleet", set_as_current=True, include=["workers.task"])
 app.conf.update(celery_config(_settings, _settings.require_redis_url()))
+app.conf.worker_consumer = "workers.consumer:Consumer"  # binds its queues only once Redis takes writes
 app.steps["consumer"].add(FollowActiveQueues)
 app.steps["consumer"].add(BatchedTaskEvents)
 app.steps["consumer"].add(RestoreUnacked)

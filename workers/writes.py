@@ -16,7 +16,9 @@ says it in one line (what, and what to do) and starts a probe that tries one sma
   once writes are back, as after an outage;
 - an ack that is refused is sent again once writes are back (a worker that dies first leaves the
   message unacked: its redelivery finds the prompt done);
-- kombu's restore of unacked messages and the spool replay skip their turns.
+- kombu's restore of unacked messages and the spool replay skip their turns;
+- a consumer (re)starting waits before it binds its queues (``ensure``, workers/consumer.py): a
+  worker started while Redis is full no longer exits 1 ("Unrecoverable error … SADD").
 
 When a probe passes, one line, and everything resumes (the consumer is woken at once).
 """
@@ -35,7 +37,7 @@ import gevent.event
 import redis
 
 from common import keys
-from common.redis_client import deadline, refused_writes
+from common.redis_client import REFUSED_WRITES, deadline, refused_writes
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,22 @@ def refused(exc: BaseException) -> None:
     log.warning("Redis refuses writes: %s. This worker sends no new request, spools the answers it has paid "
                 "for and resumes by itself once Redis takes writes again", refused_writes(exc))
     gevent.spawn(_probe)
+
+
+def ensure() -> None:
+    """Return once Redis takes a write: one probe now, and if it is refused, the state until a
+    probe passes. Unreachable is not this module's state: the caller's own connection retry waits."""
+    assert _client is not None, "workers.writes.install() was not called"
+    if not refusing():
+        try:
+            with deadline(PROBE_S):
+                _client().set(keys.WRITE_PROBE, _WORKER, px=10_000)
+            return
+        except REFUSED_WRITES as exc:
+            refused(exc)
+        except redis.RedisError:
+            return
+    wait()
 
 
 def wait(timeout_s: float | None = None) -> bool:
