@@ -9,7 +9,9 @@
 - **call**: one ``Upstream.complete`` per attempt, each inside a slot of the fleet-wide throttle
   (``workers/gate.py``); after a failed one ``workers/retry.py`` decides (retry after a backoff,
   fail the prompt, halt the fleet); the lease is renewed before a retry and while waiting for a
-  slot, so a stopped dataset makes no further calls.
+  slot, so a stopped dataset makes no further calls, and again right before a send if what is left
+  of it (by the worker's clock) would not outlive the attempt: a request never goes out on a lease
+  another delivery could take while it is open.
 - **rebuild**: the answer as token-exact ids, self-checked (``workers/rebuild.py``).
 - **settle**: count the row and hand it to the collector, exactly once; the answer's cost is
   counted whatever becomes of the row (money spent is spent). While Redis is away, settle (and
@@ -70,6 +72,12 @@ WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 LEASE_SLACK_S = 10.0
 #: A renewal made only to keep a paid answer's lease alive waits at most this long for Redis.
 LEASE_RENEW_WAIT_S = 2.0
+#: An attempt is sent only while its lease has ``timeout_s`` plus this much left: the rebuild and a
+#: Redis blip before the settle. A second under the lease's slack less the gate's keepalive period,
+#: so a request that waited for its slot with Redis up needs no renewal of its own.
+SEND_MARGIN_S = 4.0
+#: While Redis cannot confirm the lease before a send, the attempt waits this long between tries.
+SEND_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,10 @@ class _Job:
         self.budget = Budget(ctx.redis, self.dataset)
         self.stats = DatasetStats(ctx.redis, self.dataset)
         self.lease = uuid.uuid4().hex
+        #: When the lease was last set (monotonic), taken before the call that set it: the script
+        #: dates a lease from the ``now_ms`` its call carries, and a call that waited out an outage
+        #: carries the time it was made (the soak's lease "renewed" already lapsed). None: not yet.
+        self.lease_set_at: float | None = None
         self.attempts = 0
         #: What the upstream billed for this prompt so far: every way out passes it to the budget.
         self.billed_usd = 0.0
@@ -118,6 +130,8 @@ class _Job:
         #: or fail (one round trip less per row), or are recorded on their own on any other way out.
         self.usage: Usage | None = None
         self.started = time.monotonic()
+        #: When the current attempt's request left (monotonic).
+        self.sent_at = self.started
 
     @property
     def ttl_ms(self) -> int:
@@ -130,8 +144,24 @@ class _Job:
         before a retry, or the gate's keepalive while it waited for a slot). So the lease outlives
         a live attempt by at least 0.2 × timeout_s + backoff_max_s + 5 s. Only a wait with no
         attempt open (a Retry-After beyond backoff_max_s) can outlast it, and the renewal after it
-        answers ``lost`` if another delivery took the prompt meanwhile: then nothing is sent."""
+        answers ``lost`` if another delivery took the prompt meanwhile: then nothing is sent.
+        A renewal that waited out a Redis outage sets a lease already lapsed (the script dates it
+        from the call's own clock): ``_lease_for_send`` checks what is left right before sending."""
         return int((self.policy.attempt_window_s(self.length.timeout_s) + LEASE_SLACK_S) * 1000)
+
+    def lease_left_s(self) -> float:
+        """What is surely left of the lease, by this process's clock (0: not set)."""
+        if self.lease_set_at is None:
+            return 0.0
+        return self.lease_set_at + self.ttl_ms / 1000 - time.monotonic()
+
+    def renew(self) -> str:
+        """The budget's ``renew``, remembering when a lease it extended was set."""
+        t0 = time.monotonic()
+        renewal: str = self.budget.renew(self.pid, self.lease, ttl_ms=self.ttl_ms)
+        if renewal == "ok":
+            self.lease_set_at = t0
+        return renewal
 
     def fail(self, reason: str, detail: str) -> str:
         """Record the failure; while Redis is away it waits in the spool (workers/spool.py)."""
@@ -225,12 +255,16 @@ def reserve(job: _Job, prepared: Prepared) -> str | Busy | None:
     """Admission; None when admitted, else the outcome."""
     ask = POLICY.ask(max_tokens=job.length.max_tokens, estimate_tokens=job.length.estimate_tokens,
                      prompt_tokens=prepared.prompt_tokens, price=Price.of(job.view.model.pricing))
+    t0 = time.monotonic()
     admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask)
     while admission.status == "wait":
         # The budget is committed to requests in flight that may land smaller: a greenlet costs
         # nothing to park, and re-asking is one Lua call.
         gevent.sleep(POLICY.wait_poll_s * random.uniform(0.5, 1.5))
+        t0 = time.monotonic()
         admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask)
+    if admission.status == "ok":
+        job.lease_set_at = t0
     log.info("%s/%s reserve: %s %d", job.dataset, job.pid, admission.status, admission.value)
     return _admission_outcome(job, admission)
 
@@ -274,8 +308,9 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
                 job.billed_usd += exc.usage["cost"]
                 job.usage = exc.usage
             job.stats.record_error(exc.reason)
-            log.info("%s/%s call %d: %s (%.1fs)", job.dataset, job.pid, job.attempts, exc.reason,
-                     time.monotonic() - t0)
+            # The attempt's own time (what timeout_s bounds) apart from its wait for a slot.
+            log.info("%s/%s call %d: %s (%.1fs, after %.1fs waiting to send)", job.dataset, job.pid, job.attempts,
+                     exc.reason, time.monotonic() - job.sent_at, job.sent_at - t0)
             streak = job.stats.record_misconfigured(job.pid) if isinstance(exc, MisconfiguredError) else 0
             decision = job.policy.decide(exc, job.attempts, misconfigured_prompts=streak)
             if decision.action == "halt":
@@ -288,8 +323,9 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
             continue
         job.billed_usd = answer.usage["cost"]
         job.usage = answer.usage  # counted with the settle or fail that follows
-        log.info("%s/%s call %d: %s completion_tokens=%s (%.1fs)", job.dataset, job.pid, job.attempts,
-                 answer.finish_reason, answer.usage["completion_tokens"], time.monotonic() - t0)
+        log.info("%s/%s call %d: %s completion_tokens=%s (%.1fs, after %.1fs waiting to send)", job.dataset,
+                 job.pid, job.attempts, answer.finish_reason, answer.usage["completion_tokens"],
+                 time.monotonic() - job.sent_at, job.sent_at - t0)
         return answer
 
 
@@ -307,10 +343,38 @@ def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
     # An upstream that can open its connections ahead (OpenRouter, the engines) does so while the
     # run's plan holds the requests; a test's in-process fake has nothing to open.
     warm = getattr(upstream, "warm", None)
-    with process_room().requesting(), job.ctx.gate.slot(ttl_ms=ttl_ms, limits=job.view.throttle,
-                                                        keepalive=keepalive, warm=warm):
-        job.attempts += 1
-        return upstream.complete(request)
+    while True:
+        sent = False
+        try:
+            with process_room().requesting(), job.ctx.gate.slot(ttl_ms=ttl_ms, limits=job.view.throttle,
+                                                                keepalive=keepalive, warm=warm):
+                if (ended := _lease_for_send(job)) is not None:
+                    raise PromptEnded(ended)  # the slot goes back unused
+                job.attempts += 1
+                job.sent_at, sent = time.monotonic(), True
+                return upstream.complete(request)
+        except UNREACHABLE as exc:
+            if sent:  # not the lease check's
+                raise
+            log.warning("%s/%s lease not confirmed before sending (%s: %s): not sent, the slot is given back",
+                        job.dataset, job.pid, type(exc).__name__, exc)
+            gevent.sleep(SEND_RETRY_S)
+
+
+def _lease_for_send(job: _Job) -> str | None:
+    """Right before a request leaves: the lease must outlive the whole attempt, or another delivery
+    could take the prompt while it is open. A lease a stale renewal set (one that waited out an
+    outage, see ``_Job.lease_set_at``) or that the slot's wait used up is renewed first, now; the
+    outcome word when that says the prompt is no longer ours. Raises ``UNREACHABLE`` when Redis
+    cannot answer within LEASE_RENEW_WAIT_S: nothing is sent on a lease nobody could confirm."""
+    need_s = job.length.timeout_s + SEND_MARGIN_S
+    while (left_s := job.lease_left_s()) < need_s:
+        log.info("%s/%s lease: %.1fs left, under the attempt's %.1fs: renewed before sending", job.dataset,
+                 job.pid, left_s, need_s)
+        with deadline(LEASE_RENEW_WAIT_S):
+            if (ended := _renew(job)) is not None:
+                return ended
+    return None
 
 
 def _renew(job: _Job) -> str | None:
@@ -318,7 +382,7 @@ def _renew(job: _Job) -> str | None:
 
     A stopped dataset makes no further upstream calls; an exhausted one still finishes what it
     admitted (the admission was within budget)."""
-    renewal = job.budget.renew(job.pid, job.lease, ttl_ms=job.ttl_ms)
+    renewal = job.renew()
     if renewal in ("stopped", "lost"):
         job.budget.release(job.pid, job.lease)
         return "skipped:stopped" if renewal == "stopped" else "lost"
@@ -332,7 +396,7 @@ def _keep_lease(job: _Job) -> None:
     Never raises: whatever the renewal says, the settle that follows decides (and spools)."""
     try:
         with deadline(LEASE_RENEW_WAIT_S):
-            job.budget.renew(job.pid, job.lease, ttl_ms=job.ttl_ms)
+            job.renew()
     except Exception as exc:
         log.warning("%s/%s lease not renewed while waiting for answer room: %s", job.dataset, job.pid, exc)
 
