@@ -26,7 +26,8 @@ from common import keys
 from common.contract import FOLLOW_COMMAND
 from common.errors import SpecfleetError
 from common.hf import auto_tokenizer
-from workers import server
+from common.redis_client import REFUSED_WRITES
+from workers import server, writes
 from workers.context import context
 from workers.runtime.kombu_redis import wake_consumer
 
@@ -97,7 +98,13 @@ class FollowActiveQueues(bootsteps.StartStopStep):
                 log.critical("refusing run %s, shutting this worker down: %s", config_id, exc)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
-            c.add_task_queue(queue)
+            try:
+                c.add_task_queue(queue)
+            except REFUSED_WRITES as exc:
+                # kombu binds the queue with a write (SADD _kombu.binding.<queue>): Redis refusing
+                # writes is a state (workers/writes.py), and the next poll follows the queue.
+                writes.refused(exc)
+                return
             server.serving(config_id)
             woken = wake_consumer(c.task_consumer.channel, ctx.redis)
             log.info("following %s (run %s)%s", queue, config_id, "" if woken else ", from the next poll")
