@@ -188,6 +188,11 @@ def _checked_brpop_read(self: Any, admit: Admit, **options: Any) -> bool:
         except self.connection_errors:
             self.client.connection.disconnect()  # as kombu: the next poll reconnects
             raise
+        except AttributeError as exc:
+            # redis-py reads from a connection another greenlet disconnected meanwhile (its buffer
+            # is None: seen in make soak at a Redis SIGKILL): a lost connection, not a worker's end.
+            self.client.connection.disconnect()
+            raise redis.ConnectionError(f"connection closed during BRPOP ({exc})") from exc
         if not dest__item:
             raise Empty()
         dest, item = dest__item
