@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from queue import LifoQueue
 from typing import Any, TypeVar
 
 import redis
@@ -120,6 +121,21 @@ CLOCK = OutageClock()
 deadline = CLOCK.deadline
 
 
+class DeadlineQueue(LifoQueue):
+    """A bounded pool's free connections: while Redis is away, a caller inside ``deadline(s)`` waits
+    for one until its deadline at most. With Redis away every connection of a worker's pool can be held by callers
+    retrying for the window, and a settle past its lease waited the pool's own 30 s for a free one
+    before it could spool (a stopping worker left such answers unspooled at its bound)."""
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        local = CLOCK.local_deadline()
+        # Only while Redis is away: with it up, a busy pool's wait is no sign to give up on.
+        if block and local is not None and CLOCK.down_since is not None:
+            left_s = max(0.0, local - time.monotonic())
+            timeout = left_s if timeout is None else min(timeout, left_s)
+        return super().get(block, timeout)
+
+
 class WindowRetry(Retry):
     """redis-py's Retry, bounded by time since Redis went away instead of by a count."""
 
@@ -195,6 +211,7 @@ def connect(url: str, window_s: float, *, blocking_timeout_s: float | None = Non
     kwargs.update(retry=WindowRetry(window_s), retry_on_error=list(UNREACHABLE))
     if blocking_timeout_s is not None:
         kwargs["timeout"] = blocking_timeout_s
+        kwargs["queue_class"] = DeadlineQueue
     target = parse(url)
     if not target.is_sentinel:
         if blocking_timeout_s is not None:

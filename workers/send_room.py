@@ -54,6 +54,10 @@ class SendRoom:
         self.on_open: Callable[[], None] | None = None
         #: The consumer asked and found no room: the next opening wakes it.
         self.consumer_waiting = False
+        #: Upstream attempts open now, and greenlets whose attempt ended and whose outcome is not
+        #: the spool's yet (workers/stop.py: a stop with Redis away ends once both are empty).
+        self.requests_open = 0
+        self._holding: set[Any] = set()
 
     # --- the transport's side ------------------------------------------------------------------
 
@@ -95,16 +99,31 @@ class SendRoom:
         finally:
             self._set_done(True)
             del self._task_of[me]
+            self._holding.discard(me)
 
     @contextmanager
     def requesting(self) -> Iterator[None]:
         """Around one upstream attempt, its wait for a slot included."""
         self._set_done(False)
+        me = gevent.getcurrent()
+        self._holding.discard(me)
+        self.requests_open += 1
         try:
             yield
         finally:
+            self.requests_open -= 1
+            if me in self._task_of:  # a worker's task (not a test's or a tool's call)
+                self._holding.add(me)
             if self._set_done(True):
                 self._ended.append(self._clock())
+
+    def handed(self) -> None:
+        """The current task handed its outcome to workers/spool.py (settle or fail)."""
+        self._holding.discard(gevent.getcurrent())
+
+    def in_flight(self) -> int:
+        """Upstream attempts open, plus answers back that are not yet being settled or failed."""
+        return self.requests_open + len(self._holding)
 
     @contextmanager
     def parked(self) -> Iterator[None]:

@@ -33,7 +33,7 @@ from common.budget import Budget, TurnKeep
 from common.contract import Usage
 from common.redis_client import REFUSED_WRITES, UNREACHABLE, deadline
 from common.stats import DatasetStats
-from workers import writes
+from workers import send_room, writes
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,36 @@ _hurry_s: float | None = None
 _diverted: str | None = None
 
 
+#: Outcomes being written now, by ``id(entry)``, and those of them already on disk (``spill``).
+_open: dict[int, tuple[Path, dict[str, Any]]] = {}
+_spilled: set[int] = set()
+
+
 def writing() -> int:
     return _writing
+
+
+def unspooled() -> int:
+    """Outcomes being written that are not on disk yet (a stopping worker waits for these only)."""
+    return sum(1 for key in _open if key not in _spilled)
+
+
+def spill(reason: str) -> int:
+    """Every outcome from now on goes to the spool at once (``divert``), and every one being written
+    now is written there too, while its own attempt goes on: with Redis unreachable at a stop, a
+    settle that began before it would otherwise wait its lease, or a free connection, past the
+    stop's bound, and the answer was left. Should that attempt land after all, its file is removed;
+    replayed anyway, it answers what it first answered and counts nothing twice. Returns how many."""
+    divert(reason)
+    spilled = 0
+    for key, (spool_dir, entry) in list(_open.items()):
+        if key in _spilled:
+            continue
+        path = write_entry(spool_dir, entry)
+        _spilled.add(key)
+        spilled += 1
+        log.warning("%s/%s %s: %s: spooled to %s", entry["dataset"], entry["id"], entry["op"], reason, path)
+    return spilled
 
 
 def hurry(within_s: float) -> None:
@@ -112,10 +140,21 @@ def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: flo
     """The script's word; None: Redis stayed away for ``within_s``, spooled."""
     global _writing
     _writing += 1
+    key = id(entry)
+    _open[key] = (spool_dir, entry)
+    send_room.process_room().handed()  # this task's paid answer is the spool's to keep now
+    word = None
     try:
-        return _settle_or_spool(client, spool_dir, entry, within_s)
+        word = _settle_or_spool(client, spool_dir, entry, within_s)
+        return word
     finally:
         _writing -= 1
+        del _open[key]
+        if key in _spilled:
+            _spilled.discard(key)
+            if word is not None:  # it landed after ``spill`` wrote it: nothing left to replay
+                with contextlib.suppress(FileNotFoundError):
+                    _path(spool_dir, entry.get("run", ""), entry["dataset"], entry["id"], entry["op"]).unlink()
 
 
 def _settle_or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> str | None:
