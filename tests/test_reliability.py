@@ -206,9 +206,12 @@ def test_a_worker_killed_with_a_full_spool_is_replaced_by_one_that_replays_it_on
 ) -> None:
     fleet, valkey = chaos
     spool = fleet.tmp / "spool"
-    fleet.start_simulator("--latency-median-ms", "2500", "--latency-p99-ms", "2500")
+    # Answers slow enough that all 12 are at the upstream at once even when a busy box spreads the
+    # worker's reserves over seconds (at 2.5 s, CI under load once never saw 12 together).
+    fleet.start_simulator("--latency-median-ms", "6000", "--latency-p99-ms", "6000")
     config = fleet.one_dataset("K", 12)
     first = fleet.start_worker("first", concurrency=12, SPECFLEET_SPOOL_DIR=str(spool))
+    fleet.wait_ready("first")
     producer = fleet.start_producer(config)
     client = _client(valkey)
     # At the upstream, not just leased: a request still queued for its throttle slot when Redis
