@@ -31,6 +31,7 @@ import msgpack
 from common import keys
 from common.budget import Budget, TurnKeep
 from common.contract import Usage
+from common.files import atomic_write
 from common.redis_client import REFUSED_WRITES, UNREACHABLE, deadline
 from common.stats import DatasetStats
 from workers import send_room, writes
@@ -48,25 +49,18 @@ def _path(spool_dir: Path, run: str, dataset: str, prompt_id: str, kind: str) ->
     return spool_dir / f"{kind}-{digest}{SUFFIX}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_entry(spool_dir: Path, entry: dict[str, Any]) -> Path:
     spool_dir.mkdir(parents=True, exist_ok=True)
     path = _path(spool_dir, entry.get("run", ""), entry["dataset"], entry["id"], entry["op"])
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as fh:
-        fh.write(msgpack.packb(entry, use_bin_type=True))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(spool_dir)
+    # Workers sharing the folder may spool the same prompt at once: each its own temporary file,
+    # hidden from ``pending`` (a dot, no SUFFIX).
+    atomic_write(path, msgpack.packb(entry, use_bin_type=True), tmp=path.with_name(f".{path.name}.{os.getpid()}.tmp"))
     return path
+
+
+def _divert(spool_dir: Path, entry: dict[str, Any], reason: str) -> None:
+    path = write_entry(spool_dir, entry)
+    log.warning("%s/%s %s: %s: spooled to %s", entry["dataset"], entry["id"], entry["op"], reason, path)
 
 
 def _apply(client: Any, entry: dict[str, Any]) -> str:
@@ -85,8 +79,6 @@ def _apply(client: Any, entry: dict[str, Any]) -> str:
     return "failed" if failed else "duplicate"
 
 
-#: Settles and fails being written now (workers/stop.py waits for them before it exits).
-_writing = 0
 #: Set once the worker is stopping (workers/stop.py): an unreachable Redis is waited for this long
 #: at most, not the lease's slack. And why every outcome goes to the spool at once (None: it does
 #: not): the Redis at the URL is not the one the worker served (workers/server.py).
@@ -97,10 +89,6 @@ _diverted: str | None = None
 #: Outcomes being written now, by ``id(entry)``, and those of them already on disk (``spill``).
 _open: dict[int, tuple[Path, dict[str, Any]]] = {}
 _spilled: set[int] = set()
-
-
-def writing() -> int:
-    return _writing
 
 
 def unspooled() -> int:
@@ -119,10 +107,9 @@ def spill(reason: str) -> int:
     for key, (spool_dir, entry) in list(_open.items()):
         if key in _spilled:
             continue
-        path = write_entry(spool_dir, entry)
+        _divert(spool_dir, entry, reason)
         _spilled.add(key)
         spilled += 1
-        log.warning("%s/%s %s: %s: spooled to %s", entry["dataset"], entry["id"], entry["op"], reason, path)
     return spilled
 
 
@@ -138,8 +125,6 @@ def divert(reason: str) -> None:
 
 def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> str | None:
     """The script's word; None: Redis stayed away for ``within_s``, spooled."""
-    global _writing
-    _writing += 1
     key = id(entry)
     _open[key] = (spool_dir, entry)
     send_room.process_room().handed()  # this task's paid answer is the spool's to keep now
@@ -148,7 +133,6 @@ def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: flo
         word = _settle_or_spool(client, spool_dir, entry, within_s)
         return word
     finally:
-        _writing -= 1
         del _open[key]
         if key in _spilled:
             _spilled.discard(key)
@@ -159,8 +143,7 @@ def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: flo
 
 def _settle_or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> str | None:
     if _diverted is not None:
-        path = write_entry(spool_dir, entry)
-        log.warning("%s/%s %s: %s: spooled to %s", entry["dataset"], entry["id"], entry["op"], _diverted, path)
+        _divert(spool_dir, entry, _diverted)
         return None
     if _hurry_s is not None:
         within_s = min(within_s, _hurry_s)
