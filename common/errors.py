@@ -21,6 +21,7 @@ a library's exception or a message string. The tree (httpx's ``_exceptions.py`` 
     ├── TokenMismatch                  a rebuilt row failed its self-check
     ├── PromptFailed                   (inside a worker's task) the prompt fails with a reason
     ├── PromptEnded                    (inside a worker's task) the lease says: stop, no outcome
+    ├── PoisonMessage                  (inside a worker's read) a queue message is not one of ours
     ├── RedisRefusesWrites             Redis answers, refuses writes past the retry window: exit 6
     ├── ProducerFenced                 another producer holds the lock: exit 5
     ├── Interrupted                    SIGTERM/SIGINT: the run stopped, resumable: exit 130
@@ -195,6 +196,15 @@ class PromptEnded(SpecfleetError):
     def __init__(self, outcome: str) -> None:
         super().__init__(outcome)
         self.outcome = outcome
+
+
+class PoisonMessage(SpecfleetError):
+    """A message read from a queue is not a task of ours (``reason``: a stable word of
+    workers/poison.py's list); caught by ``poison.admit``, which dead-letters it. Never leaves the read."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
 
 
 # --- the store ----------------------------------------------------------------------------------

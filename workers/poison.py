@@ -43,6 +43,7 @@ import redis
 
 from common import keys
 from common.contract import CONTRACT_VERSION, IDLE_QUEUE, TASK_NAME
+from common.errors import PoisonMessage
 from common.logs import RedactSecrets
 from common.redis_client import UNREACHABLE, deadline
 
@@ -72,58 +73,52 @@ class Refusal:
     detail: str
 
 
-class Poison(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.refusal = Refusal(reason, detail)
-
-
 def inspect(raw: bytes, queue: str) -> dict[str, Any]:
-    """The envelope of a message read from ``queue``, for kombu to deliver; raises ``Poison``."""
+    """The envelope of a message read from ``queue``, for kombu to deliver; raises ``PoisonMessage``."""
     try:
         envelope = json.loads(raw)
     except ValueError as exc:  # UnicodeDecodeError included
-        raise Poison(NOT_JSON, f"not JSON: {exc}") from None
+        raise PoisonMessage(NOT_JSON, f"not JSON: {exc}") from None
     if not isinstance(envelope, dict):
-        raise Poison(ENVELOPE, f"a JSON {type(envelope).__name__}, not a message envelope")
+        raise PoisonMessage(ENVELOPE, f"a JSON {type(envelope).__name__}, not a message envelope")
     props, headers = envelope.get("properties"), envelope.get("headers")
     if not isinstance(props, dict) or not isinstance(props.get("delivery_tag"), str):
-        raise Poison(ENVELOPE, "no properties with a delivery tag")
+        raise PoisonMessage(ENVELOPE, "no properties with a delivery tag")
     info = props.get("delivery_info")
     if not isinstance(info, dict) or info.get("routing_key") != queue:
         # kombu puts an unacked message back where its routing key says: it must be this queue.
-        raise Poison(ENVELOPE, f"delivery info {info!r:.80} does not name the queue it was read from")
+        raise PoisonMessage(ENVELOPE, f"delivery info {info!r:.80} does not name the queue it was read from")
     if not isinstance(headers, dict):
-        raise Poison(ENVELOPE, "no headers")
+        raise PoisonMessage(ENVELOPE, "no headers")
     if headers.get("task") != TASK_NAME:
-        raise Poison(TASK_NAME_REASON, f"task {headers.get('task')!r:.80}, this worker runs {TASK_NAME!r} only")
+        raise PoisonMessage(TASK_NAME_REASON, f"task {headers.get('task')!r:.80}, this worker runs {TASK_NAME!r} only")
     if not isinstance(headers.get("id"), str):
-        raise Poison(ENVELOPE, "no task id")
+        raise PoisonMessage(ENVELOPE, "no task id")
     payload = _payload(envelope, props)
     version = payload.get("v")
     if version != CONTRACT_VERSION:
-        raise Poison(VERSION, f"contract version {version!r:.20}, this worker speaks {CONTRACT_VERSION}")
+        raise PoisonMessage(VERSION, f"contract version {version!r:.20}, this worker speaks {CONTRACT_VERSION}")
     for name, kind in _FIELDS.items():
         if not isinstance(payload.get(name), kind):
-            raise Poison(PAYLOAD, f"field {name!r} is {type(payload.get(name)).__name__}")
+            raise PoisonMessage(PAYLOAD, f"field {name!r} is {type(payload.get(name)).__name__}")
     return envelope
 
 
 def _payload(envelope: dict[str, Any], props: dict[str, Any]) -> dict[str, Any]:
     content_type = envelope.get("content-type")
     if content_type != _CONTENT_TYPE or props.get("body_encoding") != "base64":
-        raise Poison(BODY, f"content type {content_type!r:.60} ({props.get('body_encoding')!r:.20}), "
+        raise PoisonMessage(BODY, f"content type {content_type!r:.60} ({props.get('body_encoding')!r:.20}), "
                            f"this worker accepts {_CONTENT_TYPE} in base64 only")
     body = envelope.get("body")
     if not isinstance(body, str) or not body:
-        raise Poison(BODY, "empty body")
+        raise PoisonMessage(BODY, "empty body")
     try:
         decoded = msgpack.unpackb(base64.b64decode(body, validate=True), raw=False)
     except (binascii.Error, ValueError, msgpack.UnpackException) as exc:
-        raise Poison(BODY, f"body is not base64 msgpack: {type(exc).__name__}: {exc}"[:200]) from None
+        raise PoisonMessage(BODY, f"body is not base64 msgpack: {type(exc).__name__}: {exc}"[:200]) from None
     if not (isinstance(decoded, list | tuple) and len(decoded) == 3 and isinstance(decoded[0], list | tuple)
             and len(decoded[0]) == 1 and isinstance(decoded[0][0], dict)):
-        raise Poison(PAYLOAD, "body is not (args, kwargs, embed) with one payload argument")
+        raise PoisonMessage(PAYLOAD, "body is not (args, kwargs, embed) with one payload argument")
     payload: dict[str, Any] = decoded[0][0]
     return payload
 
@@ -139,12 +134,12 @@ def admit(client: redis.Redis, raw: bytes, queue: str, *,
         return json.loads(raw)
     try:
         return inspect(raw, queue)
-    except Poison as poison:
+    except PoisonMessage as poison:
         record = None
         if unacked is not None:  # the multi-pop took only messages with a tag (its Lua decoder's reading)
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 record = (unacked[0], unacked[1], str(json.loads(raw)["properties"]["delivery_tag"]))
-        dead_letter(client, raw, queue, poison.refusal, unacked=record)
+        dead_letter(client, raw, queue, Refusal(poison.reason, poison.detail), unacked=record)
         return None
 
 
