@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,13 @@ class Fleet:
         while "ready." not in self.log(name):
             assert self.procs[name].poll() is None and time.monotonic() < deadline, self.log(name)
             time.sleep(0.2)
+
+    def wait_for(self, predicate: Callable[[], object], timeout_s: float, what: str) -> None:
+        """Until ``predicate()`` is true; past ``timeout_s`` the test fails naming ``what``, with every log."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}\n{self.all_logs()}"
+            time.sleep(0.1)
 
     def wait_rows(self, client: Any, dataset: str, n: int, timeout_s: float = 60) -> None:
         """Until ``n`` rows of ``dataset`` are kept: a point mid-run to break something at."""

@@ -59,6 +59,26 @@ def fleet(tmp_path, redis_server: ValkeyServer, redis_client: redis.Redis, reque
         print(f.all_logs())
 
 
+@pytest.fixture
+def chaos(tmp_path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """A fleet on a Valkey of its own (AOF on, fixed port) that the test may SIGKILL, freeze or
+    restart: the session server is shared and must never be broken. Logs shown when it fails."""
+    from tests.chaos import RestartableValkey
+    from tests.fleet import Fleet
+
+    valkey = RestartableValkey(tmp_path / "valkey")
+    valkey.start()
+    f = Fleet(tmp_path, valkey.url)
+    try:
+        yield f, valkey
+    finally:
+        f.stop_all()
+        valkey.stop()
+        report = getattr(request.node, "rep_call", None)
+        if report is not None and report.failed:
+            print(f.all_logs())
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield

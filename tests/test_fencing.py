@@ -13,7 +13,6 @@ import hashlib
 import json
 import signal
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -35,12 +34,6 @@ def _checkpoint(fleet: Fleet) -> dict[str, Any]:
     path = fleet.out / DATASET / ".checkpoint.json"
     return json.loads(path.read_text()) if path.exists() else {"rows": 0, "generation": 0}
 
-
-def _wait(predicate, timeout_s: float, what: str, fleet: Fleet) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{fleet.all_logs()}"
-        time.sleep(0.1)
 
 
 def _folder_digest(fleet: Fleet) -> dict[str, str]:
@@ -88,14 +81,14 @@ def test_a_producer_paused_past_its_lock_writes_nothing_once_another_took_over(
     config = fleet.one_dataset(DATASET, n)
     fleet.start_worker("w1", concurrency=8)
     a = fleet.start_producer(config, "A")
-    _wait(lambda: int(_checkpoint(fleet)["rows"]) >= 30, 120, "A's first rows on disk", fleet)
+    fleet.wait_for(lambda: int(_checkpoint(fleet)["rows"]) >= 30, 120, "A's first rows on disk")
     a.send_signal(signal.SIGSTOP)
     try:
         a_rows = int(_checkpoint(fleet)["rows"])
-        _wait(lambda: not redis_client.exists(LOCK), 30, "A's lock to expire", fleet)
+        fleet.wait_for(lambda: not redis_client.exists(LOCK), 30, "A's lock to expire")
         b = fleet.start_producer(config, "B")
         # B has taken the lock and written rows of its own past A's checkpoint.
-        _wait(lambda: int(_checkpoint(fleet)["rows"]) > a_rows + 20, 120, "B's rows on disk", fleet)
+        fleet.wait_for(lambda: int(_checkpoint(fleet)["rows"]) > a_rows + 20, 120, "B's rows on disk")
         if b_done_first:
             assert b.wait(timeout=180) == 0, fleet.all_logs()
             before = _folder_digest(fleet)

@@ -23,12 +23,6 @@ from tests.fleet import Fleet, free_port, read_summary
 pytestmark = pytest.mark.fleet
 
 
-def _wait(predicate, timeout_s: float, what: str, fleet: Fleet) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{fleet.all_logs()}"
-        time.sleep(0.1)
-
 
 def _assert_billed_is_counted(fleet: Fleet, dataset: str) -> None:
     summary = read_summary(fleet.out, dataset)
@@ -50,12 +44,12 @@ def test_a_full_redis_at_the_enqueue_and_mid_run_holds_the_producer_and_the_run_
         # Room for the run's first writes and a batch or two of messages, not for the whole file.
         redis_client.config_set("maxmemory", int(redis_client.info("memory")["used_memory"]) + 512 * 1024)
         producer = fleet.start_producer(config)
-        _wait(lambda: "refuses writes: OOM" in fleet.log("producer"), 90, "the refusal at the enqueue", fleet)
+        fleet.wait_for(lambda: "refuses writes: OOM" in fleet.log("producer"), 90, "the refusal at the enqueue")
         time.sleep(3)
         assert producer.poll() is None, fleet.log("producer")
         assert redis_client.llen(queue) < n, "the enqueue must have met the limit"
         redis_client.config_set("maxmemory", 0)
-        _wait(lambda: "prompts queued" in fleet.log("producer"), 60, "the rest of the enqueue", fleet)
+        fleet.wait_for(lambda: "prompts queued" in fleet.log("producer"), 60, "the rest of the enqueue")
 
         worker = fleet.start_worker("w1", concurrency=50)
         fleet.wait_rows(redis_client, "M", n // 3, timeout_s=120)
@@ -64,7 +58,7 @@ def test_a_full_redis_at_the_enqueue_and_mid_run_holds_the_producer_and_the_run_
         try:
             shown = fleet.log("producer").count("refuses writes")
             redis_client.config_set("maxmemory", 1)
-            _wait(lambda: fleet.log("producer").count("refuses writes") > shown, 30, "the refusal mid-run", fleet)
+            fleet.wait_for(lambda: fleet.log("producer").count("refuses writes") > shown, 30, "the refusal mid-run")
             time.sleep(2)
             assert producer.poll() is None, fleet.log("producer")
             redis_client.config_set("maxmemory", 0)
@@ -127,7 +121,7 @@ def test_a_read_only_replica_url_is_one_line_the_producer_holds_then_stops_or_go
 
     # Promoted while the producer holds (what a failover ends with): the run goes on and completes.
     producer = fleet.start_producer(config, "holds")
-    _wait(lambda: "read-only replica" in fleet.log("holds"), 60, "the hold line", fleet)
+    fleet.wait_for(lambda: "read-only replica" in fleet.log("holds"), 60, "the hold line")
     time.sleep(2)
     assert producer.poll() is None, fleet.log("holds")
     client.execute_command("REPLICAOF", "NO", "ONE")

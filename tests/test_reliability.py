@@ -10,8 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -34,30 +32,10 @@ RESTORE_S = 2.0
 LOST = 10
 
 
-@pytest.fixture
-def chaos(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Fleet, RestartableValkey]]:
-    valkey = RestartableValkey(tmp_path / "valkey")
-    valkey.start()
-    fleet = Fleet(tmp_path, valkey.url)
-    try:
-        yield fleet, valkey
-    finally:
-        fleet.stop_all()
-        valkey.stop()
-        report = getattr(request.node, "rep_call", None)
-        if report is not None and report.failed:
-            print(fleet.all_logs())
-
 
 def _client(valkey: RestartableValkey) -> redis.Redis:
     return redis.Redis.from_url(valkey.url, socket_timeout=10)
 
-
-def _wait(predicate, timeout_s: float, what: str, fleet: Fleet) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{fleet.all_logs()}"
-        time.sleep(0.1)
 
 
 def _rows(client: redis.Redis, dataset: str) -> int:
@@ -77,7 +55,7 @@ def test_the_producer_rides_out_a_redis_sigkill_and_no_prompt_is_asked_twice(
     fleet.start_worker("w2", concurrency=25)
     producer = fleet.start_producer(config)
     client = _client(valkey)
-    _wait(lambda: _rows(client, "R") >= 60, 60, "rows before the kill", fleet)
+    fleet.wait_for(lambda: _rows(client, "R") >= 60, 60, "rows before the kill")
     valkey.kill()
     time.sleep(3)
     assert producer.poll() is None, "the producer died while Redis was away\n" + fleet.log("producer")
@@ -104,7 +82,7 @@ def test_past_the_retry_window_the_producer_exits_with_one_line_and_the_same_com
     proc = subprocess.Popen(fleet.producer_cmd(config), env=fleet.env(SPECFLEET_REDIS_RETRY_WINDOW_S="4"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=fleet.tmp)
     client = _client(valkey)
-    _wait(lambda: _rows(client, "W") >= 20, 60, "rows before the kill", fleet)
+    fleet.wait_for(lambda: _rows(client, "W") >= 20, 60, "rows before the kill")
     valkey.kill()
     killed = time.monotonic()
     _, err = proc.communicate(timeout=60)
@@ -134,13 +112,13 @@ def test_a_worker_spools_what_it_cannot_settle_and_replays_it_exactly_once(
     client = _client(valkey)
     # At the upstream, not just leased: a request still queued for its throttle slot when Redis
     # goes is (rightly) never sent.
-    _wait(lambda: fleet.sim_stats()["in_flight"] == 20, 30, "20 requests in flight", fleet)
+    fleet.wait_for(lambda: fleet.sim_stats()["in_flight"] == 20, 30, "20 requests in flight")
     valkey.kill()
     # Answers land ~2.5 s later; each settle waits while its lease lives (10 s slack), then spools.
-    _wait(lambda: len(list(spool.glob("*.spool"))) == 20, 40, "20 spooled answers", fleet)
+    fleet.wait_for(lambda: len(list(spool.glob("*.spool"))) == 20, 40, "20 spooled answers")
     assert fleet.sim_stats()["billed_requests"] == 20
     valkey.start()
-    _wait(lambda: not list(spool.glob("*.spool")), 20, "the spool to be replayed", fleet)
+    fleet.wait_for(lambda: not list(spool.glob("*.spool")), 20, "the spool to be replayed")
     assert producer.wait(timeout=60) == 0, fleet.all_logs()
     fleet.assert_exactly_once(client, "S", 20)
     assert fleet.log("w1").count("replayed from the spool: kept") == 20
@@ -161,7 +139,7 @@ def test_a_killed_workers_tasks_come_back_within_the_visibility_timeout_while_th
     # The idle-queue sweep must not be what brings them back: it never runs here.
     producer = fleet._spawn("producer", [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress",
                                          "--stall-s", "100000", "--no-plan"], fleet.env())
-    _wait(lambda: redis_client.hlen("specfleet:ds:V:leases") == LOST, 60, "the victim's requests", fleet)
+    fleet.wait_for(lambda: redis_client.hlen("specfleet:ds:V:leases") == LOST, 60, "the victim's requests")
     lost = {k.decode() for k in redis_client.hkeys("specfleet:ds:V:leases")}
     victim.send_signal(signal.SIGKILL)
     victim.wait()
@@ -216,9 +194,9 @@ def test_a_worker_killed_with_a_full_spool_is_replaced_by_one_that_replays_it_on
     client = _client(valkey)
     # At the upstream, not just leased: a request still queued for its throttle slot when Redis
     # goes is (rightly) never sent.
-    _wait(lambda: fleet.sim_stats()["in_flight"] == 12, 30, "12 requests in flight", fleet)
+    fleet.wait_for(lambda: fleet.sim_stats()["in_flight"] == 12, 30, "12 requests in flight")
     valkey.kill()
-    _wait(lambda: len(list(spool.glob("*.spool"))) == 12, 40, "12 spooled answers", fleet)
+    fleet.wait_for(lambda: len(list(spool.glob("*.spool"))) == 12, 40, "12 spooled answers")
     first.send_signal(signal.SIGKILL)
     first.wait()
     valkey.start()

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -22,20 +20,6 @@ pytestmark = pytest.mark.fleet
 #: What the test allows on a busy box: the bound plus the time a hard exit takes.
 BOUND_S = STOP_WHILE_AWAY_S + 10
 
-
-@pytest.fixture
-def chaos(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Fleet, RestartableValkey]]:
-    valkey = RestartableValkey(tmp_path / "valkey")
-    valkey.start()
-    fleet = Fleet(tmp_path, valkey.url)
-    try:
-        yield fleet, valkey
-    finally:
-        fleet.stop_all()
-        valkey.stop()
-        report = getattr(request.node, "rep_call", None)
-        if report is not None and report.failed:
-            print(fleet.all_logs())
 
 
 def test_sigterm_while_redis_is_down_ends_the_producer_within_its_bound_and_the_rerun_completes(

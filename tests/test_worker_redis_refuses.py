@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -25,20 +23,6 @@ pytestmark = pytest.mark.fleet
 N = 600
 REFUSE_S = 20
 
-
-@pytest.fixture
-def chaos(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Fleet, RestartableValkey]]:
-    valkey = RestartableValkey(tmp_path / "valkey")
-    valkey.start()
-    fleet = Fleet(tmp_path, valkey.url)
-    try:
-        yield fleet, valkey
-    finally:
-        fleet.stop_all()
-        valkey.stop()
-        report = getattr(request.node, "rep_call", None)
-        if report is not None and report.failed:
-            print(fleet.all_logs())
 
 
 def _rows(client: redis.Redis) -> int:

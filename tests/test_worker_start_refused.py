@@ -9,8 +9,6 @@ simulator, the real producer.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -24,20 +22,6 @@ N = 40
 #: How long the worker is left facing the refusal before Redis takes writes again.
 REFUSED_S = 8
 
-
-@pytest.fixture
-def chaos(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Fleet, RestartableValkey]]:
-    valkey = RestartableValkey(tmp_path / "valkey")
-    valkey.start()
-    fleet = Fleet(tmp_path, valkey.url)
-    try:
-        yield fleet, valkey
-    finally:
-        fleet.stop_all()
-        valkey.stop()
-        report = getattr(request.node, "rep_call", None)
-        if report is not None and report.failed:
-            print(fleet.all_logs())
 
 
 def test_a_worker_started_while_redis_refuses_writes_waits_then_works(

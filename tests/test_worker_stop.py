@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,26 +28,6 @@ SLACK_S = 15
 N = 1500
 
 
-@pytest.fixture
-def chaos(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Fleet, RestartableValkey]]:
-    valkey = RestartableValkey(tmp_path / "valkey")
-    valkey.start()
-    fleet = Fleet(tmp_path, valkey.url)
-    try:
-        yield fleet, valkey
-    finally:
-        fleet.stop_all()
-        valkey.stop()
-        report = getattr(request.node, "rep_call", None)
-        if report is not None and report.failed:
-            print(fleet.all_logs())
-
-
-def _wait(predicate, timeout_s: float, what: str, fleet: Fleet) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{fleet.all_logs()}"
-        time.sleep(0.1)
 
 
 def _generations(fleet: Fleet) -> list[dict[str, Any]]:
@@ -70,8 +48,8 @@ def test_sigterm_with_redis_down_ends_workers_within_the_bound_and_their_spool_r
     workers = {name: fleet.start_worker(name, concurrency=100) for name in ("w1", "w2")}
     producer = fleet.start_producer(config)
     client = redis.Redis.from_url(valkey.url, socket_timeout=10)
-    _wait(lambda: int(client.scard("specfleet:ds:D:done")) >= 300, 120, "rows before the kill", fleet)
-    _wait(lambda: fleet.sim_stats()["in_flight"] >= 100, 30, "requests in flight", fleet)
+    fleet.wait_for(lambda: int(client.scard("specfleet:ds:D:done")) >= 300, 120, "rows before the kill")
+    fleet.wait_for(lambda: fleet.sim_stats()["in_flight"] >= 100, 30, "requests in flight")
     valkey.kill()
     time.sleep(2)  # as make soak does: the workers have met the outage when they are told to stop
     stopped = time.monotonic()
@@ -106,7 +84,7 @@ def test_sigterm_with_redis_down_ends_workers_within_the_bound_and_their_spool_r
 
     valkey.start()
     fleet.start_worker("w3", concurrency=15)
-    _wait(lambda: not list(spool.glob("*.spool")), 60, "the spool to be replayed by the next worker", fleet)
+    fleet.wait_for(lambda: not list(spool.glob("*.spool")), 60, "the spool to be replayed by the next worker")
     assert fleet.log("w3").count("replayed from the spool") == spooled, fleet.log("w3")[-6000:]
     assert producer.wait(timeout=240) == 0, fleet.all_logs()
     fleet.assert_exactly_once(client, "D", N)
@@ -138,7 +116,7 @@ def test_a_worker_that_meets_a_different_redis_on_its_url_says_so_and_leaves(
         fleet.out = fleet.tmp / "out2"
         config2 = fleet.one_dataset("B", 30)
         second = fleet.start_producer(config2, "run2")
-        _wait(lambda: worker.poll() is not None, 60, "the worker to leave", fleet)
+        fleet.wait_for(lambda: worker.poll() is not None, 60, "the worker to leave")
         log = fleet.log("w1")
         lines = [ln for ln in log.splitlines() if "a different Redis" in ln]
         assert len(lines) == 1, log[-6000:]
