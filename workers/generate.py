@@ -58,7 +58,7 @@ from workers.engine_ids import rebuild_from_engine
 from workers.rebuild import RebuiltRow, RenderedPrompt, rebuild, render_prompt
 from workers.retry import RetryPolicy
 from workers.send_room import process_room
-from workers.spool import USAGE_WAIT_S, fail_or_spool, settle_or_spool
+from workers.spool import fail_or_spool, settle_or_spool
 from workers.target import TargetTokenizer
 from workers.upstream import Answer, Request, Upstream
 
@@ -127,7 +127,7 @@ class _Job:
         #: What the upstream billed for this prompt so far: every way out passes it to the budget.
         self.billed_usd = 0.0
         #: The last answer's counters, not yet in the dataset's stats: they travel with the settle
-        #: or fail (one round trip less per row), or are recorded on their own on any other way out.
+        #: or fail (one round trip less per row), or the release on any other way out.
         self.usage: Usage | None = None
         self.started = time.monotonic()
         #: When the current attempt's request left (monotonic).
@@ -209,9 +209,10 @@ def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = N
         except (redis.RedisError, gevent.GreenletExit, KeyboardInterrupt, SystemExit):
             # Not the prompt's fault (Redis gone, worker shutting down): give the admission back so the
             # next delivery can take it at once instead of waiting for the lease to expire.
+            # A billed answer's counters go with the release, once per lease (budget.lua).
+            usage, job.usage = job.usage, None
             with contextlib.suppress(Exception):
-                _record_usage(job)
-                job.budget.release(job.pid, job.lease, cost_usd=job.billed_usd)
+                job.budget.release(job.pid, job.lease, cost_usd=job.billed_usd, usage=usage)
             raise
         except Exception as exc:
             # A bug or an answer nobody foresaw: the prompt gets an outcome with the evidence, instead
@@ -399,19 +400,6 @@ def _keep_lease(job: _Job) -> None:
             job.renew()
     except Exception as exc:
         log.warning("%s/%s lease not renewed while waiting for answer room: %s", job.dataset, job.pid, exc)
-
-
-def _record_usage(job: _Job) -> None:
-    """Count an answer whose prompt leaves without a settle or fail (Redis gone, shutdown)."""
-    usage, job.usage = job.usage, None
-    if usage is None:
-        return
-    # Report counters are not worth the paid answer: while Redis is away they give way.
-    try:
-        with deadline(USAGE_WAIT_S):
-            job.stats.record_answer(usage)
-    except UNREACHABLE as exc:
-        log.warning("%s/%s usage not counted, Redis unreachable: %s", job.dataset, job.pid, exc)
 
 
 def _halt(job: _Job, reason: str, exc: UpstreamError) -> str:

@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 
 Outcome = Literal["kept", "duplicate", "discarded", "failed", "spooled"]
 SUFFIX = ".spool"
-#: How long the usage counters of a paid answer may wait for Redis before the settle's turn.
-USAGE_WAIT_S = 2.0
 
 
 def _path(spool_dir: Path, run: str, dataset: str, prompt_id: str, kind: str) -> Path:
