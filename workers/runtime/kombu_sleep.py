@@ -12,10 +12,7 @@ PATCHES = (
     Patch(target="kombu.utils.functional:retry_over_time", dist="kombu", verified="5.7.0",
           fingerprint="e42bfc8a734b8e7b373488d9d63b862cfb3eece27008193064ccf7440ce59721",
           why="its reconnect waits sleep through gevent, not the whole hub",
-          # Celery's `-P gevent` patches `time` only after kombu.utils.functional took `from time import
-          # sleep`: its retry_over_time, Celery's broker reconnect, then held the whole hub for every wait
-          # (2 s, 4 s, 6 s…), so a Redis restart let attempts in flight pass their deadline with their
-          # answers already in (tests/test_hub_reconnect.py). Outside gevent this is the same function.
+          # Seen, and checked, by tests/test_hub_reconnect.py.
           reason="Celery's -P gevent patches time only after kombu.utils.functional took 'from time import sleep': "
                  "retry_over_time (Celery's broker reconnect: 2 s, 4 s, 6 s…) held the whole hub for every wait, "
                  "and attempts in flight passed their deadline with their answers already in. The module's sleep "
