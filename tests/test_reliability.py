@@ -22,7 +22,7 @@ from common.stats import DatasetStats
 from producer.celery_app import make_app
 from producer.enqueue import push
 from tests.chaos import RestartableValkey
-from tests.fleet import Fleet, read_summary
+from tests.fleet import Fleet, prompts, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
 
@@ -133,7 +133,12 @@ def test_a_killed_workers_tasks_come_back_within_the_visibility_timeout_while_th
     fleet: Fleet, redis_client: redis.Redis,
 ) -> None:
     fleet.start_simulator("--latency-median-ms", "3000", "--latency-p99-ms", "3000")
-    config = fleet.one_dataset("V", 400, timeout_s=5)  # lease 16.5 s < visibility timeout 20 s
+    # Z: the run's second dataset, never opened while this test looks: its tasks pass every check
+    # of a task (workers/poison.py) and end at once on reserve's "stopped", as a flood should.
+    v, z = (write_jsonl(fleet.tmp / f"{n}.jsonl", prompts(count, n)) for n, count in (("v", 400), ("z", 1)))
+    config = fleet.write_config([{"name": "V", "path": v, "length": "short", "budget_tokens": 10_000_000},
+                                 {"name": "Z", "path": z, "length": "short", "budget_tokens": 10_000_000}],
+                                timeout_s=5)  # lease 16.5 s < visibility timeout 20 s
     restore = {"SPECFLEET_UNACKED_RESTORE_S": str(RESTORE_S)}
     victim = fleet.start_worker("victim", concurrency=LOST, **restore)
     # The idle-queue sweep must not be what brings them back: it never runs here.
@@ -145,7 +150,7 @@ def test_a_killed_workers_tasks_come_back_within_the_visibility_timeout_while_th
     victim.wait()
     killed = time.monotonic()
     # A big worker on a queue that never runs dry, as in a long real run: its prefetch never fills
-    # (these tasks end at once: their dataset was never opened) and its polls never come back empty,
+    # (these tasks end at once: their dataset is not open yet) and its polls never come back empty,
     # so kombu's own restore (after an empty poll) never runs. Only the worker's timer brings the
     # victim's messages back.
     busy = keys.queue("Z")
