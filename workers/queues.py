@@ -78,9 +78,10 @@ class FollowActiveQueues(bootsteps.StartStopStep):
             return
         ctx = context()
         try:
-            if not server.check(ctx.redis, ctx.settings.require_redis_url()):
+            pipe = ctx.redis.pipeline(transaction=False)
+            store, raw = pipe.get(keys.STORE_ID).hgetall(keys.ACTIVE_QUEUES).execute()
+            if not server.check(ctx.redis, ctx.settings.require_redis_url(), store, raw):
                 return  # another Redis: this worker follows none of its queues, it is leaving
-            raw = ctx.redis.hgetall(keys.ACTIVE_QUEUES)
         except Exception as exc:  # a Redis blip must not kill the timer; next tick retries
             log.warning("cannot read active queues: %s", exc)
             return

@@ -6,8 +6,8 @@ a test's next Redis on the same port) holds other runs, and before this a worker
 and worked the next run's prompts as if nothing had happened, its in-flight answers of the old run
 settled into the new store. So every store gets an identity (``keys.STORE_ID``, a random id the
 first worker to find none writes, ``SET NX``; it persists and restarts with the data), and each
-poll of the active queues reads it (``check``, one round trip). The same id: carry on. Another id
-after this worker had followed a run, while that Redis serves other runs: one line says so, every
+poll of the active queues reads it in the same round trip (``check``). The same id: carry on.
+Another id after this worker had followed a run, while that Redis serves other runs: one line says so, every
 outcome of the old run still in flight goes to the spool (where only a worker of its own Redis
 replays it), no task of the new Redis is started, and the worker stops
 (warm, within workers/stop.py's bound). A supervisor (compose's ``restart: unless-stopped``,
@@ -52,13 +52,13 @@ def serving(config_id: str) -> None:
     _served = config_id
 
 
-def check(client: redis.Redis, url: str) -> bool:
+def check(client: redis.Redis, url: str, raw: bytes | None, active: dict[bytes, bytes]) -> bool:
     """Whether this is still the Redis the worker served. False: it is not, and the worker is on
-    its way out (said once)."""
+    its way out (said once). ``raw``, ``active``: ``keys.STORE_ID`` and ``keys.ACTIVE_QUEUES`` as the
+    poll read them (one round trip, workers/queues.py)."""
     global _store, _left
     if _left is not None:
         return False
-    raw = client.get(keys.STORE_ID)
     if raw is None:
         try:
             client.set(keys.STORE_ID, uuid.uuid4().hex, nx=True)
@@ -69,7 +69,7 @@ def check(client: redis.Redis, url: str) -> bool:
     if store is None or store == _store or _served is None or _store is None:
         _store = store if store is not None else _store
         return True
-    runs = {v.decode() for v in client.hvals(keys.ACTIVE_QUEUES)}
+    runs = {v.decode() for v in active.values()}
     if not runs:
         return False  # no run there yet: the producer may be resuming ours on it
     if _served in runs:
