@@ -113,7 +113,6 @@ class ProducerLock:
         self._hold = hold
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.token = ""
-        self.generation = 0
         #: Monotonic time of the last answer that proved the lock ours.
         self.confirmed_s = 0.0
         self._acquire = client.register_script(_ACQUIRE)
@@ -130,7 +129,6 @@ class ProducerLock:
             value = value.decode() if isinstance(value, bytes) else str(value)
             if int(ok):
                 self.token = value
-                self.generation = parse_token(value)[0]
                 self.confirmed_s = time.monotonic()
                 log.info("producer lock taken (generation %d)", self.generation)
                 return
@@ -143,6 +141,11 @@ class ProducerLock:
             f"another producer ({value}) is running against this Redis; "
             f"stop it or wait {LOCK_TTL_S} s after it died"
         )
+
+    @property
+    def generation(self) -> int:
+        """The generation in ``token`` (0 before the lock is taken)."""
+        return parse_token(self.token)[0]
 
     def _call(self, mode: str, commands: Sequence[Sequence[Any]]) -> list[Any]:
         args: list[Any] = [self.token, LOCK_TTL_S * 1000, mode]

@@ -54,8 +54,11 @@ def stop_writing(timeout_s: float) -> bool:
 class Fence(Protocol):
     """The producer lock's token as a writer checks it (``producer/lock.py``)."""
 
-    generation: int
-    owner: str
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def owner(self) -> str: ...
 
 
 class RowWriter(Protocol):
@@ -267,7 +270,7 @@ class JsonlShards:
     def write(self, rows: Sequence[dict[str, Any]], last_id: str, ids: Sequence[str] | None = None) -> None:
         with self._folder_lock():
             disk = self._sync_with_disk()
-            if ids is not None and ids and stream_id(ids[0]) <= stream_id(disk.last_id):
+            if ids and stream_id(ids[0]) <= stream_id(disk.last_id):
                 after = stream_id(disk.last_id)
                 first = next((i for i, sid in enumerate(ids) if stream_id(sid) > after), len(ids))
                 rows = rows[first:]  # written by the other producer already

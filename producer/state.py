@@ -54,10 +54,6 @@ class DatasetState(Counted):
     def budget_fraction(self) -> float:
         return self.kept_tokens / self.limit if self.limit else 0.0
 
-    @property
-    def usd_fraction(self) -> float:
-        return self.spent_usd / self.budget_usd if self.budget_usd else 0.0
-
     def to_json(self) -> dict[str, Any]:
         return ordered(asdict(self), DatasetState)
 
