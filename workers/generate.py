@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -52,6 +50,7 @@ from common.contract import (
 from common.errors import MisconfiguredError, PromptEnded, PromptFailed, TokenMismatch, UpstreamError
 from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
+from workers import WORKER_ID
 from workers.answer_room import answer_bytes, answer_room
 from workers.context import WorkerContext
 from workers.engine_ids import rebuild_from_engine
@@ -66,7 +65,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 #: Slack on a lease beyond one attempt and one backoff: connect time, rebuild, a Redis blip.
 LEASE_SLACK_S = 10.0

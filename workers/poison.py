@@ -33,7 +33,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,10 +45,9 @@ from common.contract import CONTRACT_VERSION, IDLE_QUEUE, TASK_NAME
 from common.errors import PoisonMessage
 from common.logs import RedactSecrets
 from common.redis_client import UNREACHABLE, deadline
+from workers import WORKER_ID
 
 log = logging.getLogger(__name__)
-
-WORKER = f"{socket.gethostname()}:{os.getpid()}"
 
 #: The reasons, stable words for the list's readers. A message that is not JSON; JSON that is not a
 #: kombu envelope of a queue message; another task's; a body that is not our msgpack (empty, base64
@@ -173,7 +171,7 @@ def dead_letter(client: redis.Redis, raw: bytes, queue: str, refusal: Refusal, *
     in the same round trip); False when Redis could not take it (logged)."""
     kept = raw[:keys.DEAD_LETTER_RAW_BYTES]
     entry = {"reason": refusal.reason, "detail": refusal.detail, "queue": queue, "received_at": round(time.time(), 3),
-             "worker": WORKER, "bytes": len(raw), "truncated": len(raw) > len(kept),
+             "worker": WORKER_ID, "bytes": len(raw), "truncated": len(raw) > len(kept),
              # latin-1 maps bytes to text one to one, so the scrub can see a key in any bytes.
              "raw_b64": base64.b64encode(_scrub(kept.decode("latin-1")).encode("latin-1")).decode()}
     pipe = client.pipeline(transaction=False)

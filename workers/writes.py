@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable
 
@@ -38,12 +36,12 @@ import redis
 
 from common import keys
 from common.redis_client import REFUSED_WRITES, deadline, refused_writes
+from workers import WORKER_ID
 
 log = logging.getLogger(__name__)
 
 #: Seconds between two test writes while Redis refuses writes.
 PROBE_S = 1.0
-_WORKER = f"{socket.gethostname()}:{os.getpid()}"
 
 _since: float | None = None
 _writable = gevent.event.Event()
@@ -80,8 +78,7 @@ def ensure() -> None:
     assert _client is not None, "workers.writes.install() was not called"
     if not refusing():
         try:
-            with deadline(PROBE_S):
-                _client().set(keys.WRITE_PROBE, _WORKER, px=10_000)
+            _write_probe()
             return
         except REFUSED_WRITES as exc:
             refused(exc)
@@ -100,14 +97,18 @@ def on_resume(callback: Callable[[], None]) -> None:
         _on_resume.append(callback)
 
 
+def _write_probe() -> None:
+    assert _client is not None, "workers.writes.install() was not called"
+    with deadline(PROBE_S):
+        _client().set(keys.WRITE_PROBE, WORKER_ID, px=10_000)
+
+
 def _probe() -> None:
     global _since
-    assert _client is not None, "workers.writes.install() was not called"
     while True:
         gevent.sleep(PROBE_S)
         try:
-            with deadline(PROBE_S):
-                _client().set(keys.WRITE_PROBE, _WORKER, px=10_000)
+            _write_probe()
         except redis.RedisError:  # refused still, or away: the next probe asks again
             continue
         break
