@@ -256,8 +256,9 @@ class ReplicaFence:
             return 0
         # Read again after an outage too: the master may be another one now (a failover), whose
         # replica is gone with the old master; the count of the old one would make fences wait.
-        if now - self._read_at >= self.REFRESH_S or CLOCK.outages != self._read_outages:
-            if CLOCK.outages != self._read_outages:
+        after_outage = CLOCK.outages != self._read_outages
+        if after_outage or now - self._read_at >= self.REFRESH_S:
+            if after_outage:
                 self._asking_since = None  # asked of this master from now on
             self._read_at, self._read_outages = now, CLOCK.outages
             with contextlib.suppress(redis.RedisError):  # the fence itself will meet it
