@@ -157,6 +157,21 @@ local function spend(nusd)
   add(run, "nusd_spent", nusd)
 end
 
+-- SADD of list[first..], in parts: unpack() can return only so many values at once.
+local function add_members(key, list, first)
+  for i = first, #list, 5000 do
+    redis.call("SADD", key, unpack(list, i, math.min(i + 4999, #list)))
+  end
+end
+
+-- The kept counters become the rows on disk; their costs are a floor of what was spent (billed
+-- answers not kept are lost).
+local function set_kept(n, tokens, tokens_sq, cost)
+  redis.call("HSET", budget, "tokens_kept", int(tokens), "rows_kept", int(n), "tokens_kept_sq", int(tokens_sq))
+  local spent = num(redis.call("HGET", budget, "nusd_spent"))
+  if cost > spent then spend(cost - spent) end
+end
+
 -- An expired lease: its tokens go back, its dollars stay held as an orphan (see the header).
 local function orphan_lease(id, raw)
   local holder, tok, usd = parse_lease(raw)
@@ -398,13 +413,8 @@ elseif op == "restore" then
   local rows = num(redis.call("HGET", budget, "rows_kept"))
   if rows >= n then return {"current", rows} end
   redis.call("DEL", done)
-  for i = 6, #ARGV, 5000 do
-    redis.call("SADD", done, unpack(ARGV, i, math.min(i + 4999, #ARGV)))
-  end
-  redis.call("HSET", budget, "tokens_kept", int(tokens), "rows_kept", int(n), "tokens_kept_sq", int(tokens_sq))
-  -- Dollars: the kept rows' costs are a floor of what was spent (billed answers not kept are lost).
-  local spent = num(redis.call("HGET", budget, "nusd_spent"))
-  if cost > spent then spend(cost - spent) end
+  add_members(done, ARGV, 6)
+  set_kept(n, tokens, tokens_sq, cost)
   return {"restored", n}
 
 elseif op == "reconcile" then
@@ -449,12 +459,8 @@ elseif op == "reconcile" then
   end
   local add_ids = {}
   for id in pairs(truth) do add_ids[#add_ids + 1] = id end
-  for i = 1, #add_ids, 5000 do
-    redis.call("SADD", done, unpack(add_ids, i, math.min(i + 4999, #add_ids)))
-  end
-  redis.call("HSET", budget, "tokens_kept", int(tokens), "rows_kept", int(keys_n), "tokens_kept_sq", int(tokens_sq))
-  local spent = num(redis.call("HGET", budget, "nusd_spent"))
-  if cost > spent then spend(cost - spent) end
+  add_members(done, add_ids, 1)
+  set_kept(keys_n, tokens, tokens_sq, cost)
   return {"reconciled", keys_n, #lost}
 end
 
