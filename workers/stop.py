@@ -54,10 +54,6 @@ _since: float | None = None
 _consumer: Any = None
 
 
-def stopping() -> bool:
-    return _since is not None
-
-
 def consumer(c: Any) -> None:
     """The Celery consumer whose unacked messages go back at the bound (a bootstep's start)."""
     global _consumer
