@@ -72,7 +72,16 @@ class AdmissionControl:
             log.debug("%s broadcast failed (workers follow on their next poll): %s", FOLLOW_COMMAND, exc)
 
     def enqueue(self, run: DatasetRun, batch: list[Prompt]) -> int:
+        """Queue the prompts of ``batch`` that have no outcome yet; returns how many."""
+        return self._push(run, self._lacking_outcome(run, batch))
+
+    def _lacking_outcome(self, run: DatasetRun, batch: list[Prompt]) -> list[Prompt]:
+        if not batch:
+            return []  # SMISMEMBER wants at least one member
         done = self.client.smismember(run.outcome_key, [p.id for p in batch])
+        return [p for p, is_done in zip(batch, done, strict=True) if not is_done]
+
+    def _push(self, run: DatasetRun, prompts: list[Prompt]) -> int:
         payloads: list[TaskPayload] = [
             {
                 "v": CONTRACT_VERSION,
@@ -83,8 +92,7 @@ class AdmissionControl:
                 "messages": p.messages,
                 "tools": p.tools,
             }
-            for p, is_done in zip(batch, done, strict=True)
-            if not is_done
+            for p in prompts
         ]
         return push(self.client, self.app, run.budget.keys.queue, payloads, fence=self.lock)
 
@@ -128,13 +136,10 @@ class AdmissionControl:
         for batch in batches(read_prompts(run.cfg.path, errors, ReadStats(), limit=run.cfg.max_prompts,
                                             max_line_bytes=run.cfg.max_line_bytes),
                              ENQUEUE_BATCH):
-            todo = [p for p in batch if p.id not in failed]
+            todo = self._lacking_outcome(run, [p for p in batch if p.id not in failed])
             if n < 10 and todo:  # which ones, so a lost message can be traced
-                done = self.client.smismember(run.outcome_key, [p.id for p in todo])
-                missing = [p.id for p, d in zip(todo, done, strict=True) if not d]
-                if missing:  # a batch of prompts that all have their outcome says nothing
-                    log.info("%s: sweeping %s", run.name, ", ".join(missing))
-            n += self.enqueue(run, todo)
+                log.info("%s: sweeping %s", run.name, ", ".join(p.id for p in todo))
+            n += self._push(run, todo)
         return n
 
     def end(self, run: DatasetRun, reason: EndReason) -> None:
