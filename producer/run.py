@@ -39,6 +39,7 @@ from common.errors import (
     SpecfleetError,
 )
 from common.redis_client import CLOCK, RedisOutage
+from common.settings import Settings
 from common.stats import DatasetStats
 from common.throttle import FleetThrottle
 from producer.admission import ENQUEUE_BATCH, AdmissionControl, batches
@@ -347,7 +348,7 @@ class Runner:
 
 def retry_window_s(client: redis.Redis) -> float:
     """The client's retry window (``SPECFLEET_REDIS_RETRY_WINDOW_S``): how long any wait for Redis lasts."""
-    return float(getattr(client.get_retry(), "window_s", 300.0))
+    return float(getattr(client.get_retry(), "window_s", Settings.redis_retry_window_s))
 
 
 def where(client: redis.Redis) -> str:
