@@ -158,9 +158,12 @@ def test_a_killed_workers_tasks_come_back_within_the_visibility_timeout_while_th
     app = make_app(Settings.from_env(), fleet.redis_url)
     payload = {"v": CONTRACT_VERSION, "run": config_id.decode(), "dataset": "Z", "where": "z:1",
                "messages": [{"role": "user", "content": "z"}], "tools": None}
-    push(redis_client, app, busy, [{**payload, "id": f"z{i}"} for i in range(40_000)])  # type: ignore[misc]
+    push(redis_client, app, busy, [{**payload, "id": f"z{i}"} for i in range(100_000)])  # type: ignore[misc]
     redis_client.hset(keys.ACTIVE_QUEUES, busy, config_id)
-    fleet.start_worker("survivor", concurrency=200, **restore)
+    # Room for far more than the flood holds at once (each task still renders its prompt and asks
+    # Redis twice): at 200 a busy box filled it, its polls came back empty and kombu's own restore
+    # did the timer's job (the no-unacked-restore mutant survived).
+    fleet.start_worker("survivor", concurrency=2000, **restore)
     # Each is asked again once its message is back (≤ VISIBILITY_S + RESTORE_S after the kill), taken
     # (restored messages go to the head of the queue) and answered (3 s). Under this flood of failing
     # tasks the survivor's timer and greenlets run late: measured 25-36 s on a quiet box in the
