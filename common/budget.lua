@@ -208,6 +208,15 @@ local function finish(id, lease)
   return 0
 end
 
+-- A settle's, fail's or release's bill: the request ends (its hold freed) and its answer's cost and
+-- usage count, whatever happens to the row (money spent is spent). Returns the dollars it held.
+local function bill(id, lease, cost, usage)
+  local held_usd = finish(id, lease)
+  spend(cost)
+  count_usage(usage)
+  return held_usd
+end
+
 local function exhaust(by, run_too)
   redis.call("HSET", budget, "admission_state", "exhausted", "ended_by", by)
   if run_too then redis.call("HSET", run, "admission_state", "exhausted", "ended_by", by) end
@@ -316,9 +325,7 @@ elseif op == "settle" then
   elseif first then
     return {first, first_over}
   end
-  local held_usd = finish(id, lease)
-  spend(cost)  -- money spent is spent, whatever happens to the row
-  count_usage(usage)
+  local held_usd = bill(id, lease, cost, usage)
   local over_hold = (held_usd > 0 and cost > held_usd) and 1 or 0
   if redis.call("SISMEMBER", done, id) == 1 then
     mark_applied(id, lease, "duplicate", over_hold)
@@ -350,9 +357,7 @@ elseif op == "fail" then
   local id, lease, failure, cost = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
   local first = applied(id, lease)
   if first then return {first} end
-  finish(id, lease)
-  spend(cost)
-  count_usage(ARGV[6])
+  bill(id, lease, cost, ARGV[6])
   local word = "failed"
   if redis.call("SISMEMBER", done, id) == 1 then word = "duplicate"
   else redis.call("HSET", failed, id, failure) end
@@ -362,9 +367,7 @@ elseif op == "fail" then
 elseif op == "release" then
   local id, lease, cost, usage = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
   if applied(id, lease) then return {"released"} end
-  finish(id, lease)
-  spend(cost)
-  count_usage(usage)
+  bill(id, lease, cost, usage)
   if cost ~= 0 or (usage ~= nil and usage ~= "") then mark_applied(id, lease, "released", 0) end
   return {"released"}
 
