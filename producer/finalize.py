@@ -92,13 +92,14 @@ def build_summary(run: DatasetRun, st: DatasetState, failures: dict[str, Any], *
 def finalize(client: redis.Redis, out_dir: Path, run: DatasetRun, st: DatasetState, *,
              run_budget_usd: float | None, throttle: dict[str, Any], shards: list[str]) -> Summary:
     """failed.jsonl and summary.json of a drained dataset; the summary's line logged."""
+    folder = dataset_dir(out_dir, run)
     failures = run.budget.failures()
     lines = [json.dumps({"id": pid, **f}, ensure_ascii=False) for pid, f in sorted(failures.items())]
-    atomic_write(dataset_dir(out_dir, run) / "failed.jsonl", "".join(x + "\n" for x in lines))
+    atomic_write(folder / "failed.jsonl", "".join(x + "\n" for x in lines))
     conversations = conversation_counts(client, run.budget.keys) if run.cfg.regenerate == "all" else None
     summary = build_summary(run, st, failures, run_budget_usd=run_budget_usd, throttle=throttle, shards=shards,
                             conversations=conversations)
-    atomic_write(dataset_dir(out_dir, run) / "summary.json", summary.dumps())
+    atomic_write(folder / "summary.json", summary.dumps())
     log.info("%s", report_line(summary))
     return summary
 
