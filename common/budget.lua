@@ -91,11 +91,9 @@
 --   reap    now_ms                 -> {"reaped", n}
 --   open    tokens_limit nusd_limit rule -> {"open", kept, rows}   (start or resume the dataset)
 --   close                          -> {"closed"}
---   restore n_rows tokens tokens_sq cost_nusd id... -> {"restored", n} | {"current", rows}
 --   reconcile last_id n_rows tokens tokens_sq cost_nusd check|apply id... -> {"current", rows} | {"mismatch", rows}
 --           | {"reconciled", rows, lost}: done and the kept counters become the rows on disk (ids, up
 --           to stream position last_id) plus those waiting in results after it (see the op).
---           Rebuilds kept counters and the done set from the shards when Redis holds fewer rows.
 --   run_open nusd_limit            -> {"run_open", spent}   KEYS[1] is the run hash, KEYS[2..] the
 --           budget hashes of the run's datasets: the run's dollars are re-summed from them.
 local op = ARGV[1]
@@ -410,15 +408,6 @@ elseif op == "open" then
 elseif op == "close" then
   redis.call("HSET", budget, "admission_state", "stopped")
   return {"closed"}
-
-elseif op == "restore" then
-  local n, tokens, tokens_sq, cost = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-  local rows = num(redis.call("HGET", budget, "rows_kept"))
-  if rows >= n then return {"current", rows} end
-  redis.call("DEL", done)
-  add_members(done, ARGV, 6)
-  set_kept(n, tokens, tokens_sq, cost)
-  return {"restored", n}
 
 elseif op == "reconcile" then
   -- The rows on disk up to the stream position last_id, and those waiting in the results stream

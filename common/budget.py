@@ -1,7 +1,7 @@
 """Python face of ``budget.lua``: the budget's policy, one method per operation, typed answers.
 
 The only Python that names a field of the budget hashes (a test holds it to that). Workers
-reserve/renew/settle/fail/release; the producer opens, restores, reaps, closes and reads snapshots.
+reserve/renew/settle/fail/release; the producer opens, reconciles, reaps, closes and reads snapshots.
 Dollars travel as integer nano-dollars (``nusd``) so the sums in Redis stay exact.
 """
 
@@ -373,13 +373,6 @@ class Budget:
     def reap(self) -> int:
         """Expired leases (dead or stalled workers): tokens go back, dollars stay held as orphans."""
         return int(self._call("reap", now_ms())[1])
-
-    def restore(self, ids: Sequence[str], tokens: Sequence[int], costs_usd: Sequence[float]) -> bool:
-        """Rebuild the kept counters, the done set and (as a floor) the dollars spent from the rows
-        on disk, when Redis holds fewer kept rows than they do. True if it restored."""
-        reply = self._call("restore", len(ids), sum(tokens), sum(t * t for t in tokens),
-                           sum(to_nusd(c) for c in costs_usd), *ids)
-        return bool(reply[0] == "restored")
 
     def agrees_with(self, last_id: str, rows: int) -> bool:
         """Whether the done set and the kept counters already count exactly ``rows`` rows on disk

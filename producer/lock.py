@@ -33,8 +33,6 @@ log = logging.getLogger(__name__)
 
 LOCK_TTL_S = 10
 
-#: The old name: another producer took the lock.
-LockLost = ProducerFenced
 
 # KEYS[1] lock, KEYS[2] generation; ARGV[1] owner, ARGV[2] ttl ms, ARGV[3] lowest generation to
 # take (the output folder's), ARGV[4] the holder we may replace ("" only a free lock)

@@ -307,15 +307,18 @@ def test_open_rederives_holds_and_resumes_counts(redis_client: redis.Redis) -> N
     assert b.reserve("p4", "L4", ttl_ms=TTL_MS, ask=ask(10, 100)).status == "ok"
 
 
-def test_restore_rebuilds_counts_and_dollars_only_when_redis_knows_less(redis_client: redis.Redis) -> None:
+def test_reconcile_rebuilds_counts_and_dollars_from_the_rows_on_disk_once(redis_client: redis.Redis) -> None:
     b = opened(redis_client, usd=1.0)
     ids = [f"p{i}" for i in range(12_000)]
-    assert b.restore(ids, [3] * len(ids), [0.00001] * len(ids)) is True
+    tokens, costs = [3] * len(ids), [0.00001] * len(ids)
+    assert not b.agrees_with("0-0", len(ids))
+    assert b.reconcile("0-0", ids, tokens, costs) is not None
     s = b.snapshot()
     assert (s.rows, s.kept, usd(s)[0], usd(s)[3]) == (12_000, 36_000, 120_000, 120_000)
     assert redis_client.scard(b.keys.done) == 12_000
     assert b.reserve("p11999", "L", ttl_ms=TTL_MS, ask=ask(1)).status == "done"
-    assert b.restore(ids[:10], [1] * 10, [0.0] * 10) is False
+    assert b.agrees_with("0-0", len(ids))
+    assert b.reconcile("0-0", ids, tokens, costs) is None  # Redis already agrees: nothing changes
     assert b.snapshot().kept == 36_000
 
 
@@ -324,7 +327,7 @@ def test_large_sums_stay_exact_integers(redis_client: redis.Redis) -> None:
     # Past 1e14 a Lua number would reach Redis as "1e+14": every sum goes out as an integer string.
     b = opened(redis_client, tokens=10**12, usd=5_000_000.0, run_usd=5_000_000.0)
     ids = [f"p{i}" for i in range(1_000)]
-    assert b.restore(ids, [10**6] * len(ids), [1_234.567891234] * len(ids))
+    assert b.reconcile("0-0", ids, [10**6] * len(ids), [1_234.567891234] * len(ids)) is not None
     s = b.snapshot()
     assert (s.kept, s.spent_nusd, s.run_spent_nusd) == (10**9, 1_234_567_891_234_000, 1_234_567_891_234_000)
     assert open_run(redis_client, 5_000_000.0, ["ds"]) == pytest.approx(1_234_567.891234)

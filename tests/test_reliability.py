@@ -218,7 +218,8 @@ def test_a_worker_killed_with_a_full_spool_is_replaced_by_one_that_replays_it_on
 
 
 def test_the_producer_lock_is_kept_taken_back_or_given_up_after_an_outage(redis_client: redis.Redis) -> None:
-    from producer.lock import LOCK_TTL_S, LockLost, ProducerLock
+    from common.errors import ProducerFenced
+    from producer.lock import LOCK_TTL_S, ProducerLock
 
     lock = ProducerLock(redis_client)
     lock.acquire()
@@ -229,7 +230,7 @@ def test_the_producer_lock_is_kept_taken_back_or_given_up_after_an_outage(redis_
     lock.refresh()
     assert redis_client.get("specfleet:producer:lock") == lock.token.encode()
     redis_client.set("specfleet:producer:lock", "otherhost:1", ex=LOCK_TTL_S)  # another producer took it
-    with pytest.raises(LockLost):
+    with pytest.raises(ProducerFenced):
         lock.refresh()
     lock.release()  # not ours: left alone
     assert redis_client.get("specfleet:producer:lock") == b"otherhost:1"
