@@ -60,8 +60,9 @@ class StatsSnapshot(Counted):
 
 
 def answer_counts(usage: Usage) -> dict[str, int]:
-    """One billed answer's increments, by field: what ``record_answer`` adds, and what budget.lua
-    adds with a settle, fail or release (``Budget.settle(usage=…)``), once per lease."""
+    """One billed answer's increments, by field: what budget.lua adds with its settle, fail or
+    release (``Budget.settle(usage=…)``), once per lease, and nowhere else (a count outside the
+    script would be added again by a replayed settle)."""
     return {
         REQUESTS: 1,
         BILLED_PROMPT: usage["prompt_tokens"],
@@ -82,15 +83,6 @@ class DatasetStats:
         self.key = DatasetKeys(dataset).stats
 
     # --- writers (workers) --------------------------------------------------------------------
-
-    def record_answer(self, usage: Usage) -> None:
-        """One answer received and billed. It also proves the URL and the model work, so the
-        fleet's misconfiguration streak starts over."""
-        pipe = self._client.pipeline(transaction=False)
-        for name, n in answer_counts(usage).items():
-            pipe.hincrby(self.key, name, n)
-        queue_answered(pipe)
-        pipe.execute()
 
     def record_error(self, reason: str) -> None:
         self._client.hincrby(self.key, _ERROR + reason, 1)
