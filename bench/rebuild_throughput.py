@@ -16,8 +16,8 @@ from pathlib import Path
 
 import gevent
 
-from workers.rebuild import Answer, RebuiltRow, rebuild
-from workers.target import TargetTokenizer
+from workers.pipeline.rebuild import Answer, RebuiltRow, rebuild
+from workers.pipeline.target import TargetTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

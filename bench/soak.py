@@ -18,7 +18,7 @@ worker's tasks can only come back by the visibility timeout. At set shares of th
   meanwhile; A resumed (SIGCONT) once B holds the lock: A must stop fenced (its one line, its exit
   code) and B carry the run to its end;
 - 70%: Redis SIGKILLed again and, while it is down, one worker SIGTERMed: its time to exit is
-  judged against the worker's documented stop bound (workers/stop.py); Redis comes back once it
+  judged against the worker's documented stop bound (workers/fleet/stop.py); Redis comes back once it
   has exited, and a replacement worker starts.
 
 Every worker process sends its own ``X-Title``, and the simulator's request log
@@ -73,7 +73,7 @@ TRICKLE_EVERY_S, TRICKLE_S = 1.0, 15.0  # 15 s of trickle > the 6 s deadline: ev
 REDIS_DOWN_S = 3.0
 #: An answer whose worker was SIGKILLed this soon after it arrived may or may not have been settled.
 SETTLE_WINDOW_S = 5.0
-#: The prompt's lease as workers/generate.py sizes it: 1.2 × timeout_s + backoff_max_s (0.5 in
+#: The prompt's lease as workers/pipeline/generate.py sizes it: 1.2 × timeout_s + backoff_max_s (0.5 in
 #: harness/fleet.py's config) + 10 s.
 LEASE_S = 1.2 * TIMEOUT_S + 0.5 + 10
 #: A stopped worker's last line comes at its bound; the interpreter's exit after it, on a box with a
@@ -96,8 +96,8 @@ def _bound(module: str, name: str) -> float | None:
 
 
 EXIT_FENCED = _bound("producer.execute", "EXIT_FENCED")
-STOP_BOUND_S = _bound("workers.stop", "STOP_BOUND_S")
-STOP_GRACE_S = _bound("workers.stop", "WRITES_GRACE_S") or 0.0
+STOP_BOUND_S = _bound("workers.fleet.stop", "STOP_BOUND_S")
+STOP_GRACE_S = _bound("workers.fleet.stop", "WRITES_GRACE_S") or 0.0
 LOCK_TTL_S = _bound("producer.lock", "LOCK_TTL_S") or 10.0
 
 
@@ -248,7 +248,7 @@ class Chaos:
     def kill_redis_and_stop_worker(self) -> None:
         s = self.found.stop
         if STOP_BOUND_S is None:
-            self.found.skipped.append("stop while Redis is down: workers/stop.py (the stop bound) has not landed")
+            self.found.skipped.append("stop while Redis is down: workers/fleet/stop.py (the stop bound) has not landed")
             self.kill_redis()
             return
         self.valkey.kill()
@@ -747,7 +747,7 @@ def main() -> int:
         stop_ok = s["exit"] == 0 and s["stop_s"] <= limit + EXIT_SLACK_S
         verdict = "within it" if s["stop_s"] <= limit else f"over it by {s['stop_s'] - limit:.1f} s"
         print(f"worker SIGTERMed 2 s into a Redis outage: exited {s['exit']} after {s['stop_s']:.1f} s "
-              f"(bound {STOP_BOUND_S:g} s + {STOP_GRACE_S:g} s for spool writes, workers/stop.py) {verdict}"
+              f"(bound {STOP_BOUND_S:g} s + {STOP_GRACE_S:g} s for spool writes, workers/fleet/stop.py) {verdict}"
               f"{'' if stop_ok else ' past the allowance'} (judged with {EXIT_SLACK_S:g} s for the process to end "
               f"on a busy box); Redis down {s['redis_down_s']:.1f} s in all")
 

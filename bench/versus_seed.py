@@ -230,7 +230,7 @@ def run_fleet(fleet: Fleet, client_url: str, data: Path, in_flight: int, workers
               redis_pid: int | None = None, profile_dir: Path | None = None) -> Side:
     side = Side("fleet")
     # The script's semaphore is a fleet-wide cap: the fleet's is [request] max_in_flight (a worker
-    # lends the share it leaves unused to another, workers/gate.py).
+    # lends the share it leaves unused to another, workers/fleet/gate.py).
     config = fleet.write_config([{"name": "V", "path": data, "length": "short", "budget_tokens": 10**12}],
                                 timeout_s=timeout_s, request=f"temperature = 1.0\nmax_in_flight = {in_flight}")
     per_worker = in_flight // workers

@@ -245,7 +245,7 @@ def _script_of(client: redis.Redis) -> Any:
 
 
 class Committer(Protocol):
-    """Sends script calls of many callers behind one AOF fence (``workers/group_commit.py``)."""
+    """Sends script calls of many callers behind one AOF fence (``workers/fleet/group_commit.py``)."""
 
     def call(self, script: Any, keys: Sequence[str], args: Sequence[Any],
              before: Callable[[Any], None] | None = None) -> Any: ...

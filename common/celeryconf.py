@@ -40,7 +40,7 @@ def celery_config(settings: Settings, redis_url: str) -> dict[str, Any]:
             "socket_timeout": 30,
             "socket_connect_timeout": 10,
             "health_check_interval": 25,
-            # workers/recovery.py restores unacked messages on a timer under this mutex; a worker
+            # workers/fleet/recovery.py restores unacked messages on a timer under this mutex; a worker
             # SIGKILLed while holding it must not stop every restore for kombu's default 5 minutes.
             "unacked_mutex_expire": 30,
             **target.transport_options(),

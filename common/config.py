@@ -154,7 +154,7 @@ class DatasetConfig(_Strict):
     max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, gt=0)
     #: ``last``: the answer to the conversation's last non-assistant message is produced again (one
     #: row per prompt). ``all``: every assistant turn is, in order, each call seeing the regenerated
-    #: history (one row per turn; see workers/conversation.py).
+    #: history (one row per turn; see workers/pipeline/conversation.py).
     regenerate: Regenerate = "last"
 
     @field_validator("name")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, NotRequired, TypedDict
 
 #: 2: the producer records every id it enqueues (``keys.DatasetKeys.ids``) and a worker runs only
-#: those (``workers/poison.py``); a version-1 producer records none, so its messages are refused by
+#: those (``workers/fleet/poison.py``); a version-1 producer records none, so its messages are refused by
 #: their version, not one by one as unknown ids.
 CONTRACT_VERSION = 2
 TASK_NAME = "specfleet.generate"
@@ -59,7 +59,7 @@ class ResultRow(TypedDict):
     #: The row's tool declarations, when the prompt had them (they are part of the prompt ids).
     tools: NotRequired[list[dict[str, Any]]]
     #: Rows whose ids came from the engine: the text rebuild checked against them
-    #: (``{"match", "prompt_match", …}``, see ``workers/engine_ids.py``).
+    #: (``{"match", "prompt_match", …}``, see ``workers/pipeline/engine_ids.py``).
     engine_check: NotRequired[dict[str, Any]]
     #: regenerate = "all": the turn's index in its conversation (``id`` is the conversation's), the
     #: row's own key ``<id>#<turn>`` (the exactly-once guard's member), and on a conversation's last

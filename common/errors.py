@@ -10,7 +10,7 @@ a library's exception or a message string. The tree (httpx's ``_exceptions.py`` 
     │   └── UnknownModel               the models endpoint does not list the run file's model
     ├── DatasetRowError                one dataset row is unusable (file:line); the rest runs
     ├── ModelsUnavailable              the models endpoint could not be read
-    ├── UpstreamError                  no usable answer (workers/retry.py decides on the class)
+    ├── UpstreamError                  no usable answer (workers/pipeline/retry.py decides on the class)
     │   ├── RetryableUpstreamError     try again: 408, 429, 5xx, resets, bad JSON
     │   │   └── UpstreamTimeoutError   the attempt's timeout_s passed
     │   ├── FatalUpstreamError         fail this prompt: 400, 403, filtered
@@ -82,9 +82,9 @@ class DatasetRowError(SpecfleetError):
 
 
 class UpstreamError(SpecfleetError):
-    """The upstream (OpenRouter, or any ``workers.upstream.Upstream``) gave no usable answer.
+    """The upstream (OpenRouter, or any ``workers.upstreams.upstream.Upstream``) gave no usable answer.
 
-    The class says what to do about it (``workers/retry.py`` decides on the class alone):
+    The class says what to do about it (``workers/pipeline/retry.py`` decides on the class alone):
     ``RetryableUpstreamError`` try again, ``FatalUpstreamError`` fail this prompt,
     ``AccountRefusedError`` halt the fleet at once, ``MisconfiguredError`` halt the fleet once it
     repeats across prompts. ``status`` is the HTTP status (200 for an error object inside a 200
@@ -142,7 +142,7 @@ class MisconfiguredError(UpstreamError):
 
     ``target`` names the URL and the model asked for, so the halt line says what to fix. One such
     answer may be a prompt's own (no provider serves its tools): the fleet halts only when it
-    repeats across prompts (``workers/retry.py``)."""
+    repeats across prompts (``workers/pipeline/retry.py``)."""
 
     def __init__(self, reason: str, detail: str, *, target: str, status: int = 0) -> None:
         super().__init__(reason, detail, status=status)
@@ -177,7 +177,7 @@ class TokenMismatch(SpecfleetError):
         self.detail = detail
 
 
-# --- inside a worker's task (workers/generate.py): how a prompt leaves its pipeline early ------
+# --- inside a worker's task (workers/pipeline/generate.py): how a prompt leaves its pipeline early ------
 
 
 class PromptFailed(SpecfleetError):
@@ -200,7 +200,7 @@ class PromptEnded(SpecfleetError):
 
 class PoisonMessage(SpecfleetError):
     """A message read from a queue is not a task of ours (``reason``: a stable word of
-    workers/poison.py's list); caught by ``poison.admit``, which dead-letters it. Never leaves the read."""
+    workers/fleet/poison.py's list); caught by ``poison.admit``, which dead-letters it. Never leaves the read."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")

@@ -7,7 +7,7 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:ds:<ds>:budget        HASH    the dataset's budget counters (fields: see budget.lua)
     specfleet:ds:<ds>:done          SET     prompt ids whose row was kept (the exactly-once guard)
     specfleet:ds:<ds>:ids           SET     every prompt id the producer enqueued (written with the messages): a
-                                            worker runs only a message whose id is in it (workers/poison.py)
+                                            worker runs only a message whose id is in it (workers/fleet/poison.py)
     specfleet:ds:<ds>:leases        HASH    prompt id -> "<lease>|<hold tokens>|<hold nano-usd>|<expires_ms>"
     specfleet:ds:<ds>:orphans       HASH    lease -> nano-usd still held for a reaped lease (it may be billed)
     specfleet:ds:<ds>:failed        HASH    prompt id -> JSON {reason, attempts, detail, where} (cleared if kept later)
@@ -38,18 +38,18 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
                                             or the URL/model is wrong: every admission stops until the next
                                             `specfleet run` (contract.halt_line says it to the user)
     specfleet:misconfig             SET     prompt ids that met a "wrong URL or model" answer since the last
-                                            answer anywhere (common/stats.py; workers/retry.py halts on it)
+                                            answer anywhere (common/stats.py; workers/pipeline/retry.py halts on it)
     specfleet:throttle              HASH    the fleet-wide adaptive in-flight limit, pause, rate bucket (throttle.lua)
     specfleet:throttle:slots        ZSET    upstream requests in flight, fleet-wide: slot id -> expiry ms
-    specfleet:deadletter            LIST    messages a worker refused to run (workers/poison.py), newest first, the
-                                            last DEAD_LETTER_MAX: JSON {reason, detail, queue, received_at, worker,
-                                            bytes, truncated, raw_b64 (the first DEAD_LETTER_RAW_BYTES, secrets
-                                            scrubbed)}
+    specfleet:deadletter            LIST    messages a worker refused to run (workers/fleet/poison.py), newest
+                                            first, the last DEAD_LETTER_MAX: JSON {reason, detail, queue,
+                                            received_at, worker, bytes, truncated, raw_b64 (the first
+                                            DEAD_LETTER_RAW_BYTES, secrets scrubbed)}
     specfleet:deadletter:counts     HASH    queue -> messages refused from it, in all runs (summary, status)
-    specfleet:writes:probe          STRING  a worker's test write while Redis refuses writes (workers/writes.py);
+    specfleet:writes:probe          STRING  a worker's test write while Redis refuses writes (workers/fleet/writes.py);
                                             expires in seconds
     specfleet:store                 STRING  this store's random id, written once (SET NX) by the first worker to
-                                            find none: a worker that meets another id leaves (workers/server.py)
+                                            find none: a worker that meets another id leaves (workers/fleet/server.py)
 
 Celery's own keys (the queue lists ``specfleet.q.<ds>``, ``unacked``, ``_kombu.*``) are kombu's.
 """

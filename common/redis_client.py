@@ -9,7 +9,7 @@ Past it the command raises ``RedisOutage`` (a ``redis.ConnectionError``).
 
 A thread (a greenlet in a gevent worker) can shorten the window for what it calls next with
 ``deadline(seconds)``: a worker settling a paid answer waits for Redis only while its lease lives,
-then spools the row instead (workers/spool.py).
+then spools the row instead (workers/fleet/spool.py).
 
 ``REDIS_URL`` may name Sentinels instead of a server (``common/redis_url.py``): the client asks
 them for the master before each new connection, and a master that went away (or answers READONLY,
@@ -51,7 +51,7 @@ UNREACHABLE = (RedisConnectionError, RedisTimeoutError, socket.timeout, Connecti
 #: Errors that mean "Redis is there but takes no writes now": maxmemory reached with noeviction
 #: (compose's policy: a full server must fail writes, never drop queued tasks), or a read-only
 #: replica (what a failover can leave a URL pointing at). Not retried by the window: a caller
-#: decides (workers/writes.py waits, workers/spool.py spools).
+#: decides (workers/fleet/writes.py waits, workers/fleet/spool.py spools).
 REFUSED_WRITES = (OutOfMemoryError, ReadOnlyError)
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0

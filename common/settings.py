@@ -97,7 +97,7 @@ class Settings:
     #: only while its lease lives) keep retrying while Redis is unreachable before giving up.
     redis_retry_window_s: float = field(default=300.0, metadata=_env("SPECFLEET_REDIS_RETRY_WINDOW_S", _number,
                                                                      minimum=0.0))
-    #: Where a worker keeps answers it could not settle because Redis was away (workers/spool.py).
+    #: Where a worker keeps answers it could not settle because Redis was away (workers/fleet/spool.py).
     spool_dir: Path = field(default_factory=_spool_dir, metadata=_env("SPECFLEET_SPOOL_DIR", _folder))
     metrics_port: int = field(default=9808, metadata=_env("SPECFLEET_METRICS_PORT", _whole, minimum=1,
                                                           maximum=65535))
@@ -111,7 +111,7 @@ class Settings:
     #: An answer whose body is larger fails the prompt (``answer_too_large``), billed and counted.
     max_answer_bytes: int = field(default=8 << 20, metadata=_env("SPECFLEET_MAX_ANSWER_BYTES", _whole,
                                                                  minimum=1024))
-    #: Bytes of answers a worker rebuilds and settles at once (workers/answer_room.py); an answer
+    #: Bytes of answers a worker rebuilds and settles at once (workers/fleet/answer_room.py); an answer
     #: waits for room once its body is in. One larger than all of it goes alone.
     answer_bytes_in_flight: int = field(default=4 << 20, metadata=_env("SPECFLEET_ANSWER_BYTES_IN_FLIGHT", _whole,
                                                                        minimum=1024))

@@ -14,7 +14,7 @@ upstream attempt (``err:http_429`` …) and ``fail:<reason>`` per prompt that en
 (``fail:token_mismatch`` …).
 
 Also the fleet-wide misconfiguration streak (``keys.MISCONFIG_STREAK``): prompts that met a
-"wrong URL or model" answer since the last answer anywhere (``workers/retry.py`` halts on it).
+"wrong URL or model" answer since the last answer anywhere (``workers/pipeline/retry.py`` halts on it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Python face of ``throttle.lua``: the fleet-wide in-flight limit, request rate and shared back-off.
 
 Workers acquire a slot before each upstream attempt and release it with the attempt's outcome
-(``workers/gate.py`` makes the waiting cheap); the producer reads ``snapshot`` for progress, metrics
+(``workers/fleet/gate.py`` makes the waiting cheap); the producer reads ``snapshot`` for progress, metrics
 and the report.
 """
 

@@ -4,7 +4,7 @@
         --without-mingle --without-gossip [extra…]
 
 ``N`` (``SPECFLEET_CONCURRENCY``) is the process's upstream requests in flight; its pool has a
-quarter more greenlets, for the tasks between their requests and Redis (``workers/gate.py``).
+quarter more greenlets, for the tasks between their requests and Redis (``workers/fleet/gate.py``).
 
 The node name is stable (``specfleet@%h``), so a restarted worker is the same worker in Flower and
 ``celery inspect``; several on one host are ``specfleet-1@%h``, ``specfleet-2@%h``…. A ``-n`` /

@@ -74,7 +74,7 @@ class Fleet:
             OPENROUTER_API_KEY=TEST_KEY,
             SPECFLEET_QUEUE_POLL_S="0.3",
             SPECFLEET_VISIBILITY_TIMEOUT_S="20",
-            # Each test's own: fleets of parallel tests run the same datasets (workers/spool.py).
+            # Each test's own: fleets of parallel tests run the same datasets (workers/fleet/spool.py).
             SPECFLEET_SPOOL_DIR=str(self.tmp / "spool"),
             TOKENIZERS_PARALLELISM="false",
             PYTHONUNBUFFERED="1",

@@ -44,7 +44,7 @@ def _envelope(app: Celery, queue: str, task_id: str, argsrepr: str, body: str, t
         argsrepr=argsrepr,
         kwargsrepr="{}",
         origin=_ORIGIN,
-        # As the task is declared (workers/task.py): a False here would override it on the worker.
+        # As the task is declared (workers/pipeline/task.py): a False here would override it on the worker.
         ignore_result=True,
     )
     return {
@@ -130,7 +130,7 @@ def push(client: redis.Redis, app: Celery, queue: str, payloads: Iterable[TaskPa
     template = MessageTemplate(app, queue)
     ids = random_uuids(2 * len(batch))
     messages = [template.render(p, ids[2 * i], ids[2 * i + 1]) for i, p in enumerate(batch)]
-    # The ids before their messages: a worker runs only an id it finds there (workers/poison.py).
+    # The ids before their messages: a worker runs only an id it finds there (workers/fleet/poison.py).
     known = ("SADD", DatasetKeys(batch[0]["dataset"]).ids, *{p["id"] for p in batch})
     if fence is not None:
         fence.write(known, ("LPUSH", queue, *messages))

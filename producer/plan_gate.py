@@ -9,8 +9,8 @@ The runner asks the gate, never the plan: whether requests are held, whether the
 counts the byte bound made optional start once the first wave has left. The plan calls back only
 into the gate.
 
-The workers' side of the hold (workers/gate.py, the throttle's Lua, ``openrouter.warm`` and the
-``warm`` call in workers/generate.py) is the throttle's: the gate only sets and lifts it.
+The workers' side of the hold (workers/fleet/gate.py, the throttle's Lua, ``openrouter.warm`` and the
+``warm`` call in workers/pipeline/generate.py) is the throttle's: the gate only sets and lifts it.
 """
 
 from __future__ import annotations

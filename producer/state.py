@@ -46,7 +46,7 @@ class DatasetState(Counted):
     #: Upstream errors by class (``http_429``, ``timeout`` …) and final failures by reason.
     errors: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
-    #: Messages workers refused from the dataset's queue, in all runs (workers/poison.py): none of
+    #: Messages workers refused from the dataset's queue, in all runs (workers/fleet/poison.py): none of
     #: them is one of its prompts.
     dead_letters: int = 0
 

@@ -2,7 +2,7 @@
 
 Real processes: the simulator serves answers of 300,000 characters (~200,000 tokens, ~337 KB of
 JSON), eight at once to one gevent worker. Each costs ~60 MB while it becomes a row (the
-tokenizer's encoding of it, mostly: workers/answer_room.py); rebuilt side by side, eight took the
+tokenizer's encoding of it, mostly: workers/fleet/answer_room.py); rebuilt side by side, eight took the
 worker 400 MB over its baseline. With ``SPECFLEET_ANSWER_BYTES_IN_FLIGHT`` at 400 KB they are
 turned into rows one at a time, and the worker's peak (VmHWM of the real process, reset after a
 warm-up run) stays within the documented bound. Answers over ``SPECFLEET_MAX_ANSWER_BYTES`` fail

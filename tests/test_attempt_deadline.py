@@ -98,8 +98,8 @@ from gevent import monkey; monkey.patch_all()
 import json, sys, time
 import requests
 from common.errors import RetryableUpstreamError
-from workers.openrouter import OpenRouterClient
-from workers.upstream import Request
+from workers.upstreams.openrouter import OpenRouterClient
+from workers.upstreams.upstream import Request
 
 url, timeout_s = sys.argv[1], float(sys.argv[2])
 client = OpenRouterClient(url, "sk-test", pool_size=1, app_url="x", app_title="t")

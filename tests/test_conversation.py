@@ -1,6 +1,6 @@
 """``regenerate = "all"``, in-process: every assistant turn of a conversation produced again, in order.
 
-The task body (``workers/conversation.py``) against the session Valkey, with the in-process fake
+The task body (``workers/pipeline/conversation.py``) against the session Valkey, with the in-process fake
 upstream or the real OpenRouter client over HTTP to the simulator. The prompt ids of every row are
 checked against ``AutoTokenizer.apply_chat_template`` on the row's own history: an oracle that
 shares no code with the rebuild.
@@ -29,11 +29,11 @@ from simulator.run import SimHandle, start_in_thread
 from simulator.settings import SimSettings
 from tests.fleet import DEMO_TOKENIZER
 from tests.tokenizer_factory import DEEPSEEK, QWEN3, write_tokenizer
-from workers.context import WorkerContext
-from workers.conversation import handle
-from workers.openrouter import OpenRouterClient
-from workers.upstream import Answer, Request
-from workers.upstream_fake import FakeUpstream, text_answer
+from workers.fleet.context import WorkerContext
+from workers.pipeline.conversation import handle
+from workers.upstreams.fake import FakeUpstream, text_answer
+from workers.upstreams.openrouter import OpenRouterClient
+from workers.upstreams.upstream import Answer, Request
 
 DS = "C"
 MAX_TOKENS = 64
@@ -338,7 +338,7 @@ def test_summary_line_and_report_count_conversations_rows_and_turns() -> None:
 
 def test_a_spooled_turn_is_stored_with_its_row_when_replayed(world: World, tmp_path: Path) -> None:
     from common.budget import TurnKeep
-    from workers.spool import replay, write_entry
+    from workers.fleet.spool import replay, write_entry
 
     world.budget.open(10_000)
     record = msgpack.packb({"message": {"role": "assistant", "content": "A0"}, "end": "last_turn"})

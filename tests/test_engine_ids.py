@@ -31,12 +31,12 @@ from common.stats import DatasetStats
 from simulator.run import SimHandle, start_in_thread
 from simulator.settings import SimSettings
 from tests.fleet import DEMO_TOKENIZER, TEST_KEY
-from workers.context import WorkerContext
-from workers.generate import generate
-from workers.retry import DEFAULT_MISCONFIG_PROMPTS
-from workers.upstream import Answer, Request
-from workers.upstream_fake import FakeUpstream
-from workers.vllm import EngineClient, engine_chat_url
+from workers.fleet.context import WorkerContext
+from workers.pipeline.generate import generate
+from workers.pipeline.retry import DEFAULT_MISCONFIG_PROMPTS
+from workers.upstreams.fake import FakeUpstream
+from workers.upstreams.upstream import Answer, Request
+from workers.upstreams.vllm import EngineClient, engine_chat_url
 
 DS = "E"
 MODEL = "moonshotai/kimi-k2.5"

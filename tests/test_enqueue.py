@@ -54,7 +54,7 @@ def _app(redis_client: redis.Redis) -> Celery:
 
 def _worker_task(monkeypatch: pytest.MonkeyPatch, app: Celery) -> Task:
     monkeypatch.setenv("REDIS_URL", app.conf.broker_url)  # workers.celery reads it on import
-    from workers.task import generate_task
+    from workers.pipeline.task import generate_task
 
     assert generate_task.name == TASK_NAME
     return generate_task

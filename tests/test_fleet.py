@@ -50,7 +50,7 @@ def test_budget_stop_then_next_dataset_runs_to_its_end(fleet: Fleet, redis_clien
     assert redis_client.llen("specfleet.q.A_small") == 0
     assert not redis_client.hexists("specfleet:active", "specfleet.q.A_small")
     # Each worker took its long-lived heap out of the collector once up and once its run's
-    # tokenizer was loaded (workers/heap.py: the collector's passes were ~15% of a worker's CPU).
+    # tokenizer was loaded (workers/fleet/heap.py: the collector's passes were ~15% of a worker's CPU).
     logs = [fleet.log("w1"), fleet.log("w2")]
     assert all("frozen out of the collector (worker ready)" in log for log in logs), fleet.all_logs()
     assert any(re.search(r"frozen out of the collector \(tokenizer .+ loaded\)", log) for log in logs), fleet.all_logs()

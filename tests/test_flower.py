@@ -1,4 +1,4 @@
-"""What a Flower user sees while task events travel in batches (workers/events.py)."""
+"""What a Flower user sees while task events travel in batches (workers/fleet/events.py)."""
 
 from __future__ import annotations
 

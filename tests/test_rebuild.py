@@ -28,10 +28,10 @@ from tests.tokenizer_factory import (
     write_remote_tokenizer,
     write_tokenizer,
 )
-from workers.openrouter import answer_from_message
-from workers.rebuild import RebuiltRow, rebuild
-from workers.target import StrippedEdges, TargetTokenizer
-from workers.upstream import Answer
+from workers.pipeline.rebuild import RebuiltRow, rebuild
+from workers.pipeline.target import StrippedEdges, TargetTokenizer
+from workers.upstreams.openrouter import answer_from_message
+from workers.upstreams.upstream import Answer
 
 BUILT = tuple(f.name for f in FAMILIES)
 K25, K2T, CHATML, QWEN, DS = BUILT
@@ -586,7 +586,7 @@ def test_turn_formats(targets: dict[str, TargetTokenizer], family: str) -> None:
 
 def test_no_model_token_is_hard_coded_in_the_rebuild_code() -> None:
     tokens = {t for f in FAMILIES for t in f.specials + f.added}
-    for module in ("workers/target.py", "workers/rebuild.py"):
+    for module in ("workers/pipeline/target.py", "workers/pipeline/rebuild.py"):
         tree = ast.parse(Path(module).read_text())
         docstrings = {
             id(node.body[0].value)

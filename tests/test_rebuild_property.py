@@ -28,10 +28,10 @@ from transformers import AutoTokenizer
 
 from tests.strategies import answers_messages, conversations, texts
 from tests.test_rebuild import CHATML, FAMILY_NAMES, QWEN_PARAMS, QWENS, targets  # noqa: F401  (the session fixture, used by name)
-from workers.openrouter import answer_from_message
-from workers.rebuild import rebuild
-from workers.target import TargetTokenizer
-from workers.upstream import Answer
+from workers.pipeline.rebuild import rebuild
+from workers.pipeline.target import TargetTokenizer
+from workers.upstreams.openrouter import answer_from_message
+from workers.upstreams.upstream import Answer
 
 
 @pytest.fixture(scope="session")

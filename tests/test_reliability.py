@@ -134,7 +134,7 @@ def test_a_killed_workers_tasks_come_back_within_the_visibility_timeout_while_th
 ) -> None:
     fleet.start_simulator("--latency-median-ms", "3000", "--latency-p99-ms", "3000")
     # Z: the run's second dataset, never opened while this test looks: its tasks pass every check
-    # of a task (workers/poison.py) and end at once on reserve's "stopped", as a flood should.
+    # of a task (workers/fleet/poison.py) and end at once on reserve's "stopped", as a flood should.
     v, z = (write_jsonl(fleet.tmp / f"{n}.jsonl", prompts(count, n)) for n, count in (("v", 400), ("z", 1)))
     config = fleet.write_config([{"name": "V", "path": v, "length": "short", "budget_tokens": 10_000_000},
                                  {"name": "Z", "path": z, "length": "short", "budget_tokens": 10_000_000}],

@@ -1,4 +1,4 @@
-"""A worker takes the prompts it can send, not what its pool could hold (workers/send_room.py).
+"""A worker takes the prompts it can send, not what its pool could hold (workers/fleet/send_room.py).
 
 The count on its own (tasks in greenlets, a clock the test moves), then on a real fleet: a worker
 that starts a run alone leaves in the queue what its request slots cannot take, and a second worker
@@ -17,7 +17,7 @@ import redis
 
 from common import keys
 from tests.fleet import Fleet
-from workers.send_room import LOOKAHEAD_S, SendRoom
+from workers.fleet.send_room import LOOKAHEAD_S, SendRoom
 
 
 class Clock:

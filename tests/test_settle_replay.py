@@ -2,7 +2,7 @@
 
 A worker whose settle gets no reply does not know whether it landed. While Redis is frozen
 (SIGSTOP: a VM pause, a long fork) the commands wait in the server's socket buffer; the worker's
-read times out, its settle goes to the spool (workers/spool.py) and Redis, once it runs again,
+read times out, its settle goes to the spool (workers/fleet/spool.py) and Redis, once it runs again,
 executes the buffered settle as well: the replay then meets a settle that already landed. The
 same happens when redis-py resends a pipeline whose first send landed. Each repeat must answer
 what the first answered and add nothing: no dollar, no request, no token (budget.lua's settled
@@ -29,7 +29,7 @@ from common.redis_client import connect
 from common.stats import DatasetStats
 from tests.chaos import RestartableValkey
 from tests.fleet import Fleet, read_summary
-from workers.spool import replay, settle_or_spool
+from workers.fleet.spool import replay, settle_or_spool
 
 TTL_MS = 60_000
 NUSD_PER_USD = 1_000_000_000
@@ -169,7 +169,7 @@ def test_a_settle_whose_reply_was_lost_to_a_frozen_redis_and_its_replay_count_on
 
 # --- the fleet, with Redis frozen past the settle's wait ------------------------------------------
 
-#: Longer than a worker's Redis socket timeout (30 s, workers/context.py): a pipeline sent in the
+#: Longer than a worker's Redis socket timeout (30 s, workers/fleet/context.py): a pipeline sent in the
 #: first seconds of the freeze times out while its commands still wait in the server's buffer, so
 #: its settles are spooled and also executed once Redis runs again.
 FREEZE_S = 40

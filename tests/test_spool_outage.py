@@ -23,7 +23,7 @@ from common.contract import Usage
 from common.redis_client import connect
 from common.stats import DatasetStats
 from tests.chaos import RestartableValkey
-from workers.spool import fail_or_spool, pending, replay, settle_or_spool
+from workers.fleet.spool import fail_or_spool, pending, replay, settle_or_spool
 
 NUSD_PER_USD = 1_000_000_000
 TTL_MS = 600_000

@@ -201,7 +201,7 @@ def test_reset_forgets_the_limit_and_counters_but_not_the_requests_in_flight(red
 
 def test_gates_of_two_processes_never_exceed_the_fleet_limit(redis_client: redis.Redis) -> None:
     gevent = pytest.importorskip("gevent")
-    from workers.gate import Gate
+    from workers.fleet.gate import Gate
 
     limit = 6
     cap = ThrottleLimits(max_in_flight=limit)
@@ -225,7 +225,7 @@ def test_gates_of_two_processes_never_exceed_the_fleet_limit(redis_client: redis
 
 def test_a_gate_holds_its_process_to_its_own_cap_under_an_unbounded_fleet(redis_client: redis.Redis) -> None:
     gevent = pytest.importorskip("gevent")
-    from workers.gate import Gate
+    from workers.fleet.gate import Gate
 
     gate = Gate(FleetThrottle(redis_client), max_in_flight=5, borrow_up_to=7)  # no fixed cap: no borrowing
     in_flight, peak, done = 0, 0, 0
@@ -288,7 +288,7 @@ def test_under_a_fleet_cap_a_gate_borrows_what_others_leave_unused_and_gives_way
     both busy, the one under its share gets all of it back (the borrower leaves a slot of the cap
     free), and the fleet never has more than 10 in flight."""
     gevent = pytest.importorskip("gevent")
-    from workers.gate import Gate
+    from workers.fleet.gate import Gate
 
     limits = ThrottleLimits(max_in_flight=10)
     a = Gate(FleetThrottle(redis_client), max_in_flight=5, borrow_up_to=7)
@@ -322,7 +322,7 @@ def test_a_gate_under_its_share_gets_back_the_slots_it_frees_before_any_borrower
     gate's pump can ask again): while the gate still has requests to send, it finds nothing."""
     gevent = pytest.importorskip("gevent")
     from common.throttle import Release
-    from workers.gate import Gate
+    from workers.fleet.gate import Gate
 
     cap = ThrottleLimits(max_in_flight=10)
     borrower = FleetThrottle(redis_client)
@@ -352,7 +352,7 @@ def test_a_gate_under_its_share_gets_back_the_slots_it_frees_before_any_borrower
 def test_a_gevent_gate_gives_the_slots_of_the_moment_back_in_one_call(redis_client: redis.Redis) -> None:
     gevent = pytest.importorskip("gevent")
     from common.throttle import Release
-    from workers.gate import Gate
+    from workers.fleet.gate import Gate
 
     class Counting(FleetThrottle):
         calls = 0

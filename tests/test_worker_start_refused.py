@@ -1,7 +1,7 @@
 """A worker started while Redis refuses writes waits, then works; it never dies of it.
 
 kombu binds the worker's queues when its consumer starts (``SADD _kombu.binding.specfleet.idle``).
-Before workers/consumer.py, a Redis past ``maxmemory`` (noeviction) refused that write and the
+Before workers/fleet/consumer.py, a Redis past ``maxmemory`` (noeviction) refused that write and the
 worker exited 1 ("Unrecoverable error: OutOfMemoryError"). Real Valkey, a real gevent worker, the
 simulator, the real producer.
 """

@@ -19,7 +19,7 @@ import requests
 from common.stats import DatasetStats
 from tests.chaos import RestartableValkey
 from tests.fleet import Fleet, read_summary
-from workers.stop import STOP_BOUND_S
+from workers.fleet.stop import STOP_BOUND_S
 
 pytestmark = pytest.mark.fleet
 

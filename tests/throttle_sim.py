@@ -3,10 +3,10 @@
 Minutes of a fleet's life run in seconds: every acquire and release goes to the real script on the
 test's Valkey, with the virtual time as its clock (``FleetThrottle(clock_ms=...)``); only the
 provider and the waiting are simulated. The fleet is ``clients`` greenlets, each sending one request
-after another; like ``workers/gate.py`` a process's waiting requests are granted in one call per
+after another; like ``workers/fleet/gate.py`` a process's waiting requests are granted in one call per
 ``POLL_MS`` (or at once when a release frees a slot). The provider serves ``capacity`` requests in
 flight (above it: 429 at once) and refuses ``random_429`` of the rest whatever the load. A 429 makes
-its client wait the Retry-After before asking again (``workers/retry.py``).
+its client wait the Retry-After before asking again (``workers/pipeline/retry.py``).
 """
 
 from __future__ import annotations

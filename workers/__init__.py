@@ -1,5 +1,10 @@
-"""specfleet workers: the Celery app lives in workers/celery.py (``celery -A workers``); every patch
-of another library's private code in workers/runtime/, installed from there."""
+"""specfleet workers. ``celery -A workers`` finds the Celery app in ``workers/celery.py``.
+
+- ``pipeline/``: one task's work, message to kept row (prepare, reserve, call, rebuild, settle);
+- ``upstreams/``: who answers (OpenRouter, a vLLM/SGLang engine, the in-process fake);
+- ``fleet/``: the process in its fleet (queues, throttle, flow control, spool, recovery, stop);
+- ``runtime/``: every patch of another library's private code, fenced, installed from one place.
+"""
 
 import os
 import socket

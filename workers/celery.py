@@ -1,6 +1,6 @@
 """The Celery app. ``celery -A workers worker -P gevent -c 1000 -Q specfleet.idle -E``.
 
-Lives in ``workers/celery.py`` so ``-A workers`` finds it, and so importing ``workers.rebuild``
+Lives in ``workers/celery.py`` so ``-A workers`` finds it, and so importing ``workers.pipeline.rebuild``
 (tests, benchmarks) does not need a broker.
 """
 
@@ -16,13 +16,14 @@ from common import logs
 from common.celeryconf import celery_config
 from common.errors import PatchDrift
 from common.settings import Settings
-from workers import poison, runtime, stop, writes
-from workers.context import context
-from workers.events import BatchedTaskEvents
-from workers.heap import settle_long_lived
-from workers.queues import FollowActiveQueues
-from workers.recovery import ReplaySpool, RestoreUnacked
-from workers.send_room import start as start_send_room
+from workers import runtime
+from workers.fleet import poison, stop, writes
+from workers.fleet.context import context
+from workers.fleet.events import BatchedTaskEvents
+from workers.fleet.heap import settle_long_lived
+from workers.fleet.queues import FollowActiveQueues
+from workers.fleet.recovery import ReplaySpool, RestoreUnacked
+from workers.fleet.send_room import start as start_send_room
 
 _settings = Settings.from_env()
 
@@ -39,9 +40,9 @@ except PatchDrift as exc:
     runtime.refuse(exc)
 writes.install(lambda: context().redis)
 
-app = Celery("specfleet", set_as_current=True, include=["workers.task"])
+app = Celery("specfleet", set_as_current=True, include=["workers.pipeline.task"])
 app.conf.update(celery_config(_settings, _settings.require_redis_url()))
-app.conf.worker_consumer = "workers.consumer:Consumer"  # binds its queues only once Redis takes writes
+app.conf.worker_consumer = "workers.fleet.consumer:Consumer"  # binds its queues only once Redis takes writes
 app.steps["consumer"].add(FollowActiveQueues)
 app.steps["consumer"].add(BatchedTaskEvents)
 app.steps["consumer"].add(RestoreUnacked)
@@ -68,4 +69,4 @@ def _heap(**_: Any) -> None:
 
 @worker_shutting_down.connect
 def _stop(**_: Any) -> None:
-    stop.begin()  # the shutdown ends within workers/stop.py's bound, whatever Redis does
+    stop.begin()  # the shutdown ends within workers/fleet/stop.py's bound, whatever Redis does

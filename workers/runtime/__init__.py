@@ -24,8 +24,8 @@ from typing import NoReturn
 from common import runtime as common_runtime
 from common.errors import PatchDrift
 from common.runtime import Patch, check
+from workers.fleet.send_room import SendRoom
 from workers.runtime import dns, kombu_redis, kombu_sleep, urllib3_pool
-from workers.send_room import SendRoom
 
 PATCHES: tuple[Patch, ...] = (*common_runtime.PATCHES, *kombu_redis.PATCHES, *kombu_sleep.PATCHES, *dns.PATCHES,
                               *urllib3_pool.PATCHES)

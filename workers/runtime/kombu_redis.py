@@ -28,7 +28,7 @@ the installed kombu's source differs (common/runtime.py).
   still ends only after its ack, and a warm shutdown waits for it). The wait holds the finished
   task's greenlet, not a row. Only in a gevent worker; elsewhere kombu's own ack.
 - **A message is taken only when it can be sent soon.** In a worker (``install(room)``), kombu's
-  prefetch check also asks the send room (``workers/send_room.py``), and a task leaving its request
+  prefetch check also asks the send room (``workers/fleet/send_room.py``), and a task leaving its request
   wakes a consumer that found no room through a pipe registered in kombu's poller; kombu would
   notice only when its poll next returned (~0.5 s later, measured).
 
@@ -40,13 +40,13 @@ the installed kombu's source differs (common/runtime.py).
   message of it to itself, forever ("No consumers"; seen after a halt and a resume a second
   apart). Now such a cancel only forgets its own tag.
 
-- **A message is checked before kombu reads it** (``install(admit=…)``, workers/poison.py): kombu
+- **A message is checked before kombu reads it** (``install(admit=…)``, workers/fleet/poison.py): kombu
   parses what BRPOP returns inside its read, and a message that is not a task's envelope (a JSON
   list, stray bytes) raised there and ended the worker ("Unrecoverable error"). Here the BRPOP's
   reply, and each message the multi-pop took, is handed to ``admit`` first; one it refuses is moved
   to the dead-letter list (with its unacked record, for the multi-pop's) and never delivered.
 
-- **Redis refusing writes is waited out** (workers/writes.py): kombu writes a message's unacked
+- **Redis refusing writes is waited out** (workers/fleet/writes.py): kombu writes a message's unacked
   record right after its BRPOP, and on a full (noeviction) server that raised inside the read and
   ended the worker, the message lost with it; its restore after an empty poll did the same. A
   refused record keeps the message in memory (recorded once writes are back), a refused ack (or one
@@ -78,8 +78,8 @@ from kombu.utils.json import loads
 
 from common.redis_client import REFUSED_WRITES, UNREACHABLE
 from common.runtime import Patch, check
-from workers import writes
-from workers.send_room import SendRoom
+from workers.fleet import writes
+from workers.fleet.send_room import SendRoom
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ _ORIGINAL_MAYBE_RESTORE = kombu_redis.MultiChannelPoller.maybe_restore_messages
 _ORIGINAL_POLL_INIT = kombu_redis.MultiChannelPoller.on_poll_init
 
 #: Checks a message read from a queue: its envelope to deliver, or None when it was moved aside
-#: (workers/poison.py). Arguments: the raw message, its queue, and the unacked hash and index the
+#: (workers/fleet/poison.py). Arguments: the raw message, its queue, and the unacked hash and index the
 #: multi-pop already recorded it in (None for a BRPOP's message, recorded only once delivered).
 Admit = Callable[..., "dict[str, Any] | None"]
 
@@ -466,10 +466,11 @@ def install(room: SendRoom | None = None, admit: Admit | None = None) -> None:
 
 
 _SEND_ROOM = ("A message is taken only when it can be sent soon: kombu's prefetch check also asks the send room "
-              "(workers/send_room.py), and a task leaving its request wakes a consumer that found no room through a "
-              "pipe registered in kombu's poller; kombu would notice only when its poll next returned (~0.5 s).")
-_REFUSED = ("Redis refusing writes is waited out (workers/writes.py): on a full (noeviction) server or a replica, "
-            "kombu raised inside its read or restore and ended the worker, the message lost with it.")
+              "(workers/fleet/send_room.py), and a task leaving its request wakes a consumer that found no room "
+              "through a pipe registered in kombu's poller; kombu would notice only when its poll next returned "
+              "(~0.5 s).")
+_REFUSED = ("Redis refusing writes is waited out (workers/fleet/writes.py): on a full (noeviction) server or a "
+            "replica, kombu raised inside its read or restore and ended the worker, the message lost with it.")
 
 
 def _kombu(target: str, why: str, reason: str, replacement: str, fingerprint: str,
@@ -492,7 +493,7 @@ PATCHES = (
            "d1b05887a43db7d8bc0ef46651fc8a95c46a91a49c57bacbb44ce2f05739bbe7"),
     _kombu("Channel._brpop_read", "the multi-pop, the poison check and refused writes",
            "After a BRPOP delivered one message, POP_MANY takes up to POP_BATCH more in one script (kombu: two "
-           "round trips per message, 12% of a busy worker); each message is checked by workers/poison.py before "
+           "round trips per message, 12% of a busy worker); each message is checked by workers/fleet/poison.py before "
            "kombu parses it (one that is not a task's envelope ended the worker: 'Unrecoverable error'); a "
            "replica refusing the pop is waited out. " + _REFUSED,
            "_brpop_read",

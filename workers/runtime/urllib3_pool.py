@@ -1,4 +1,4 @@
-"""urllib3 pool internals ``workers/openrouter.py``'s ``warm`` relies on (fenced: ``PATCHES``).
+"""urllib3 pool internals ``workers/upstreams/openrouter.py``'s ``warm`` relies on (fenced: ``PATCHES``).
 
 Nothing is replaced: ``OpenRouterClient.warm`` opens connections ahead of the first wave by
 taking a ``None`` slot from the pool's LIFO queue, ``_new_conn`` and ``_put_conn``; a urllib3 that

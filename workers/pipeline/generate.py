@@ -7,12 +7,12 @@
   (``max_tokens``, and its dollars from the model's price and the prompt's tokens); parked while
   the budget is committed to requests that may land smaller.
 - **call**: one ``Upstream.complete`` per attempt, each inside a slot of the fleet-wide throttle
-  (``workers/gate.py``); after a failed one ``workers/retry.py`` decides (retry after a backoff,
+  (``workers/fleet/gate.py``); after a failed one ``workers/pipeline/retry.py`` decides (retry after a backoff,
   fail the prompt, halt the fleet); the lease is renewed before a retry and while waiting for a
   slot, so a stopped dataset makes no further calls, and again right before a send if what is left
   of it (by the worker's clock) would not outlive the attempt: a request never goes out on a lease
   another delivery could take while it is open.
-- **rebuild**: the answer as token-exact ids, self-checked (``workers/rebuild.py``).
+- **rebuild**: the answer as token-exact ids, self-checked (``workers/pipeline/rebuild.py``).
 - **settle**: count the row and hand it to the collector, exactly once; the answer's cost is
   counted whatever becomes of the row (money spent is spent). While Redis is away, settle (and
   fail) retry within the lease's slack, then go to the local spool, replayed when Redis returns.
@@ -51,15 +51,15 @@ from common.errors import MisconfiguredError, PromptEnded, PromptFailed, TokenMi
 from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
 from workers import WORKER_ID
-from workers.answer_room import answer_bytes, answer_room
-from workers.context import WorkerContext
-from workers.engine_ids import rebuild_from_engine
-from workers.rebuild import RebuiltRow, RenderedPrompt, rebuild, render_prompt
-from workers.retry import RetryPolicy
-from workers.send_room import process_room
-from workers.spool import fail_or_spool, settle_or_spool
-from workers.target import TargetTokenizer
-from workers.upstream import Answer, Request, Upstream
+from workers.fleet.answer_room import answer_bytes, answer_room
+from workers.fleet.context import WorkerContext
+from workers.fleet.send_room import process_room
+from workers.fleet.spool import fail_or_spool, settle_or_spool
+from workers.pipeline.engine_ids import rebuild_from_engine
+from workers.pipeline.rebuild import RebuiltRow, RenderedPrompt, rebuild, render_prompt
+from workers.pipeline.retry import RetryPolicy
+from workers.pipeline.target import TargetTokenizer
+from workers.upstreams.upstream import Answer, Request, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class Prepared:
 
 
 class TurnHook(Protocol):
-    """A conversation's turn (``workers/conversation.py``, regenerate = "all"): the payload's id is
+    """A conversation's turn (``workers/pipeline/conversation.py``, regenerate = "all"): the payload's id is
     the row key; ``finish`` completes the row and says what is kept with it."""
 
     def finish(self, row: ResultRow, rebuilt: RebuiltRow, answer: Answer) -> TurnKeep: ...
@@ -137,7 +137,7 @@ class _Job:
         worker killed mid-request frees its prompts one attempt later, not after every retry's.
 
         Sized to outlive any attempt, not renewed during one: an attempt ends within ``timeout_s``
-        of its start, whatever the upstream does (``workers/openrouter.py``), and starts at most
+        of its start, whatever the upstream does (``workers/upstreams/openrouter.py``), and starts at most
         ``gate.KEEPALIVE_EVERY_S`` (5 s) after the lease was last set (the reserve, the renewal
         before a retry, or the gate's keepalive while it waited for a slot). So the lease outlives
         a live attempt by at least 0.2 × timeout_s + backoff_max_s + 5 s. Only a wait with no
@@ -162,7 +162,7 @@ class _Job:
         return renewal
 
     def fail(self, reason: str, detail: str) -> str:
-        """Record the failure; while Redis is away it waits in the spool (workers/spool.py)."""
+        """Record the failure; while Redis is away it waits in the spool (workers/fleet/spool.py)."""
         usage, self.usage = self.usage, None
         recorded = fail_or_spool(self.ctx.redis, self.ctx.settings.spool_dir, self.payload["run"], self.budget,
                                  self.pid, self.lease, reason, self.attempts, detail, where=self.where,
@@ -188,7 +188,7 @@ def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = N
     if outcome is not None:
         return outcome
 
-    # An answer holds room of the worker's answer bytes (workers/answer_room.py) from its arrival to
+    # An answer holds room of the worker's answer bytes (workers/fleet/answer_room.py) from its arrival to
     # the end of its settle or failure: what bounds the memory answers take while becoming rows.
     with contextlib.ExitStack() as room:
         try:
@@ -329,7 +329,7 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
 
 
 def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
-    """One attempt through the fleet-wide throttle (``workers/gate.py``): wait for a slot of the
+    """One attempt through the fleet-wide throttle (``workers/fleet/gate.py``): wait for a slot of the
     fleet's in-flight limit, renewing the lease meanwhile, and give it back with the outcome (a
     429/503 cuts the fleet's limit and its Retry-After pauses every worker)."""
 
@@ -338,7 +338,7 @@ def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
             raise PromptEnded(ended)
 
     ttl_ms = int((job.length.timeout_s + LEASE_SLACK_S) * 1000)
-    # The send room (workers/send_room.py) counts this task as needing a slot until it returns.
+    # The send room (workers/fleet/send_room.py) counts this task as needing a slot until it returns.
     # An upstream that can open its connections ahead (OpenRouter, the engines) does so while the
     # run's plan holds the requests; a test's in-process fake has nothing to open.
     warm = getattr(upstream, "warm", None)

@@ -8,7 +8,7 @@ on a new Redis at the same address. So, from the SIGTERM (Celery's ``worker_shut
 
 - the warm shutdown goes on as before (tasks in flight finish; with Redis up kombu puts the
   messages it holds back in their queues), except that a paid answer whose settle meets an
-  unreachable Redis is spooled at once instead of waiting out its lease (workers/spool.py);
+  unreachable Redis is spooled at once instead of waiting out its lease (workers/fleet/spool.py);
 - once Redis is unreachable during the stop (at the SIGTERM or later), every outcome goes to the
   spool at once, those being written included (``spool.spill``): a settle begun before the stop
   would otherwise wait its lease, or a free connection, past the bound (soak: 16-34 paid answers
@@ -36,8 +36,8 @@ import gevent
 import gevent.monkey
 
 from common.redis_client import CLOCK, deadline
-from workers import spool
-from workers.send_room import process_room
+from workers.fleet import spool
+from workers.fleet.send_room import process_room
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ poll comes back empty, so a SIGKILLed worker's tasks waited for the whole queue 
 every ``SPECFLEET_UNACKED_RESTORE_S``; kombu's ``unacked_mutex`` makes one worker at a time do it.
 A dead worker's tasks are back in their queue within visibility_timeout_s + unacked_restore_s.
 
-``ReplaySpool``: answers a worker could not settle while Redis was away (workers/spool.py) are
+``ReplaySpool``: answers a worker could not settle while Redis was away (workers/fleet/spool.py) are
 replayed before the worker consumes anything, then every few seconds.
 """
 
@@ -20,9 +20,9 @@ from typing import Any
 from celery import bootsteps
 
 from common.redis_client import REFUSED_WRITES
-from workers import spool, writes
-from workers import stop as worker_stop
-from workers.context import context
+from workers.fleet import spool, writes
+from workers.fleet import stop as worker_stop
+from workers.fleet.context import context
 
 log = logging.getLogger(__name__)
 

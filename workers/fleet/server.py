@@ -10,7 +10,7 @@ poll of the active queues reads it in the same round trip (``check``). The same 
 Another id after this worker had followed a run, while that Redis serves other runs: one line says so, every
 outcome of the old run still in flight goes to the spool (where only a worker of its own Redis
 replays it), no task of the new Redis is started, and the worker stops
-(warm, within workers/stop.py's bound). A supervisor (compose's ``restart: unless-stopped``,
+(warm, within workers/fleet/stop.py's bound). A supervisor (compose's ``restart: unless-stopped``,
 Kubernetes) starts it again, fresh, for the new Redis: explicit, rather than a silent re-join with
 the old run's state. A worker that had followed no run yet just takes the new store as its own.
 
@@ -31,7 +31,7 @@ import redis
 
 from common import keys
 from common.redis_client import REFUSED_WRITES, describe
-from workers import spool
+from workers.fleet import spool
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def serving(config_id: str) -> None:
 def check(client: redis.Redis, url: str, raw: bytes | None, active: dict[bytes, bytes]) -> bool:
     """Whether this is still the Redis the worker served. False: it is not, and the worker is on
     its way out (said once). ``raw``, ``active``: ``keys.STORE_ID`` and ``keys.ACTIVE_QUEUES`` as the
-    poll read them (one round trip, workers/queues.py)."""
+    poll read them (one round trip, workers/fleet/queues.py)."""
     global _store, _left
     if _left is not None:
         return False

@@ -1,6 +1,6 @@
 """An upstream ``Answer`` → the token-exact row the target model emitted, checked before it is kept.
 
-The upstream parsed its own wire format into the ``Answer`` (``workers/upstream.py``); this module
+The upstream parsed its own wire format into the ``Answer`` (``workers/upstreams/upstream.py``); this module
 knows only the target's template and tokenizer.
 
 ``input_ids = prompt ids + completion ids``: the prompt is the template rendered with the generation
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from common.errors import TokenMismatch
-from workers.target import TargetTokenizer, TurnFormat
-from workers.upstream import Answer
+from workers.pipeline.target import TargetTokenizer, TurnFormat
+from workers.upstreams.upstream import Answer
 
 ReasoningEnd = Literal["explicit", "implicit", "none", "truncated"]
 
@@ -70,7 +70,7 @@ class RebuiltRow:
     completion_text: str
     assistant_message: dict[str, Any]
     reasoning_end: ReasoningEnd
-    #: With an engine's ids (``workers/engine_ids.py``): how the text rebuild compared with them.
+    #: With an engine's ids (``workers/pipeline/engine_ids.py``): how the text rebuild compared with them.
     engine_check: dict[str, Any] | None = None
 
 

@@ -4,7 +4,7 @@
 few seconds costs nothing); if Redis is still away when the lease would end, the outcome goes to
 the spool: one file per prompt under ``SPECFLEET_SPOOL_DIR``, written atomically (tmp + fsync +
 rename). Every worker replays the spool on start and every few seconds while it runs
-(workers/recovery.py), through the same ``budget.lua`` operations, which count once per lease: a
+(workers/fleet/recovery.py), through the same ``budget.lua`` operations, which count once per lease: a
 settle replayed after its first execution landed after all (Redis frozen: the read timed out, the
 buffered command ran later), or replayed twice, answers what it first answered and adds no dollar,
 request or token again; after another delivery kept the prompt it is a ``duplicate`` (the done
@@ -34,7 +34,7 @@ from common.contract import Usage
 from common.files import atomic_write
 from common.redis_client import REFUSED_WRITES, UNREACHABLE, deadline
 from common.stats import DatasetStats
-from workers import send_room, writes
+from workers.fleet import send_room, writes
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,9 @@ def _apply(client: Any, entry: dict[str, Any]) -> str:
     return "failed" if failed else "duplicate"
 
 
-#: Set once the worker is stopping (workers/stop.py): an unreachable Redis is waited for this long
+#: Set once the worker is stopping (workers/fleet/stop.py): an unreachable Redis is waited for this long
 #: at most, not the lease's slack. And why every outcome goes to the spool at once (None: it does
-#: not): the Redis at the URL is not the one the worker served (workers/server.py).
+#: not): the Redis at the URL is not the one the worker served (workers/fleet/server.py).
 _hurry_s: float | None = None
 _diverted: str | None = None
 
@@ -153,7 +153,7 @@ def _settle_or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within
         log.warning("%s/%s %s: Redis unreachable for %.0f s (%s): spooled to %s", entry["dataset"], entry["id"],
                     entry["op"], within_s, exc, path)
         return None
-    except REFUSED_WRITES as exc:  # a state (workers/writes.py): replayed once Redis takes writes
+    except REFUSED_WRITES as exc:  # a state (workers/fleet/writes.py): replayed once Redis takes writes
         writes.refused(exc)
         path = write_entry(spool_dir, entry)
         log.warning("%s/%s %s: Redis refused its write: spooled to %s", entry["dataset"], entry["id"], entry["op"],

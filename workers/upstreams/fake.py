@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 
 from common.contract import Usage
-from workers.upstream import Answer, Request
+from workers.upstreams.upstream import Answer, Request
 
 Handler = Callable[[Request], Answer]
 

@@ -10,14 +10,14 @@ says it in one line (what, and what to do) and starts a probe that tries one sma
 - the consumer takes no new message (workers/runtime/kombu_redis.py's ``can_consume``); a message it had
   taken whose unacked record was refused is kept in memory and recorded once writes are back;
 - a task that meets the refusal before its request (the budget's reserve or renew, the throttle's
-  slot) waits here with its message unacked (``wait``), then starts over (workers/task.py): no
+  slot) waits here with its message unacked (``wait``), then starts over (workers/pipeline/task.py): no
   request is sent that Redis could not record;
-- a paid answer whose settle (or fail) is refused goes to the spool (workers/spool.py), replayed
+- a paid answer whose settle (or fail) is refused goes to the spool (workers/fleet/spool.py), replayed
   once writes are back, as after an outage;
 - an ack that is refused is sent again once writes are back (a worker that dies first leaves the
   message unacked: its redelivery finds the prompt done);
 - kombu's restore of unacked messages and the spool replay skip their turns;
-- a consumer (re)starting waits before it binds its queues (``ensure``, workers/consumer.py): a
+- a consumer (re)starting waits before it binds its queues (``ensure``, workers/fleet/consumer.py): a
   worker started while Redis is full no longer exits 1 ("Unrecoverable error … SADD").
 
 When a probe passes, one line, and everything resumes (the consumer is woken at once).
@@ -75,7 +75,7 @@ def refused(exc: BaseException) -> None:
 def ensure() -> None:
     """Return once Redis takes a write: one probe now, and if it is refused, the state until a
     probe passes. Unreachable is not this module's state: the caller's own connection retry waits."""
-    assert _client is not None, "workers.writes.install() was not called"
+    assert _client is not None, "workers.fleet.writes.install() was not called"
     if not refusing():
         try:
             _write_probe()
@@ -98,7 +98,7 @@ def on_resume(callback: Callable[[], None]) -> None:
 
 
 def _write_probe() -> None:
-    assert _client is not None, "workers.writes.install() was not called"
+    assert _client is not None, "workers.fleet.writes.install() was not called"
     with deadline(PROBE_S):
         _client().set(keys.WRITE_PROBE, WORKER_ID, px=10_000)
 

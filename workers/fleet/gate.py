@@ -23,7 +23,7 @@ throughput at 15 s latency). Here a slot is taken only for the request itself.
 Under a fixed fleet-wide cap (``[request] max_in_flight``), a process whose own slots are all taken
 borrows what other processes leave unused, up to ``borrow_up_to`` (its pool's greenlets): when a
 dataset's queue runs dry, one worker still holds prepared prompts (about a second's worth, see
-``workers/send_room.py``) while another's slots empty, and at 15 s latency that idled ~450
+``workers/fleet/send_room.py``) while another's slots empty, and at 15 s latency that idled ~450
 slot-seconds of a 78 s run (the script's single semaphore: ~40). A borrower leaves a few slots of
 the cap free (``keep_free``) and borrows nothing while a process within its share has just asked in
 vain or given slots back with requests waiting (``throttle.lua``'s ``want_ms``), so a process under

@@ -1,7 +1,7 @@
 """A self-hosted OpenAI-compatible engine as an ``Upstream``: vLLM, or SGLang, with the token ids.
 
 The request is OpenRouter's chat body plus ``return_token_ids: true``; the answer is parsed and its
-failures classified exactly as ``workers/openrouter.py`` does (the statuses mean the same on an
+failures classified exactly as ``workers/upstreams/openrouter.py`` does (the statuses mean the same on an
 OpenAI-compatible server: 401 a wrong ``--api-key``, 404 or "model … does not exist" a wrong
 served model name, 5xx/timeouts retryable), plus the ids the engine sampled:
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from common.errors import MisconfiguredError, RetryableUpstreamError
-from workers.openrouter import OpenRouterClient, request_body
-from workers.upstream import Request
+from workers.upstreams.openrouter import OpenRouterClient, request_body
+from workers.upstreams.upstream import Request
 
 EngineKind = Literal["vllm", "sglang"]
 CHAT_PATH = "/v1/chat/completions"

@@ -1,7 +1,7 @@
 """Rows from an engine's own ids, with the text rebuild as the cross-check.
 
-An engine that returns token ids (``workers/vllm.py``) reports what the model really sampled; the
-text rebuild (``workers/rebuild.py``) re-encodes the answer's text, which gives the *canonical*
+An engine that returns token ids (``workers/upstreams/vllm.py``) reports what the model really sampled; the
+text rebuild (``workers/pipeline/rebuild.py``) re-encodes the answer's text, which gives the *canonical*
 tokenization. The two differ when the model sampled a non-canonical split (``"hel" + "lo"``), a
 difference no self-check on the text can see. So with ids:
 
@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.errors import TokenMismatch
-from workers.rebuild import ENDED_FINISH_REASONS, ReasoningEnd, RebuiltRow, RenderedPrompt, rebuild
-from workers.target import TargetTokenizer
-from workers.upstream import Answer
+from workers.pipeline.rebuild import ENDED_FINISH_REASONS, ReasoningEnd, RebuiltRow, RenderedPrompt, rebuild
+from workers.pipeline.target import TargetTokenizer
+from workers.upstreams.upstream import Answer
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

@@ -4,7 +4,7 @@ kombu binds a worker's queues (``SADD _kombu.binding.<queue>``) when the consume
 again at each restart after an outage. Redis refusing writes then (maxmemory reached, a read-only
 replica) raised out of the consumer's start, which Celery calls an "Unrecoverable error": the
 worker exited 1. Now each (re)start first makes sure Redis takes a write (``writes.ensure``):
-refused, the worker says so in one line (workers/writes.py) and waits for the probe to pass, then
+refused, the worker says so in one line (workers/fleet/writes.py) and waits for the probe to pass, then
 binds and consumes.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from celery.worker.consumer import Consumer as CeleryConsumer
 
-from workers import writes
+from workers.fleet import writes
 
 
 class Consumer(CeleryConsumer):

@@ -1,5 +1,5 @@
-"""The one Celery task. Thin on purpose: the work is in ``workers/generate.py`` (one prompt) and
-``workers/conversation.py`` (every turn of a conversation, ``regenerate = "all"``)."""
+"""The one Celery task. Thin on purpose: the work is in ``workers/pipeline/generate.py`` (one prompt) and
+``workers/pipeline/conversation.py`` (every turn of a conversation, ``regenerate = "all"``)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from celery.exceptions import Reject
 from common.contract import TASK_NAME, TaskPayload
 from common.errors import ConfigError
 from common.redis_client import REFUSED_WRITES
-from workers import poison, server, writes
 from workers.celery import app
-from workers.context import WorkerContext, context
-from workers.conversation import handle
-from workers.generate import Busy
-from workers.queues import serving
-from workers.send_room import SendRoom, process_room
+from workers.fleet import poison, server, writes
+from workers.fleet.context import WorkerContext, context
+from workers.fleet.queues import serving
+from workers.fleet.send_room import SendRoom, process_room
+from workers.pipeline.conversation import handle
+from workers.pipeline.generate import Busy
 
 #: The task's outcome word for a message moved to the dead-letter list.
 DEAD_LETTER = "dead_letter"
@@ -65,7 +65,7 @@ def _handle(ctx: WorkerContext, payload: TaskPayload, room: SendRoom) -> str | B
 
 
 def _refused(ctx: WorkerContext, payload: TaskPayload, delivery_info: dict[str, Any] | None) -> bool:
-    """Whether the payload is not one of ours (workers/poison.py): then it is dead-lettered here.
+    """Whether the payload is not one of ours (workers/fleet/poison.py): then it is dead-lettered here.
     The transport checked its envelope and shape already; this needs Redis (run, dataset, id)."""
     queue = (delivery_info or {}).get("routing_key")
     refusal = poison.check_task(ctx.redis, dict(payload), queue, serving(queue) if queue else None,

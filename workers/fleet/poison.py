@@ -10,7 +10,7 @@ first place that can make it:
   embed) whose one argument is a ``TaskPayload`` of our contract version. Without this, a JSON list
   or stray bytes raised inside kombu's read and stopped the worker ("Unrecoverable error"), and a
   JSON object without properties made it drop and rebuild its broker connection.
-- **Before the prompt's first step** (``check_task``, from workers/task.py; Redis reads, so in the
+- **Before the prompt's first step** (``check_task``, from workers/pipeline/task.py; Redis reads, so in the
   task's own greenlet): the payload's run must be the run its queue serves (``keys.ACTIVE_QUEUES``),
   its dataset the queue's and one of the run's, and its id one the producer enqueued
   (``DatasetKeys.ids``, written with the messages). An id not in the file would otherwise be asked,

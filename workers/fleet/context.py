@@ -20,13 +20,13 @@ from common.redis_client import connect
 from common.settings import Settings
 from common.throttle import FleetThrottle
 from common.worker_cmd import pool_size
-from workers.gate import Gate
-from workers.group_commit import GroupCommit
-from workers.heap import settle_long_lived
-from workers.openrouter import OpenRouterClient
-from workers.target import TargetTokenizer
-from workers.upstream import Upstream
-from workers.vllm import EngineClient, EngineKind
+from workers.fleet.gate import Gate
+from workers.fleet.group_commit import GroupCommit
+from workers.fleet.heap import settle_long_lived
+from workers.pipeline.target import TargetTokenizer
+from workers.upstreams.openrouter import OpenRouterClient
+from workers.upstreams.upstream import Upstream
+from workers.upstreams.vllm import EngineClient, EngineKind
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ GATE_CONNECTIONS = 16
 
 def _client(settings: Settings, *, max_connections: int) -> redis.Redis:
     # Redis restarting (or failing over) must not cost a paid answer: commands wait for it (a
-    # settle only while its lease lives, then it is spooled: workers/spool.py).
+    # settle only while its lease lives, then it is spooled: workers/fleet/spool.py).
     return connect(settings.require_redis_url(), settings.redis_retry_window_s, blocking_timeout_s=30,
                    max_connections=max_connections, socket_timeout=30, socket_connect_timeout=10)
 

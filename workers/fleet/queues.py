@@ -27,14 +27,14 @@ from common.contract import FOLLOW_COMMAND
 from common.errors import SpecfleetError
 from common.hf import auto_tokenizer
 from common.redis_client import REFUSED_WRITES
-from workers import server, writes
-from workers.context import context
+from workers.fleet import server, writes
+from workers.fleet.context import context
 from workers.runtime.kombu_redis import wake_consumer
 
 log = logging.getLogger(__name__)
 
 #: Queue -> the run-config id it serves, as this worker last read ``keys.ACTIVE_QUEUES``: the run a
-#: task of that queue must name (workers/poison.py asks Redis again before refusing one).
+#: task of that queue must name (workers/fleet/poison.py asks Redis again before refusing one).
 _serving: dict[str, str] = {}
 
 
@@ -103,7 +103,7 @@ class FollowActiveQueues(bootsteps.StartStopStep):
                 c.add_task_queue(queue)
             except REFUSED_WRITES as exc:
                 # kombu binds the queue with a write (SADD _kombu.binding.<queue>): Redis refusing
-                # writes is a state (workers/writes.py), and the next poll follows the queue.
+                # writes is a state (workers/fleet/writes.py), and the next poll follows the queue.
                 writes.refused(exc)
                 return
             server.serving(config_id)

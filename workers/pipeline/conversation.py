@@ -5,7 +5,7 @@ The dataset row is split at its assistant turns: segment k holds the dataset's n
 k is asked with ``segment 0, turn 0, …, turn k-1, segment k``, where the turns are the target's own
 regenerated messages (reasoning included: the chat template renders history as it renders history,
 e.g. Kimi drops earlier reasoning), so the prompt ids of each row are what the model saw at that
-turn. Each turn runs the five steps of ``workers/generate.py`` as one prompt whose id is the row
+turn. Each turn runs the five steps of ``workers/pipeline/generate.py`` as one prompt whose id is the row
 key ``<id>#<turn>``: the budget admits, holds and counts per call, whatever its mode.
 
 A kept turn's regenerated message is stored by the same ``budget.lua`` settle that counts its row
@@ -30,10 +30,10 @@ import msgpack
 from common.budget import TurnKeep
 from common.contract import CONTRACT_VERSION, ResultRow, TaskPayload, row_key
 from common.keys import DatasetKeys
-from workers.context import WorkerContext
-from workers.generate import Busy, generate
-from workers.rebuild import ENDED_FINISH_REASONS, RebuiltRow
-from workers.upstream import Answer
+from workers.fleet.context import WorkerContext
+from workers.pipeline.generate import Busy, generate
+from workers.pipeline.rebuild import ENDED_FINISH_REASONS, RebuiltRow
+from workers.upstreams.upstream import Answer
 
 log = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ class SendRoom:
         #: The consumer asked and found no room: the next opening wakes it.
         self.consumer_waiting = False
         #: Upstream attempts open now, and greenlets whose attempt ended and whose outcome is not
-        #: the spool's yet (workers/stop.py: a stop with Redis away ends once both are empty).
+        #: the spool's yet (workers/fleet/stop.py: a stop with Redis away ends once both are empty).
         self.requests_open = 0
         self._holding: set[Any] = set()
 
@@ -118,7 +118,7 @@ class SendRoom:
                 self._ended.append(self._clock())
 
     def handed(self) -> None:
-        """The current task handed its outcome to workers/spool.py (settle or fail)."""
+        """The current task handed its outcome to workers/fleet/spool.py (settle or fail)."""
         self._holding.discard(gevent.getcurrent())
 
     def in_flight(self) -> int:

@@ -18,7 +18,7 @@ lease so no other delivery asks again meanwhile, and never raises (a Redis blip 
 answer). Waiting costs nothing at ordinary sizes: 4 MiB (the default) is 400 answers of 10 KB.
 
 Together with ``SPECFLEET_MAX_ANSWER_BYTES`` (an answer over it is read and dropped, never kept
-whole; ``workers/openrouter.py``) a worker's memory for answers is about 180 × the room's bytes
+whole; ``workers/upstreams/openrouter.py``) a worker's memory for answers is about 180 × the room's bytes
 (or × the largest answer, when one is larger than the room), plus the answers waiting for room
 (parsed text: 1 to 4 bytes a character) and the bodies still arriving.
 """
@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import gevent.event
 
-from workers.upstream import Answer
+from workers.upstreams.upstream import Answer
 
 log = logging.getLogger(__name__)
 

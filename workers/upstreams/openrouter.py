@@ -9,7 +9,7 @@ provider, generation id) or raises the error class that says what to do:
 saying the model does not exist or has no endpoints) and ``FatalUpstreamError`` (anything else a
 retry cannot fix; ``AnswerTooLargeError`` for a body over ``max_answer_bytes``, with the usage
 its tail says was billed). Retrying is the caller's job
-(``workers/retry.py`` decides on the class; ``workers/generate.py`` renews the lease between
+(``workers/pipeline/retry.py`` decides on the class; ``workers/pipeline/generate.py`` renews the lease between
 attempts, so a stopped dataset makes no further upstream calls).
 """
 
@@ -38,7 +38,7 @@ from common.errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
-from workers.upstream import Answer, Request
+from workers.upstreams.upstream import Answer, Request
 
 API_PATH = "/api/v1"
 #: Connecting may take this long at most (and never more than the attempt's ``timeout_s``).
@@ -321,7 +321,7 @@ class OpenRouterClient:
         """Open connections ahead of the requests that will use them, up to ``connections`` idle
         ones (and the pool's size); returns at once, the connecting happens in greenlets.
 
-        Called while the run's plan holds every request (``workers/gate.py``): the first wave then
+        Called while the run's plan holds every request (``workers/fleet/gate.py``): the first wave then
         leaves without connecting. A request costs ~0.6 ms of this process's CPU to leave, a third
         of it the connect (a TLS handshake to OpenRouter costs more), and a held worker has a
         thousand of them to send at once (measured: 1,000 requests in flight in 0.34–0.37 s from a
@@ -414,7 +414,7 @@ class OpenRouterClient:
         return answer_from_message(message_obj, finish, **{**meta, **self._extra_fields(body, choice, model)})
 
     def _extra_fields(self, body: dict[str, Any], choice: dict[str, Any], model: str) -> dict[str, Any]:
-        """More ``Answer`` fields from the reply; a subclass's hook (``workers/vllm.py``'s ids)."""
+        """More ``Answer`` fields from the reply; a subclass's hook (``workers/upstreams/vllm.py``'s ids)."""
         return {}
 
 

@@ -3,10 +3,10 @@
 ``Upstream`` has one method: a ``Request`` in, an ``Answer`` out, or one of the typed
 ``common.errors.UpstreamError`` classes raised (retryable, fatal for the prompt, refused account,
 misconfiguration). One call is one attempt: retrying, halting and accounting are the caller's
-(``workers/retry.py``, ``workers/generate.py``), so a second upstream (a vLLM server that returns
+(``workers/pipeline/retry.py``, ``workers/pipeline/generate.py``), so a second upstream (a vLLM server that returns
 token ids, say) is one new module implementing ``complete`` and nothing else.
 
-Implementations: ``workers/openrouter.py`` (HTTP) and ``workers/upstream_fake.py`` (in-process,
+Implementations: ``workers/upstreams/openrouter.py`` (HTTP) and ``workers/upstreams/fake.py`` (in-process,
 for tests).
 """
 
