@@ -71,7 +71,9 @@ class ThrottlePolicy:
 
 POLICY = ThrottlePolicy()
 
-Outcome = Literal["ok", "throttled", "refused", "other"]
+#: How a throttle slot's request went, as the script learns from it (not a prompt's outcome:
+#: that is ``common.outcomes.Outcome``).
+SlotOutcome = Literal["ok", "throttled", "refused", "other"]
 
 #: No fixed cap and no rate cap: the adaptive limit alone.
 NO_CAPS = ThrottleLimits()
@@ -83,14 +85,17 @@ class Release:
     that), the Retry-After of a 429 and the run's caps."""
 
     slot: str
-    outcome: Outcome
+    outcome: SlotOutcome
     ttl_ms: int
     retry_after_s: float | None = None
     limits: ThrottleLimits = NO_CAPS
 
 
 @dataclass(frozen=True)
-class Admission:
+class SlotGrant:
+    """The throttle's answer to a request for slots (whether the budget admits the prompt at all is
+    ``common.budget.Admission``)."""
+
     ok: bool
     #: When not ok: how long until asking again makes sense (0: when a slot frees), and why.
     wait_ms: int = 0
@@ -138,20 +143,20 @@ class FleetThrottle:
             return [x.decode() if isinstance(x, bytes) else x for x in reply]
         return reply
 
-    def acquire(self, slot: str, *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS) -> Admission:
+    def acquire(self, slot: str, *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS) -> SlotGrant:
         return self.acquire_many([slot], ttl_ms=ttl_ms, limits=limits)
 
     def acquire_many(self, slots: list[str], *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS,
-                     keep_free: int = 0) -> Admission:
+                     keep_free: int = 0) -> SlotGrant:
         """Take as many of ``slots``, in order, as the limit and the rate allow (``granted``),
         leaving ``keep_free`` of the limit's slots free for others."""
         reply = self._call("acquire", self._clock_ms(), ttl_ms, limits.max_in_flight or 0,
                            limits.max_requests_per_s or 0, self.policy.window_ms, keep_free, *slots)
         if reply[0] == "ok":
-            return Admission(True, granted=int(reply[1]))
-        return Admission(False, int(reply[1]), str(reply[2]))
+            return SlotGrant(True, granted=int(reply[1]))
+        return SlotGrant(False, int(reply[1]), str(reply[2]))
 
-    def release(self, slot: str, outcome: Outcome, *, ttl_ms: int, retry_after_s: float | None = None,
+    def release(self, slot: str, outcome: SlotOutcome, *, ttl_ms: int, retry_after_s: float | None = None,
                 limits: ThrottleLimits = NO_CAPS) -> None:
         """``ttl_ms``: the one the slot was acquired with (its expiry minus it is when it started)."""
         self.release_many([Release(slot, outcome, ttl_ms, retry_after_s, limits)])

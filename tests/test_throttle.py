@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from common.config import ThrottleLimits
-from common.throttle import POLICY, Admission, FleetThrottle, ThrottlePolicy
+from common.throttle import POLICY, FleetThrottle, SlotGrant, ThrottlePolicy
 from tests.throttle_sim import T0_MS, Provider, run_fleet
 
 TTL_MS = 60_000
@@ -252,7 +252,7 @@ def test_a_share_that_found_no_slot_keeps_borrowers_off_until_it_is_served(redis
     t = FleetThrottle(redis_client, clock_ms=lambda: now[0])
     cap = ThrottleLimits(max_in_flight=10)
     held = _fill(t, 10, limits=cap)
-    assert t.acquire_many(["b0"], ttl_ms=TTL_MS, limits=cap) == Admission(False, 0, "limit")  # b wants
+    assert t.acquire_many(["b0"], ttl_ms=TTL_MS, limits=cap) == SlotGrant(False, 0, "limit")  # b wants
     for slot in held[:4]:
         t.release(slot, "ok", ttl_ms=TTL_MS, limits=cap)
     now[0] += 100

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from common.throttle import POLICY, FleetThrottle, Outcome, ThrottlePolicy
+from common.throttle import POLICY, FleetThrottle, SlotOutcome, ThrottlePolicy
 
 T0_MS = 1_700_000_000_000
 POLL_MS = 50
@@ -78,7 +78,7 @@ def run_fleet(client: redis.Redis, provider: Provider, *, clients: int, duration
     run = FleetRun()
     seq = itertools.count()
     # (time, seq, kind, slot, outcome): "answer" ends a request, "ready" puts a client back in line.
-    events: list[tuple[int, int, str, str, Outcome]] = []
+    events: list[tuple[int, int, str, str, SlotOutcome]] = []
     waiting: list[str] = [f"c{i}" for i in range(clients)]
     admitted = 0  # the provider's requests in flight
     next_poll = now
@@ -110,7 +110,7 @@ def run_fleet(client: redis.Redis, provider: Provider, *, clients: int, duration
                 continue
             run.outcomes.append((now - T0_MS, outcome == "throttled"))
             retry_after_s = provider.retry_after_ms / 1000 if outcome == "throttled" else None
-            told: Outcome = outcome if adaptive or outcome == "ok" else "refused"
+            told: SlotOutcome = outcome if adaptive or outcome == "ok" else "refused"
             throttle.release(slot, told, ttl_ms=TTL_MS, retry_after_s=retry_after_s)
             back_at = now + (provider.retry_after_ms if outcome == "throttled" else 0)
             heapq.heappush(events, (back_at, next(seq), "ready", slot, "ok"))

@@ -51,7 +51,7 @@ import gevent.event
 from common.config import ThrottleLimits
 from common.errors import UpstreamError
 from common.redis_client import deadline
-from common.throttle import NO_CAPS, FleetThrottle, Outcome, Release
+from common.throttle import NO_CAPS, FleetThrottle, Release, SlotOutcome
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ RELEASE_WAIT_S = 2.0
 THROTTLED_STATUSES = frozenset({429, 503})
 
 
-def outcome_of(error: BaseException | None) -> tuple[Outcome, float | None]:
+def outcome_of(error: BaseException | None) -> tuple[SlotOutcome, float | None]:
     """The throttle's reading of one attempt (None: it answered) and the Retry-After it carried.
 
     A 429/503, or a 200 whose error object has code 429/503 (openrouter.md), is the provider
@@ -234,7 +234,7 @@ class Gate:
         waiter.granted, waiter.error = error is None, error
         waiter.woken.set()
 
-    def release(self, slot: str, outcome: Outcome, *, ttl_ms: int, retry_after_s: float | None = None,
+    def release(self, slot: str, outcome: SlotOutcome, *, ttl_ms: int, retry_after_s: float | None = None,
                 limits: ThrottleLimits = NO_CAPS) -> None:
         """Never raises, and with batched releases never waits (a paid answer must not be lost to,
         nor held up by, a Redis blip): a slot Redis does not hear of expires by its TTL."""
