@@ -55,6 +55,10 @@ class ModelConfig(_Strict):
     #: The price that dollar budgets use for worst-case holds. Stated here, it overrides what the
     #: models endpoint says; absent, it is read from there at run start.
     pricing: Pricing | None = None
+    #: Provider name -> the quantization it serves the model at (``fp8``, ``bf16`` …), as the
+    #: endpoints API lists them; read from it at run start when the run file does not say. Rows name
+    #: their provider; this names the weights behind it (``row["quantization"]``, the manifest).
+    quantizations: dict[str, str] | None = None
 
 
 class LengthClass(_Strict):
@@ -72,6 +76,8 @@ class LengthClass(_Strict):
 
 
 LengthName = Literal["short", "long"]
+#: Where rows cut by max_tokens go (``RequestConfig.truncated``).
+TruncatedPolicy = Literal["keep", "separate", "drop"]
 #: Which assistant turns of a dataset row the target produces again (``DatasetConfig.regenerate``).
 Regenerate = Literal["last", "all"]
 _LENGTHS: tuple[LengthName, ...] = ("short", "long")
@@ -110,6 +116,15 @@ class RequestConfig(_Strict):
     reasoning: dict[str, Any] | None = None
     #: OpenRouter ``provider`` routing: order, allow_fallbacks, require_parameters, data_collection…
     provider: dict[str, Any] | None = None
+    #: ``route``: OpenRouter routes as ``provider`` says (rows report the mix). ``pin``: one provider
+    #: only (``provider.only`` + ``allow_fallbacks = false``), ``provider_pin`` or the plan's choice
+    #: (the cheapest endpoint); an answer from any other provider is refused (``provider_refused``).
+    providers: Literal["route", "pin"] = "route"
+    provider_pin: str | None = Field(default=None, min_length=1)
+    #: Rows cut by max_tokens (``finish_reason = "length"``): ``keep`` in the shards, ``separate``
+    #: in ``<dataset>/truncated.jsonl`` (full rows), ``drop`` (a stub per row in dropped.jsonl). The
+    #: budget counts them as before either way: billed is billed, kept tokens are kept.
+    truncated: TruncatedPolicy = "separate"
     #: Any other body keys, sent as they are (e.g. ``transforms``).
     extra: dict[str, Any] = Field(default_factory=dict)
     #: Requests the whole fleet may have in flight / start per second (``ThrottleLimits``).
@@ -119,9 +134,11 @@ class RequestConfig(_Strict):
     adaptive_backoff: bool = True
 
     def body(self) -> dict[str, Any]:
-        exclude = {"extra", *ThrottleLimits.model_fields}
+        exclude = {"extra", "providers", "provider_pin", "truncated", *ThrottleLimits.model_fields}
         out = {k: v for k, v in self.model_dump(exclude=exclude).items() if v is not None}
         out.update(self.extra)
+        if self.providers == "pin" and self.provider_pin:
+            out["provider"] = {**(self.provider or {}), "only": [self.provider_pin], "allow_fallbacks": False}
         return out
 
     def throttle(self) -> ThrottleLimits:
@@ -195,6 +212,11 @@ class WorkerView(_Strict):
     throttle: ThrottleLimits = ThrottleLimits()
     #: Datasets whose every assistant turn is regenerated (``regenerate = "all"``); absent: "last".
     regenerate: dict[str, Regenerate] = Field(default_factory=dict)
+    #: The run manifest's id (``common/manifest.py``), stamped on every row as ``manifest``.
+    manifest: str = ""
+    #: ``[request] providers = "pin"``: the one provider whose answers are kept; another's answer is
+    #: refused (``provider_refused``). None: any provider.
+    provider_pin: str | None = None
 
     def regenerates_all(self, dataset: str) -> bool:
         return self.regenerate.get(dataset, "last") == "all"
@@ -223,9 +245,12 @@ class RunConfig(_Strict):
             raise ValueError(f"dataset names must be unique, repeated: {', '.join(dupes)}")
         return self
 
-    def worker_view(self) -> WorkerView:
-        """What workers need: no dataset paths, no output dir, no secrets."""
+    def worker_view(self, manifest: str = "") -> WorkerView:
+        """What workers need: no dataset paths, no output dir, no secrets. ``manifest``: the run
+        manifest's id (not part of ``config_id``: the manifest's identity includes this view's)."""
         return WorkerView(
+            manifest=manifest,
+            provider_pin=self.request.provider_pin if self.request.providers == "pin" else None,
             model=self.model,
             request=self.request.body(),
             lengths={k: self.length_for(k) for k in _LENGTHS},

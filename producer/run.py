@@ -38,6 +38,7 @@ from common.errors import (
     RedisRefusesWrites,
     SpecfleetError,
 )
+from common.manifest import Manifest, manifest_for, write_manifest
 from common.redis_client import CLOCK, RedisOutage
 from common.settings import Settings
 from common.stats import DatasetStats
@@ -98,6 +99,8 @@ class Runner:
         self.gate = PlanGate(plan, self.throttle, self.hold)
         self.admission = AdmissionControl(cfg, client, app, self.lock, self.hold, self.tuning)
         self._runs: list[DatasetRun] = []
+        #: The run manifest (``common/manifest.py``), built when the run starts.
+        self.manifest: Manifest | None = None
         self._last_sample_s = 0.0
         self._last_reap_s = 0.0
         self._outages_seen = 0
@@ -130,7 +133,14 @@ class Runner:
         except OSError as exc:
             raise output_error(self.out_dir, exc) from None
         hold = self.hold
-        hold(lambda: self.client.set(keys.config(self.config_id), self.cfg.worker_view().model_dump_json()))
+        # Before the first task: every row a worker keeps names this manifest.
+        self.manifest = manifest_for(self.cfg)
+        try:
+            write_manifest(self.out_dir, self.manifest)
+        except OSError as exc:
+            raise output_error(self.out_dir, exc) from None
+        view = self.cfg.worker_view(manifest=self.manifest.manifest_id).model_dump_json()
+        hold(lambda: self.client.set(keys.config(self.config_id), view))
         if hold(lambda: self.client.delete(keys.HALT)):
             log.warning("cleared the halt of an earlier run: resuming")
         hold(lambda: self.client.delete(keys.MISCONFIG_STREAK))  # a fresh start: only this run's misses count
