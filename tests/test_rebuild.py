@@ -586,7 +586,7 @@ def test_turn_formats(targets: dict[str, TargetTokenizer], family: str) -> None:
 
 def test_no_model_token_is_hard_coded_in_the_rebuild_code() -> None:
     tokens = {t for f in FAMILIES for t in f.specials + f.added}
-    for module in ("workers/pipeline/target.py", "workers/pipeline/rebuild.py"):
+    for module in ("common/target.py", "common/rebuild.py"):
         tree = ast.parse(Path(module).read_text())
         docstrings = {
             id(node.body[0].value)
