@@ -81,8 +81,18 @@ def model_json(model_id: str, s: SimSettings) -> dict[str, Any]:
     }
 
 
+def batch_model_json(model_id: str, s: SimSettings) -> dict[str, Any]:
+    """The ``<id>:batch`` entry of a model with a batch variant: its own, discounted pricing."""
+    entry = model_json(f"{model_id}:batch", s)
+    discount = Decimal(repr(float(s.batch_discount)))
+    entry["pricing"] = {**entry["pricing"], **{
+        k: _plain(Decimal(entry["pricing"][k]) * discount) for k in ("prompt", "completion", "input_cache_read")}}
+    return entry
+
+
 def models_json(s: SimSettings) -> dict[str, Any]:
-    return {"data": [model_json(m, s) for m in s.served_models]}
+    batch = [m for m in s.served_models if "*" in s.batch_models or m in s.batch_models]
+    return {"data": [model_json(m, s) for m in s.served_models] + [batch_model_json(m, s) for m in batch]}
 
 
 def endpoints_json(model_id: str, s: SimSettings) -> dict[str, Any] | None:

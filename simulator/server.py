@@ -21,6 +21,9 @@ from urllib.parse import parse_qs
 
 import gevent
 
+from simulator.account import InFlightBudget, credits_reply, estimate_usd
+from simulator.batch import PATH as BATCHES_PATH
+from simulator.batch import BatchStore
 from simulator.billing import BilledUsage, GenerationRecord, Ledger, priced
 from simulator.capacity import IN_FLIGHT
 from simulator.engine import Generation, base_latency_ms, generate
@@ -66,11 +69,15 @@ class SimState:
         self.counter: TokenCounter = load_counter(settings.tokenizer)
         self.ledger = Ledger(settings.series_interval_s)
         self.attempts = AttemptBook()
+        self.batches = BatchStore()
+        self.account = InFlightBudget()
 
     def reset(self) -> None:
         self.settings = self.launch_settings
         self.ledger = Ledger(self.settings.series_interval_s)
         self.attempts.clear()
+        self.batches = BatchStore()
+        self.account = InFlightBudget()
 
 
 @dataclass
@@ -86,12 +93,17 @@ class _Call:
     fault: str | None = None
     usage: BilledUsage = field(default_factory=BilledUsage)
     admitted: bool = False  # holds a capacity slot (capacity.py) until done
+    #: The in-flight budget (account.py) holding this request's estimate until done.
+    account: InFlightBudget | None = None
+    estimate_usd: float = 0.0
     _done: bool = False
 
     def done(self) -> None:
         if self._done:
             return
         self._done = True
+        if self.account is not None:
+            self.account.release(self.estimate_usd)
         self.ledger.leave(self.status, self.settings.series_interval_s, admitted=self.admitted,
                           capacity_429=self.fault is not None and self.fault.startswith("capacity"))
         log.info(
@@ -210,8 +222,10 @@ class SimApp:
             ("POST", "/api/v1/chat/completions"): self.chat,
             ("GET", "/api/v1/generation"): self.generation,
             ("GET", "/api/v1/key"): self.key,
+            ("GET", "/api/v1/credits"): self.credits,
             ("GET", "/api/v1/models"): self.models,
             ("GET", "/_sim/stats"): self.stats,
+            ("GET", "/_sim/batches"): self.batch_stats,
             ("GET", "/_sim/config"): self.get_config,
             ("POST", "/_sim/config"): self.set_config,
             ("POST", "/_sim/reset"): self.reset,
@@ -226,6 +240,8 @@ class SimApp:
         handler = self.routes.get((method, path))
         if handler is None and method == "GET" and _endpoints_model(path):
             handler = self.endpoints
+        if handler is None and (path == BATCHES_PATH or path.startswith(BATCHES_PATH + "/")):
+            handler = self.batches
         if handler is None:
             known = any(p == path for _, p in self.routes)
             status = 405 if known else 404
@@ -274,6 +290,16 @@ class SimApp:
             call.status = "400"
             return _json(start_response, 400, error_body(
                 400, context_error_message(s, prompt_tokens, wanted)))
+        estimate = estimate_usd(s, prompt_tokens, req.max_tokens)
+        refusal = self.state.account.admit(s, estimate, call.ledger.billed_cost)
+        if refusal is not None:
+            call.status, call.fault = "402", refusal.kind
+            gevent.sleep(s.error_latency_ms / 1000)
+            wait = refusal.retry_after_s
+            return _json(start_response, 402, refusal.body,
+                         [] if wait is None else [("Retry-After", _fmt_retry_after(wait))])
+        if s.balance_usd is not None:
+            call.account, call.estimate_usd = self.state.account, estimate
         limit = call.ledger.admit(s)
         if limit is not None:
             return self._over_capacity(call, start_response, req, limit)
@@ -557,6 +583,15 @@ class SimApp:
             "rate_limit": {"requests": -1, "interval": "10s"},
         }})
 
+    def credits(self, environ: dict[str, Any], start_response: StartResponse,
+                auth: str) -> Iterable[bytes]:
+        s = self.state.settings
+        problem = _auth_error(auth, s.expect_key)
+        if problem:
+            return _json(start_response, 401, error_body(401, problem))
+        status, body = credits_reply(s, auth.partition(" ")[2].strip(), self.state.ledger.billed_cost)
+        return _json(start_response, status, body)
+
     def models(self, environ: dict[str, Any], start_response: StartResponse,
                auth: str) -> Iterable[bytes]:
         return _json(start_response, 200, models_json(self.state.settings))
@@ -569,7 +604,22 @@ class SimApp:
             return _json(start_response, 404, error_body(404, no_endpoints_message(model_id)))
         return _json(start_response, 200, found)
 
+    def batches(self, environ: dict[str, Any], start_response: StartResponse,
+                auth: str) -> Iterable[bytes]:
+        """The Batch API (``batch.py``)."""
+        s = self.state.settings
+        problem = _auth_error(auth, s.expect_key)
+        if problem:
+            return _json(start_response, 401, error_body(401, problem))
+        return self.state.batches.route(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ,
+                                        start_response, s, self.state.counter, self.state.ledger, _json)
+
     # --- control routes ---------------------------------------------------------------------
+
+    def batch_stats(self, environ: dict[str, Any], start_response: StartResponse,
+                    auth: str) -> Iterable[bytes]:
+        s = self.state
+        return _json(start_response, 200, s.batches.stats(s.settings, s.counter, s.ledger))
 
     def stats(self, environ: dict[str, Any], start_response: StartResponse,
               auth: str) -> Iterable[bytes]:
@@ -582,6 +632,7 @@ class SimApp:
             return _json(start_response, 400, error_body(400, "since_s: expected a number"))
         snapshot = self.state.ledger.snapshot(detail=detail,
                                               series_since_s=since_s if series else None)
+        snapshot["account"] = self.state.account.snapshot()
         return _json(start_response, 200, snapshot)
 
     def get_config(self, environ: dict[str, Any], start_response: StartResponse,

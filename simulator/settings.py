@@ -89,6 +89,14 @@ class SimSettings:
         "USD per billed request (pricing.request)", lo=0))
     credit_limit_usd: float | None = field(default=None, metadata=_meta(
         "answer 402 once this much has been billed (GET /api/v1/key reports it)", lo=0))
+    # --- the account (account.py): balance and the in-flight spending budget ---
+    balance_usd: float | None = field(default=None, metadata=_meta(
+        "the account's credits: running requests' estimates (prompt + max_tokens) are capped against "
+        "what is left of it, with the three 402s (null: no balance, no in-flight budget)", lo=0))
+    in_flight_retry_after_s: float = field(default=1.0, metadata=_meta(
+        "Retry-After of the in_flight_budget_exhausted 402", lo=0))
+    management_key: str | None = field(default=None, metadata=_meta(
+        "only this bearer key may read GET /api/v1/credits, any other gets 403 (null: any key)"))
     # --- latency: lognormal with this median and p99, plus time per completion token ---
     latency_median_ms: float = field(default=400.0, metadata=_meta("median latency", lo=0))
     latency_p99_ms: float | None = field(default=None, metadata=_meta(
@@ -141,6 +149,21 @@ class SimSettings:
         "rejected requests count against capacity_per_s too (429s held against you)"))
     series_interval_s: float = field(default=0.5, metadata=_meta(
         "bucket width of the in-flight series in /_sim/stats?series=1", lo=0.01))
+    # --- the Batch API (batch.py) ---
+    batch_models: tuple[str, ...] = field(default=("*",), metadata=_meta(
+        "served models with a :batch variant (\"*\": all of them; comma-separated on the CLI)"))
+    batch_discount: float = field(default=0.5, metadata=_meta(
+        "a batch's per-token price as a share of the live price", lo=0, hi=1))
+    batch_validate_s: float = field(default=2.0, metadata=_meta("a batch stays validating this long", lo=0))
+    batch_run_s: float = field(default=20.0, metadata=_meta(
+        "a batch stays in_progress this long, its answers coming in evenly", lo=0))
+    batch_finalize_s: float = field(default=1.0, metadata=_meta("a batch stays finalizing this long", lo=0))
+    batch_expire_rate: float = field(default=0.0, metadata=_meta(
+        "share of batches that expire (seeded per batch) instead of completing", lo=0, hi=1))
+    batch_expire_done: float = field(default=0.5, metadata=_meta(
+        "share of an expiring batch's requests answered before it expires", lo=0, hi=1))
+    batch_error_rate: float = field(default=0.0, metadata=_meta(
+        "share of batch requests (seeded per request) that fail with an error result", lo=0, hi=1))
     # --- streaming ---
     keepalive_s: float = field(default=1.0, metadata=_meta(
         "interval of ': OPENROUTER PROCESSING' comments before the first token", lo=0.001))
@@ -202,6 +225,8 @@ class SimSettings:
             out[f.name] = value
         if self.expect_key is not None:
             out["expect_key"] = "<set>"
+        if self.management_key is not None:
+            out["management_key"] = "<set>"
         return out
 
 

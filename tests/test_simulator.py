@@ -521,8 +521,9 @@ def test_unknown_model_answers_404_on_every_request(sim: SimHandle) -> None:
                                         "message": "No endpoints found for moonshotai/kimi-k9."}
     stats = sim.stats()
     assert stats["by_status"] == {"404": 3} and stats["billed_requests"] == 0
+    # The model and its Batch API variant (simulator/batch.py), with its own pricing.
     assert [m["id"] for m in requests.get(sim.api_base + "/models", timeout=5).json()["data"]] \
-        == ["moonshotai/kimi-k2.5"]
+        == ["moonshotai/kimi-k2.5", "moonshotai/kimi-k2.5:batch"]
     sim.configure(models=["moonshotai/kimi-k2.5", "moonshotai/kimi-k9"])
     assert chat(sim, payload).status_code == 200
     assert published(sim, "moonshotai/kimi-k9")["pricing"] == published(sim)["pricing"]
