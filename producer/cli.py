@@ -8,6 +8,7 @@
     specfleet exporter          Prometheus metrics of the run in Redis
     specfleet check CONFIG      validate a run file and its datasets, send nothing
     specfleet plan CONFIG       prompts, prompt tokens and the run's cost before any request
+    specfleet validate OUT      re-check every row of an output folder offline (exit 1 on a defect)
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         # The model's entry now (an unknown model is refused here); the counts run beside the
         # run's start, which sends nothing until they pass.
-        cfg, plan = start_plan(cfg, settings.openrouter_base_url, yes=args.yes)
+        cfg, plan = start_plan(cfg, settings.openrouter_base_url, yes=args.yes, api_key=settings.openrouter_api_key)
     url, _server = _redis_for(settings, cfg.output.dir)
     return execute(cfg, settings, url, progress=not args.no_progress, metrics_port=args.metrics_port,
                    stall_s=args.stall_s, plan=plan)
@@ -178,8 +179,23 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from producer.plan import check_plan
 
-    check_plan(load_config(args.config), Settings.from_env().openrouter_base_url, yes=args.yes)
+    settings = Settings.from_env()
+    check_plan(load_config(args.config), settings.openrouter_base_url, yes=args.yes,
+               api_key=settings.openrouter_api_key)
     return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from producer.validate import print_report, validate
+
+    tokenizer, trust, revision = args.tokenizer, args.trust_remote_code, None
+    if args.config is not None:
+        model = load_config(args.config).model
+        tokenizer = tokenizer or model.tokenizer
+        trust, revision = trust or model.trust_remote_code, model.revision
+    result = validate(args.out, tokenizer=tokenizer, trust_remote_code=trust, revision=revision)
+    print_report(result)
+    return 0 if result.ok else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -224,6 +240,13 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("config", type=Path)
     plan.add_argument("--yes", action="store_true", help="accept a worst case over [run] budget_usd")
     plan.set_defaults(func=cmd_plan)
+    validate = sub.add_parser("validate", help="re-check every row of an output folder, offline")
+    validate.add_argument("out", type=Path, help="an output folder (or one JSONL file of rows)")
+    validate.add_argument("--config", type=Path, default=None,
+                          help="the run file: its [model] tokenizer renders the rows (default: the manifest's)")
+    validate.add_argument("--tokenizer", default=None, help="a tokenizer folder or hub id to render with")
+    validate.add_argument("--trust-remote-code", action="store_true", help="for a remote-code tokenizer (Kimi's)")
+    validate.set_defaults(func=cmd_validate)
     demo = sub.add_parser("demo", help="the whole fleet on embedded defaults")
     demo.add_argument("--out", default="demo-out")
     demo.add_argument("--workers", type=int, default=2)
