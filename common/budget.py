@@ -23,6 +23,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from common.config import Pricing
 from common.contract import Usage
 from common.keys import HALT, RUN_BUDGET, DatasetKeys
+from common.outcomes import Outcome, reply_outcome
 from common.redis_client import fence_command, fence_failed
 from common.stats import answer_counts, queue_answered
 
@@ -37,9 +38,6 @@ FIELDS = (
 )
 
 Mode = Literal["hard", "projected"]
-Admission = Literal["ok", "done", "stopped", "busy", "over", "wait", "halted"]
-Renewal = Literal["ok", "done", "stopped", "halted", "lost"]
-Settled = Literal["kept", "duplicate", "discarded"]
 
 NUSD_PER_USD = 1_000_000_000
 
@@ -156,8 +154,11 @@ class TurnKeep:
 
 
 @dataclass(frozen=True)
-class Reservation:
-    status: Admission
+class Admission:
+    """The budget's answer to "may this request go": ``status`` is one of ``REPLIES["reserve"]``
+    (common/outcomes.py)."""
+
+    status: Outcome
     #: Tokens held (ok/over/wait) or ms until a busy lease expires (busy); 0 otherwise.
     value: int
 
@@ -311,20 +312,27 @@ class Budget:
 
     # --- workers ---------------------------------------------------------------------------
 
-    def reserve(self, prompt_id: str, lease: str, *, ttl_ms: int, ask: Ask) -> Reservation:
+    def reserve(self, prompt_id: str, lease: str, *, ttl_ms: int, ask: Ask) -> Admission:
         reply = self._call("reserve", prompt_id, lease, now_ms(), ttl_ms, ask.worst_tokens, ask.worst_nusd,
                            ask.prior_tokens, self.policy.prior_weight_rows, self.policy.trust_rows)
-        return Reservation(reply[0], int(reply[1]) if len(reply) > 1 else 0)
+        return Admission(reply_outcome("reserve", reply[0]), int(reply[1]) if len(reply) > 1 else 0)
 
-    def renew(self, prompt_id: str, lease: str, *, ttl_ms: int) -> Renewal:
-        """Extend an admitted request's lease before a retry; takes no new budget."""
-        status: Renewal = self._call("renew", prompt_id, lease, now_ms(), ttl_ms)[0]
-        return status
+    def renew(self, prompt_id: str, lease: str, *, ttl_ms: int) -> Outcome:
+        """Extend an admitted request's lease before a retry; takes no new budget. One of
+        ``REPLIES["renew"]``: lost when the lease was reaped meanwhile."""
+        return reply_outcome("renew", self._call("renew", prompt_id, lease, now_ms(), ttl_ms)[0])
+
+    def queue_renew(self, pipe: Any, prompt_id: str, lease: str, *, ttl_ms: int) -> None:
+        """Adds ``renew`` to ``pipe`` (a MULTI with other writes: the batch path's intent record and the
+        leases its batch will live on are made together, workers/batch/records.py). Its reply is
+        ``[renewal]``; the script must be loaded (a reserve on this client loaded it)."""
+        pipe.evalsha(self._script.sha, len(self.keys.budget_keys), *self.keys.budget_keys, "renew", prompt_id,
+                     lease, now_ms(), ttl_ms)
 
     def settle(self, prompt_id: str, lease: str, tokens: int, row: bytes, *, cost_usd: float,
-               attempts: int = 0, turn: TurnKeep | None = None, usage: Usage | None = None) -> Settled:
-        """Count a billed answer's cost, and keep its row (hand it to the collector) unless another
-        delivery already did ("duplicate") or the hard cap has no room for it ("discarded").
+               attempts: int = 0, turn: TurnKeep | None = None, usage: Usage | None = None) -> Outcome:
+        """Count a billed answer's cost, and keep its row (hand it to the collector): kept, unless
+        another delivery already did (duplicate) or the hard cap has no room for it (discarded).
 
         ``turn`` (regenerate = "all"; ``prompt_id`` is then the row key): kept with the row, atomically.
         ``usage``: the answer's counters for the dataset's stats, added with it.
@@ -341,20 +349,22 @@ class Budget:
             # The dollar cap holds only while answers cost no more than their worst case.
             log.warning("%s/%s: the answer cost $%.6f, more than its worst case: is the model's price right?",
                         self.keys.dataset, prompt_id, cost_usd)
-        status: Settled = reply[0]
-        return status
+        return reply_outcome("settle", reply[0])
 
     def fail(self, prompt_id: str, lease: str, reason: str, attempts: int, detail: str, *,
-             where: str = "", cost_usd: float = 0.0, usage: Usage | None = None) -> bool:
-        """Record the prompt's failure (a ``failed.jsonl`` line; ``where`` is its ``file:line``);
-        ``cost_usd`` of an answer that was billed before it failed still counts."""
+             where: str = "", cost_usd: float = 0.0, usage: Usage | None = None) -> Outcome:
+        """Record the prompt's failure (a ``failed.jsonl`` line; ``where`` is its ``file:line``):
+        failed, or duplicate when another delivery kept the prompt meanwhile; ``cost_usd`` of an
+        answer that was billed before it failed still counts."""
         failure = json.dumps({"reason": reason, "attempts": attempts, "detail": detail[:500], "where": where})
-        return self._call("fail", prompt_id, lease, failure, to_nusd(cost_usd), _counts(usage),
-                          answered=usage is not None)[0] == "failed"
+        reply = self._call("fail", prompt_id, lease, failure, to_nusd(cost_usd), _counts(usage),
+                           answered=usage is not None)
+        return reply_outcome("fail", reply[0])
 
     def release(self, prompt_id: str, lease: str, *, cost_usd: float = 0.0, usage: Usage | None = None) -> None:
         """Give an admission back without an outcome; a billed answer's cost and ``usage`` still count."""
-        self._call("release", prompt_id, lease, to_nusd(cost_usd), _counts(usage), answered=usage is not None)
+        reply = self._call("release", prompt_id, lease, to_nusd(cost_usd), _counts(usage), answered=usage is not None)
+        reply_outcome("release", reply[0])
 
     def halt(self, reason: str, message: str, worker: str) -> None:
         """Stop every admission of every dataset: the account itself was refused."""

@@ -12,11 +12,15 @@ a library's exception or a message string. The tree (httpx's ``_exceptions.py`` 
     ├── ModelsUnavailable              the models endpoint could not be read
     ├── UpstreamError                  no usable answer (workers/pipeline/retry.py decides on the class)
     │   ├── RetryableUpstreamError     try again: 408, 429, 5xx, resets, bad JSON
-    │   │   └── UpstreamTimeoutError   the attempt's timeout_s passed
+    │   │   ├── UpstreamTimeoutError   the attempt's timeout_s passed
+    │   │   └── InFlightBudgetError    402 in_flight_budget_exhausted: the fleet slows, no attempt spent
     │   ├── FatalUpstreamError         fail this prompt: 400, 403, filtered
-    │   │   └── AnswerTooLargeError    over SPECFLEET_MAX_ANSWER_BYTES
-    │   ├── AccountRefusedError        halt the fleet: 401, 402 without Retry-After
+    │   │   ├── AnswerTooLargeError    over SPECFLEET_MAX_ANSWER_BYTES
+    │   │   └── WeightExceedsBudgetError  402 weight_exceeds_budget: max_tokens alone is over the balance
+    │   ├── AccountRefusedError        halt the fleet: 401, any other 402 (out of credits, key limit)
     │   └── MisconfiguredError         halt once it repeats: 404, model not found
+    ├── BatchSubmitError               a Batch API submission did not (surely) create a batch
+    │   └── BatchRefused               4xx: surely not created (no :batch variant, over a limit)
     ├── TokenizerError                 the target tokenizer cannot load or fails its round trip
     ├── TokenMismatch                  a rebuilt row failed its self-check
     ├── PromptFailed                   (inside a worker's task) the prompt fails with a reason
@@ -48,6 +52,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 if TYPE_CHECKING:
     from common.contract import Usage
+    from common.outcomes import Outcome
 
 
 class SpecfleetError(Exception):
@@ -111,7 +116,7 @@ class UpstreamError(SpecfleetError):
 
 class RetryableUpstreamError(UpstreamError):
     """Worth another attempt: 408, 429, 5xx, timeouts, resets, malformed JSON, 200-with-error,
-    and 402 when the server says when to come back (``Retry-After``)."""
+    and a 402 of the in-flight budget (``InFlightBudgetError``)."""
 
     retryable = True
 
@@ -120,6 +125,15 @@ class UpstreamTimeoutError(RetryableUpstreamError):
     """The attempt's ``timeout_s`` passed before the whole answer was in (connect, headers and the
     full body, however slowly its bytes came). The connection is closed, never reused half-read;
     the provider may still generate and bill a non-streamed request."""
+
+
+class InFlightBudgetError(RetryableUpstreamError):
+    """402 ``in_flight_budget_exhausted`` (``limit_source = openrouter_in_flight_budget``, with
+    ``Retry-After``): the account's balance cannot cover the worst cases of every request the fleet
+    has in flight. A signal for the fleet's concurrency, like a congestion 429: it cuts the fleet's
+    in-flight limit and pauses every worker for its ``Retry-After`` (``workers/fleet/gate.py``), and
+    the refused request is asked again without spending one of the prompt's attempts (nothing was
+    generated or billed)."""
 
 
 class FatalUpstreamError(UpstreamError):
@@ -132,9 +146,15 @@ class AnswerTooLargeError(FatalUpstreamError):
     attempt would pay for another answer of about the same size."""
 
 
+class WeightExceedsBudgetError(FatalUpstreamError):
+    """402 ``weight_exceeds_budget``: this one request's estimate (its prompt plus ``max_tokens`` at
+    the model's price) exceeds the account's whole balance. Retrying never helps: the prompt fails
+    at once, its detail naming ``max_tokens`` (lower it, or add credits)."""
+
+
 class AccountRefusedError(UpstreamError):
-    """The account, not the prompt, is at fault (401 bad key, 402 out of credits without
-    ``Retry-After``): every prompt would fail alike, so the fleet halts instead."""
+    """The account, not the prompt, is at fault (401 bad key, 402 out of credits or over the key's
+    limit): every prompt would fail alike, so the fleet halts instead."""
 
 
 class MisconfiguredError(UpstreamError):
@@ -154,6 +174,20 @@ class ModelsUnavailable(SpecfleetError):
 
 
 # --- the target tokenizer -----------------------------------------------------------------------
+
+
+class BatchSubmitError(SpecfleetError):
+    """``POST /api/v1/batches`` had no usable answer (a timeout, a reset, a 5xx): the batch may exist
+    and bill. Never posted again before ``GET /api/v1/batches?created_after=…`` says it does not."""
+
+
+class BatchRefused(BatchSubmitError):
+    """``POST /api/v1/batches`` answered 4xx: no batch was created (nothing billed)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
 
 
 class TokenizerError(SpecfleetError):
@@ -191,9 +225,9 @@ class PromptFailed(SpecfleetError):
 
 class PromptEnded(SpecfleetError):
     """The lease renewal found the prompt must end without another attempt (``outcome``: done,
-    stopped, halted, lost); caught by the call step. Never leaves the task."""
+    skipped:stopped, halted, lost); caught by the call step. Never leaves the task."""
 
-    def __init__(self, outcome: str) -> None:
+    def __init__(self, outcome: Outcome) -> None:
         super().__init__(outcome)
         self.outcome = outcome
 

@@ -90,7 +90,7 @@ def test_settle_counts_once_and_a_duplicate_still_pays(redis_client: redis.Redis
 def test_a_billed_failure_and_a_release_count_their_cost(redis_client: redis.Redis) -> None:
     b = opened(redis_client, usd=1.0)
     b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask(100, 5_000))
-    assert b.fail("p1", "L1", "token_mismatch", 1, "ids differ", cost_usd=0.003) is True
+    assert b.fail("p1", "L1", "token_mismatch", 1, "ids differ", cost_usd=0.003) == "failed"
     b.reserve("p2", "L2", ttl_ms=TTL_MS, ask=ask(100, 5_000))
     b.release("p2", "L2", cost_usd=0.002)
     s = b.snapshot()
@@ -145,7 +145,7 @@ def test_reap_frees_tokens_and_orphans_dollars(redis_client: redis.Redis) -> Non
     assert b.reap() == 1
     s = b.snapshot()
     assert (s.held, s.in_flight) == (10, 1) and usd(s)[1:3] == (600, 300)
-    assert b.fail("p1", "L1", "retries_exhausted", 3, "late") is True  # the orphan resolves, unbilled
+    assert b.fail("p1", "L1", "retries_exhausted", 3, "late") == "failed"  # the orphan resolves, unbilled
     assert usd(b.snapshot())[1:3] == (300, 0)
 
 
@@ -362,7 +362,7 @@ def test_a_late_failure_of_a_kept_prompt_records_nothing(redis_client: redis.Red
     b = opened(redis_client, tokens=1_000)
     assert b.reserve("p1", "first", ttl_ms=TTL_MS, ask=ask(100)).status == "ok"
     assert b.settle("p1", "first", 42, _row("p1"), cost_usd=0) == "kept"
-    assert b.fail("p1", "second", "retries_exhausted", 6, "http_502: upstream") is False
+    assert b.fail("p1", "second", "retries_exhausted", 6, "http_502: upstream") == "duplicate"
     assert b.failures() == {}
     assert redis_client.hlen(b.keys.failed) == 0
     s = b.snapshot()

@@ -118,10 +118,10 @@ def test_many_racing_workers_never_cross_the_hard_cap(redis_client: redis.Redis,
                     # A live lease's answer within its worst case always fits: admission kept room.
                     assert dying or out != "discarded", "an admitted answer found no room"
                 elif action < 0.85:
-                    out = "failed" if budget.fail(pid, lease, "token_mismatch", 1, "x", cost_usd=cost) else "dup"
+                    out = budget.fail(pid, lease, "token_mismatch", 1, "x", cost_usd=cost)
                 elif action < 0.92:
                     cost = 0.0
-                    out = "failed" if budget.fail(pid, lease, "retries_exhausted", 3, "x") else "dup"
+                    out = budget.fail(pid, lease, "retries_exhausted", 3, "x")
                 else:
                     budget.release(pid, lease, cost_usd=cost)
                     deliveries.put(pid)

@@ -70,7 +70,7 @@ def midrun(redis_client: redis.Redis) -> redis.Redis:
     _keep(short, "p2", 80)
     assert short.reserve("p3", "lease-p3", ttl_ms=60_000, ask=Ask(100, 1_000_000, 100)).status == "ok"
     assert short.reserve("p4", "lease-p4", ttl_ms=60_000, ask=Ask(100, 1_000_000, 100)).status == "ok"
-    assert short.fail("p4", "lease-p4", contract.FAIL_RETRIES_EXHAUSTED, 6, "HTTP 429 six times")
+    assert short.fail("p4", "lease-p4", contract.FAIL_RETRIES_EXHAUSTED, 6, "HTTP 429 six times") == "failed"
     k = DatasetKeys("short")
     redis_client.rpush(k.queue, b"t5", b"t6", b"t7")
     redis_client.hset(

@@ -103,11 +103,11 @@ def test_a_fail_and_a_release_executed_twice_count_once(redis_client: redis.Redi
     ask = Ask(worst_tokens=2_000, worst_nusd=50_000_000, prior_tokens=2_000)
     b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask)
     b.reserve("p2", "L2", ttl_ms=TTL_MS, ask=ask)
-    assert b.fail("p1", "L1", "token_mismatch", 1, "ids differ", cost_usd=0.002, usage=_usage(9, 9, 0.002))
+    assert b.fail("p1", "L1", "token_mismatch", 1, "ids differ", cost_usd=0.002, usage=_usage(9, 9, 0.002)) == "failed"
     b.release("p2", "L2", cost_usd=0.003, usage=_usage(9, 9, 0.003))
     once = _counts(redis_client, b)
     assert once[:2] == (5_000_000, 5_000_000) and once[8] == 2
-    assert b.fail("p1", "L1", "token_mismatch", 1, "ids differ", cost_usd=0.002, usage=_usage(9, 9, 0.002))
+    assert b.fail("p1", "L1", "token_mismatch", 1, "ids differ", cost_usd=0.002, usage=_usage(9, 9, 0.002)) == "failed"
     b.release("p2", "L2", cost_usd=0.003, usage=_usage(9, 9, 0.003))
     assert _counts(redis_client, b) == once
 

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgpack
 
@@ -32,13 +32,13 @@ from common import keys
 from common.budget import Budget, TurnKeep
 from common.contract import Usage
 from common.files import atomic_write
+from common.outcomes import Outcome
 from common.redis_client import REFUSED_WRITES, UNREACHABLE, deadline
 from common.stats import DatasetStats
 from workers.fleet import send_room, writes
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["kept", "duplicate", "discarded", "failed", "spooled"]
 SUFFIX = ".spool"
 
 
@@ -61,9 +61,9 @@ def _divert(spool_dir: Path, entry: dict[str, Any], reason: str) -> None:
     log.warning("%s/%s %s: %s: spooled to %s", entry["dataset"], entry["id"], entry["op"], reason, path)
 
 
-def _apply(client: Any, entry: dict[str, Any]) -> str:
-    """The budget script's word for the entry: kept | duplicate | discarded (settle), failed |
-    duplicate (fail). The billed cost travels with it, so a replay counts the dollars too."""
+def _apply(client: Any, entry: dict[str, Any]) -> Outcome:
+    """The budget's answer to the entry: kept | duplicate | discarded (settle), failed | duplicate
+    (fail). The billed cost travels with it, so a replay counts the dollars too."""
     budget = Budget(client, entry["dataset"])
     cost_usd = float(entry.get("cost_usd", 0.0))
     if entry["op"] == "settle":
@@ -72,9 +72,8 @@ def _apply(client: Any, entry: dict[str, Any]) -> str:
                              attempts=int(entry.get("attempts", 0)),
                              turn=None if turn is None else TurnKeep(turn[0], turn[1], bool(turn[2])),
                              usage=entry.get("usage"))
-    failed = budget.fail(entry["id"], entry["lease"], entry["reason"], int(entry["attempts"]), entry["detail"],
-                         where=entry.get("where", ""), cost_usd=cost_usd, usage=entry.get("usage"))
-    return "failed" if failed else "duplicate"
+    return budget.fail(entry["id"], entry["lease"], entry["reason"], int(entry["attempts"]), entry["detail"],
+                       where=entry.get("where", ""), cost_usd=cost_usd, usage=entry.get("usage"))
 
 
 #: Set once the worker is stopping (workers/fleet/stop.py): an unreachable Redis is waited for this long
@@ -121,28 +120,28 @@ def divert(reason: str) -> None:
     _diverted = reason
 
 
-def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> str | None:
-    """The script's word; None: Redis stayed away for ``within_s``, spooled."""
+def _or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> Outcome:
+    """The budget's answer; spooled: Redis stayed away for ``within_s``."""
     key = id(entry)
     _open[key] = (spool_dir, entry)
     send_room.process_room().handed()  # this task's paid answer is the spool's to keep now
-    word = None
+    outcome = Outcome.SPOOLED
     try:
-        word = _settle_or_spool(client, spool_dir, entry, within_s)
-        return word
+        outcome = _settle_or_spool(client, spool_dir, entry, within_s)
+        return outcome
     finally:
         del _open[key]
         if key in _spilled:
             _spilled.discard(key)
-            if word is not None:  # it landed after ``spill`` wrote it: nothing left to replay
+            if outcome is not Outcome.SPOOLED:  # it landed after ``spill`` wrote it: nothing left to replay
                 with contextlib.suppress(FileNotFoundError):
                     _path(spool_dir, entry.get("run", ""), entry["dataset"], entry["id"], entry["op"]).unlink()
 
 
-def _settle_or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> str | None:
+def _settle_or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within_s: float) -> Outcome:
     if _diverted is not None:
         _divert(spool_dir, entry, _diverted)
-        return None
+        return Outcome.SPOOLED
     if _hurry_s is not None:
         within_s = min(within_s, _hurry_s)
     try:
@@ -152,13 +151,13 @@ def _settle_or_spool(client: Any, spool_dir: Path, entry: dict[str, Any], within
         path = write_entry(spool_dir, entry)
         log.warning("%s/%s %s: Redis unreachable for %.0f s (%s): spooled to %s", entry["dataset"], entry["id"],
                     entry["op"], within_s, exc, path)
-        return None
+        return Outcome.SPOOLED
     except REFUSED_WRITES as exc:  # a state (workers/fleet/writes.py): replayed once Redis takes writes
         writes.refused(exc)
         path = write_entry(spool_dir, entry)
         log.warning("%s/%s %s: Redis refused its write: spooled to %s", entry["dataset"], entry["id"], entry["op"],
                     path)
-        return None
+        return Outcome.SPOOLED
 
 
 def settle_or_spool(client: Any, spool_dir: Path, run: str, budget: Budget, prompt_id: str, lease: str,
@@ -172,8 +171,7 @@ def settle_or_spool(client: Any, spool_dir: Path, run: str, budget: Budget, prom
                              "usage": usage, "t_s": time.time()}
     if turn is not None:  # a conversation's turn travels with its row, so a replay stores it too
         entry["turn"] = [turn.conversation, turn.record, turn.ends]
-    word = _or_spool(client, spool_dir, entry, within_s)
-    return "spooled" if word is None else word  # type: ignore[return-value]
+    return _or_spool(client, spool_dir, entry, within_s)
 
 
 def fail_or_spool(client: Any, spool_dir: Path, run: str, budget: Budget, prompt_id: str, lease: str,
@@ -182,8 +180,7 @@ def fail_or_spool(client: Any, spool_dir: Path, run: str, budget: Budget, prompt
     entry = {"op": "fail", "run": run, "dataset": budget.keys.dataset, "id": prompt_id, "lease": lease,
              "reason": reason, "attempts": attempts, "detail": detail, "where": where, "cost_usd": cost_usd,
              "usage": usage, "t_s": time.time()}
-    word = _or_spool(client, spool_dir, entry, within_s)
-    return "spooled" if word is None else word  # type: ignore[return-value]
+    return _or_spool(client, spool_dir, entry, within_s)
 
 
 def pending(spool_dir: Path) -> list[Path]:
@@ -263,8 +260,8 @@ def _replay_one(client: Any, path: Path, fd: int, within_s: float) -> int | None
         path.unlink()
     # Counted by whoever saw the answer: the worker that spooled the entry saw none, and a repeat of
     # an entry that landed answers the same word, so each failure counts once.
-    if answer in ("failed", "discarded"):
-        reason = entry["reason"] if answer == "failed" else "over_budget"
+    if answer is Outcome.FAILED or answer is Outcome.DISCARDED:
+        reason = entry["reason"] if answer is Outcome.FAILED else "over_budget"
         with contextlib.suppress(*UNREACHABLE):
             DatasetStats(client, entry["dataset"]).record_failure(reason)
     log.info("%s/%s %s replayed from the spool: %s", entry["dataset"], entry["id"], entry["op"], answer)

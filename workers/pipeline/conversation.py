@@ -30,6 +30,8 @@ import msgpack
 from common.budget import TurnKeep
 from common.contract import CONTRACT_VERSION, ResultRow, TaskPayload, row_key
 from common.keys import DatasetKeys
+from common.outcomes import Outcome
+from workers.batch.submit import submit
 from workers.fleet.context import WorkerContext
 from workers.pipeline.generate import Busy, generate
 from workers.pipeline.rebuild import ENDED_FINISH_REASONS, RebuiltRow
@@ -38,7 +40,7 @@ from workers.upstreams.upstream import Answer
 log = logging.getLogger(__name__)
 
 #: Turn outcomes after which the turn's record is in Redis (ours, or another delivery's).
-_SETTLED = frozenset({"kept", "duplicate", "done"})
+_SETTLED = frozenset({Outcome.KEPT, Outcome.DUPLICATE, Outcome.DONE})
 
 
 @dataclass(frozen=True)
@@ -123,14 +125,14 @@ def settled_turns(client: Any, dataset: str, conv: Conversation) -> list[dict[st
     return [None if r is None else msgpack.unpackb(r, raw=False) for r in raw]
 
 
-def generate_conversation(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
-    """Every turn not yet kept, in order; returns the outcome word of the last turn asked ("done"
-    when every turn was kept before this delivery), or Busy."""
+def generate_conversation(ctx: WorkerContext, payload: TaskPayload) -> Outcome | Busy:
+    """Every turn not yet kept, in order; returns the outcome of the last turn asked (done when
+    every turn was kept before this delivery), or Busy."""
     conv = Conversation.of(payload)
     tool_call_open = ctx.tokenizer(ctx.run(payload["run"])).turn_format.tool_call_open
     records = settled_turns(ctx.redis, payload["dataset"], conv)
     regenerated: list[dict[str, Any]] = []
-    outcome: str = "done"
+    outcome = Outcome.DONE
     for index in range(conv.turns):
         record = records[index]
         if record is None:
@@ -151,8 +153,11 @@ def generate_conversation(ctx: WorkerContext, payload: TaskPayload) -> str | Bus
     return outcome
 
 
-def handle(ctx: WorkerContext, payload: TaskPayload) -> str | Busy:
-    """The task body: a conversation where its dataset regenerates every turn, else one prompt."""
+def handle(ctx: WorkerContext, payload: TaskPayload) -> Outcome | Busy:
+    """The task body: a conversation where its dataset regenerates every turn, a batch request where
+    it runs in batch mode (workers/batch/submit.py), else one prompt."""
     if payload.get("v") == CONTRACT_VERSION and ctx.run(payload["run"]).regenerates_all(payload["dataset"]):
         return generate_conversation(ctx, payload)
+    if payload.get("v") == CONTRACT_VERSION and ctx.run(payload["run"]).batched(payload["dataset"]):
+        return submit(ctx, payload)
     return generate(ctx, payload)

@@ -36,18 +36,21 @@ import gevent
 import msgpack
 import redis
 
-from common.budget import POLICY, Budget, Price, Reservation, TurnKeep
+from common.budget import POLICY, Admission, Budget, Price, TurnKeep
 from common.config import LengthClass, WorkerView
 from common.contract import (
     CONTRACT_VERSION,
     FAIL_INTERNAL,
     FAIL_PROMPT_TOO_LONG,
+    FAIL_PROVIDER_REFUSED,
     FAIL_TOKEN_MISMATCH,
     ResultRow,
     TaskPayload,
     Usage,
 )
 from common.errors import MisconfiguredError, PromptEnded, PromptFailed, TokenMismatch, UpstreamError
+from common.outcomes import SKIPPED, Outcome
+from common.providers import UNKNOWN_QUANTIZATION, quantization_of, same_provider
 from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
 from workers import WORKER_ID
@@ -153,29 +156,29 @@ class _Job:
             return 0.0
         return self.lease_set_at + self.ttl_ms / 1000 - time.monotonic()
 
-    def renew(self) -> str:
+    def renew(self) -> Outcome:
         """The budget's ``renew``, remembering when a lease it extended was set."""
         t0 = time.monotonic()
-        renewal: str = self.budget.renew(self.pid, self.lease, ttl_ms=self.ttl_ms)
-        if renewal == "ok":
+        renewal = self.budget.renew(self.pid, self.lease, ttl_ms=self.ttl_ms)
+        if renewal is Outcome.OK:
             self.lease_set_at = t0
         return renewal
 
-    def fail(self, reason: str, detail: str) -> str:
+    def fail(self, reason: str, detail: str) -> Outcome:
         """Record the failure; while Redis is away it waits in the spool (workers/fleet/spool.py)."""
         usage, self.usage = self.usage, None
         recorded = fail_or_spool(self.ctx.redis, self.ctx.settings.spool_dir, self.payload["run"], self.budget,
                                  self.pid, self.lease, reason, self.attempts, detail, where=self.where,
                                  cost_usd=self.billed_usd, within_s=LEASE_SLACK_S, usage=usage)
-        if recorded != "spooled":
+        if recorded is not Outcome.SPOOLED:
             self.stats.record_failure(reason)
         log.warning("%s/%s failed: %s after %d attempts: %s", self.dataset, self.pid, reason, self.attempts, detail)
-        return "failed"
+        return Outcome.FAILED
 
 
-def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = None) -> str | Busy:
-    """Run one prompt (or, with ``turn``, one turn of a conversation); returns the outcome word
-    (kept, failed, duplicate, skipped:…, done, halted) or Busy."""
+def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = None) -> Outcome | Busy:
+    """Run one prompt (or, with ``turn``, one turn of a conversation); returns its outcome (kept,
+    failed, duplicate, spooled, skipped:…, done, halted) or Busy."""
     if payload.get("v") != CONTRACT_VERSION:
         raise ValueError(f"task contract version {payload.get('v')!r}, this worker speaks {CONTRACT_VERSION}")
     job = _Job(ctx, payload)
@@ -193,12 +196,14 @@ def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = N
     with contextlib.ExitStack() as room:
         try:
             answer = call(job, prepared)
-            if answer == "lost":
+            if answer is Outcome.LOST:
                 return Busy(wait_s=1.0)  # our lease was reaped meanwhile: a fresh delivery asks the budget again
-            if isinstance(answer, str):
+            if isinstance(answer, Outcome):
                 return answer
             room.enter_context(answer_room(job.ctx.settings.answer_bytes_in_flight).holding(
                 answer_bytes(answer), keepalive=lambda: _keep_lease(job)))
+            if (why := _refused_provider(job, answer)) is not None:
+                return job.fail(FAIL_PROVIDER_REFUSED, why)
             rebuilt = rebuild_row(job, prepared, answer)
         except TokenMismatch as exc:
             return job.fail(FAIL_TOKEN_MISMATCH, str(exc))
@@ -250,41 +255,41 @@ def prepare(job: _Job) -> Prepared:
 # --- 2. reserve ---------------------------------------------------------------------------------
 
 
-def reserve(job: _Job, prepared: Prepared) -> str | Busy | None:
+def reserve(job: _Job, prepared: Prepared) -> Outcome | Busy | None:
     """Admission; None when admitted, else the outcome."""
     ask = POLICY.ask(max_tokens=job.length.max_tokens, estimate_tokens=job.length.estimate_tokens,
                      prompt_tokens=prepared.prompt_tokens, price=Price.of(job.view.model.pricing))
     t0 = time.monotonic()
     admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask)
-    while admission.status == "wait":
+    while admission.status is Outcome.WAIT:
         # The budget is committed to requests in flight that may land smaller: a greenlet costs
         # nothing to park, and re-asking is one Lua call.
         gevent.sleep(POLICY.wait_poll_s * random.uniform(0.5, 1.5))
         t0 = time.monotonic()
         admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask)
-    if admission.status == "ok":
+    if admission.status is Outcome.OK:
         job.lease_set_at = t0
     log.info("%s/%s reserve: %s %d", job.dataset, job.pid, admission.status, admission.value)
     return _admission_outcome(job, admission)
 
 
-def _admission_outcome(job: _Job, admission: Reservation) -> str | Busy | None:
-    if admission.status == "ok":
+def _admission_outcome(job: _Job, admission: Admission) -> Outcome | Busy | None:
+    if admission.status is Outcome.OK:
         return None
-    if admission.status == "busy":
+    if admission.status is Outcome.BUSY:
         return Busy(wait_s=min(60.0, admission.value / 1000 + 1))
-    if admission.status in ("stopped", "over"):
+    if admission.status in SKIPPED:  # stopped, over
         job.stats.record_skipped()
-        return f"skipped:{admission.status}"
+        return SKIPPED[admission.status]
     return admission.status  # done, halted
 
 
 # --- 3. call ------------------------------------------------------------------------------------
 
 
-def call(job: _Job, prepared: Prepared) -> Answer | str:
-    """The upstream call with retries; the outcome word instead of an answer when the prompt
-    ends without one (halted, stopped, kept elsewhere). Raises ``PromptFailed`` when it fails."""
+def call(job: _Job, prepared: Prepared) -> Answer | Outcome:
+    """The upstream call with retries; the outcome instead of an answer when the prompt ends
+    without one (halted, skipped:stopped, done elsewhere, lost). Raises ``PromptFailed`` when it fails."""
     request = Request(
         model=job.view.model.name,
         messages=job.payload["messages"],
@@ -312,6 +317,8 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
                      exc.reason, time.monotonic() - job.sent_at, job.sent_at - t0)
             streak = job.stats.record_misconfigured(job.pid) if isinstance(exc, MisconfiguredError) else 0
             decision = job.policy.decide(exc, job.attempts, misconfigured_prompts=streak)
+            if not decision.spends_attempt:
+                job.attempts -= 1  # refused before it ran: not one of the prompt's attempts
             if decision.action == "halt":
                 return _halt(job, decision.reason, exc)
             if decision.action == "fail":
@@ -321,7 +328,10 @@ def call(job: _Job, prepared: Prepared) -> Answer | str:
                 return outcome
             continue
         job.billed_usd = answer.usage["cost"]
-        job.usage = answer.usage  # counted with the settle or fail that follows
+        # Counted with the settle or fail that follows; a cut answer is counted as one (``truncated``).
+        job.usage = answer.usage.copy()
+        if answer.finish_reason == "length":
+            job.usage["truncated"] = 1
         log.info("%s/%s call %d: %s completion_tokens=%s (%.1fs, after %.1fs waiting to send)", job.dataset,
                  job.pid, job.attempts, answer.finish_reason, answer.usage["completion_tokens"],
                  time.monotonic() - job.sent_at, job.sent_at - t0)
@@ -360,11 +370,11 @@ def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
             gevent.sleep(SEND_RETRY_S)
 
 
-def _lease_for_send(job: _Job) -> str | None:
+def _lease_for_send(job: _Job) -> Outcome | None:
     """Right before a request leaves: the lease must outlive the whole attempt, or another delivery
     could take the prompt while it is open. A lease a stale renewal set (one that waited out an
     outage, see ``_Job.lease_set_at``) or that the slot's wait used up is renewed first, now; the
-    outcome word when that says the prompt is no longer ours. Raises ``UNREACHABLE`` when Redis
+    outcome when that says the prompt is no longer ours. Raises ``UNREACHABLE`` when Redis
     cannot answer within LEASE_RENEW_WAIT_S: nothing is sent on a lease nobody could confirm."""
     need_s = job.length.timeout_s + SEND_MARGIN_S
     while (left_s := job.lease_left_s()) < need_s:
@@ -376,16 +386,16 @@ def _lease_for_send(job: _Job) -> str | None:
     return None
 
 
-def _renew(job: _Job) -> str | None:
-    """Renew the lease before another attempt; the outcome word when the prompt ends instead.
+def _renew(job: _Job) -> Outcome | None:
+    """Renew the lease before another attempt; the outcome when the prompt ends instead.
 
     A stopped dataset makes no further upstream calls; an exhausted one still finishes what it
     admitted (the admission was within budget)."""
     renewal = job.renew()
-    if renewal in ("stopped", "lost"):
+    if renewal is Outcome.STOPPED or renewal is Outcome.LOST:
         job.budget.release(job.pid, job.lease)
-        return "skipped:stopped" if renewal == "stopped" else "lost"
-    if renewal != "ok":  # halted, or done by another delivery
+        return Outcome.SKIPPED_STOPPED if renewal is Outcome.STOPPED else Outcome.LOST
+    if renewal is not Outcome.OK:  # halted, or done by another delivery
         return renewal
     return None
 
@@ -400,14 +410,25 @@ def _keep_lease(job: _Job) -> None:
         log.warning("%s/%s lease not renewed while waiting for answer room: %s", job.dataset, job.pid, exc)
 
 
-def _halt(job: _Job, reason: str, exc: UpstreamError) -> str:
+def _halt(job: _Job, reason: str, exc: UpstreamError) -> Outcome:
     """Every prompt would fail alike: marking them all failed would burn the dataset. Halt the
     fleet instead; this prompt keeps no outcome and the next run asks it again."""
     message = f"{exc.target} answered {exc.reason}: {exc.detail}" if isinstance(exc, MisconfiguredError) else exc.detail
     job.budget.halt(reason, message, WORKER_ID)
     job.budget.release(job.pid, job.lease)
     log.critical("%s/%s: halting the fleet: %s: %s", job.dataset, job.pid, reason, message)
-    return "halted"
+    return Outcome.HALTED
+
+
+def _refused_provider(job: _Job, answer: Answer) -> str | None:
+    """``providers = "pin"``: why an answer from another provider is refused (billed, not kept).
+    OpenRouter honours ``provider.only`` with ``allow_fallbacks = false``; this holds the rows to it
+    should a fallback happen anyway, or a gateway in between not pass the preference on."""
+    pin = job.view.provider_pin
+    if pin is None or same_provider(answer.provider, pin):
+        return None
+    return (f"{job.where}: answered by provider {answer.provider or '(unnamed)'!r}, not the pinned {pin!r} "
+            "([request] providers = \"pin\")")
 
 
 # --- 4. rebuild ---------------------------------------------------------------------------------
@@ -446,19 +467,20 @@ def _off_hub(fn: Callable[..., T], args: tuple[Any, ...], chars: int, kwargs: di
 # --- 5. settle ----------------------------------------------------------------------------------
 
 
-def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow, turn: TurnHook | None = None) -> str:
-    """Keep the row, unless another delivery did ("duplicate") or the hard cap has no room left
-    for it ("discarded": its lease was reaped meanwhile; billed, failed as over_budget)."""
-    row = _row(job.payload, rebuilt, answer, job.attempts)
+def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow, turn: TurnHook | None = None) -> Outcome:
+    """Keep the row, unless another delivery did (duplicate) or the hard cap has no room left for
+    it (discarded: its lease was reaped meanwhile; billed, and the task's outcome is failed,
+    recorded as over_budget)."""
+    row = _row(job.payload, rebuilt, answer, job.attempts, job.view)
     keep = None if turn is None else turn.finish(row, rebuilt, answer)
     usage, job.usage = job.usage, None
     settled = settle_or_spool(job.ctx.redis, job.ctx.settings.spool_dir, job.payload["run"], job.budget, job.pid,
                               job.lease, rebuilt.completion_tokens, msgpack.packb(row, use_bin_type=True),
                               cost_usd=job.billed_usd, attempts=job.attempts, within_s=LEASE_SLACK_S, turn=keep,
                               usage=usage)
-    if settled == "duplicate":
+    if settled is Outcome.DUPLICATE:
         job.stats.record_duplicate()
-    elif settled == "discarded":
+    elif settled is Outcome.DISCARDED:
         job.stats.record_failure("over_budget")
     elif rebuilt.engine_check is not None:
         job.stats.record_engine_check(rebuilt.engine_check["match"], rebuilt.engine_check["prompt_match"])
@@ -467,10 +489,11 @@ def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow, turn: TurnHook | None
         job.dataset, job.pid, settled, rebuilt.completion_tokens, job.attempts,
         answer.finish_reason, time.monotonic() - job.started,
     )
-    return "failed" if settled == "discarded" else settled
+    return Outcome.FAILED if settled is Outcome.DISCARDED else settled
 
 
-def _row(payload: TaskPayload, rebuilt: RebuiltRow, answer: Answer, attempts: int) -> ResultRow:
+def _row(payload: TaskPayload, rebuilt: RebuiltRow, answer: Answer, attempts: int, view: WorkerView) -> ResultRow:
+    manifest, quantization = view.manifest, quantization_of(view.model.quantizations, answer.provider)
     row: ResultRow = {
         "id": payload["id"],
         "conversations": [*payload["messages"], rebuilt.assistant_message],
@@ -485,7 +508,10 @@ def _row(payload: TaskPayload, rebuilt: RebuiltRow, answer: Answer, attempts: in
         "generation_id": answer.generation_id,
         "attempts": attempts,
         "where": payload["where"],
+        "manifest": manifest,
     }
+    if quantization != UNKNOWN_QUANTIZATION:
+        row["quantization"] = quantization
     if tools := payload.get("tools"):
         row["tools"] = tools
     if rebuilt.engine_check is not None:

@@ -14,6 +14,7 @@ from celery.exceptions import Reject
 
 from common.contract import TASK_NAME, TaskPayload
 from common.errors import ConfigError
+from common.outcomes import Outcome
 from common.redis_client import REFUSED_WRITES
 from workers.celery import app
 from workers.fleet import poison, server, writes
@@ -23,8 +24,6 @@ from workers.fleet.send_room import SendRoom, process_room
 from workers.pipeline.conversation import handle
 from workers.pipeline.generate import Busy
 
-#: The task's outcome word for a message moved to the dead-letter list.
-DEAD_LETTER = "dead_letter"
 #: How long a refused message waits, unacked, for Redis to take its dead-letter entry.
 DEAD_LETTER_WAIT_S = 30.0
 
@@ -32,13 +31,14 @@ DEAD_LETTER_WAIT_S = 30.0
 # acks_late comes from common/celeryconf.py (task_acks_late): one place says it, and tests flip it there.
 @app.task(name=TASK_NAME, bind=True, max_retries=None, ignore_result=True)
 def generate_task(self: Task, payload: TaskPayload) -> str:
+    """The prompt's ``Outcome`` as its plain word: what Celery logs and Flower shows."""
     room = process_room()
     with room.task(self.request.id):
         ctx = context()
         if server.left():  # another Redis than the one this worker served: its tasks are not ours
             raise Reject("this worker is leaving a Redis it did not serve", requeue=True)
         if _refused(ctx, payload, self.request.delivery_info):
-            return DEAD_LETTER
+            return str(Outcome.DEAD_LETTER)
         outcome = _handle(ctx, payload, room)
         while isinstance(outcome, Busy):
             # Another delivery of this prompt holds a live lease (a copy kombu put back when a
@@ -49,10 +49,10 @@ def generate_task(self: Task, payload: TaskPayload) -> str:
             with room.parked():
                 gevent.sleep(outcome.wait_s)
             outcome = _handle(context(), payload, room)
-    return outcome
+    return str(outcome)
 
 
-def _handle(ctx: WorkerContext, payload: TaskPayload, room: SendRoom) -> str | Busy:
+def _handle(ctx: WorkerContext, payload: TaskPayload, room: SendRoom) -> Outcome | Busy:
     while True:
         try:
             return handle(ctx, payload)
