@@ -9,6 +9,7 @@
     specfleet check CONFIG      validate a run file and its datasets, send nothing
     specfleet plan CONFIG       prompts, prompt tokens and the run's cost before any request
     specfleet validate OUT      re-check every row of an output folder offline (exit 1 on a defect)
+    specfleet export OUT DIR    an output folder as a Hugging Face dataset (Parquet, Arrow, card)
 """
 
 from __future__ import annotations
@@ -198,6 +199,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from producer.export import export, push_to_hub
+
+    result = export(args.out, args.dest, overwrite=args.overwrite)
+    for split in result.splits:
+        print(f"{split.name}: {split.rows:,} rows, {split.kept_tokens:,} kept tokens, {split.truncated:,} truncated")
+    print(f"dataset in {result.dest} (load_from_disk: {result.dest / 'arrow'}; Parquet: {result.dest / 'data'}; "
+          f"card: {result.card})")
+    if args.push_to_hub:
+        print(f"pushed: {push_to_hub(result, args.push_to_hub, private=args.private)}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from producer.demo import run_demo
 
@@ -247,6 +261,14 @@ def parser() -> argparse.ArgumentParser:
     validate.add_argument("--tokenizer", default=None, help="a tokenizer folder or hub id to render with")
     validate.add_argument("--trust-remote-code", action="store_true", help="for a remote-code tokenizer (Kimi's)")
     validate.set_defaults(func=cmd_validate)
+    exp = sub.add_parser("export", help="an output folder as a Hugging Face dataset (Parquet, Arrow, card)")
+    exp.add_argument("out", type=Path, help="the run's output folder")
+    exp.add_argument("dest", type=Path, help="where the dataset goes (empty or new)")
+    exp.add_argument("--overwrite", action="store_true", help="replace what dest holds")
+    exp.add_argument("--push-to-hub", metavar="REPO", default=None,
+                     help="also upload it to this Hub dataset repo (token: HF_TOKEN or huggingface-cli login)")
+    exp.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    exp.set_defaults(func=cmd_export)
     demo = sub.add_parser("demo", help="the whole fleet on embedded defaults")
     demo.add_argument("--out", default="demo-out")
     demo.add_argument("--workers", type=int, default=2)

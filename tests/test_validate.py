@@ -15,39 +15,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from common.manifest import identity, manifest_id
 from producer.validate import Defect, validate
-from tests.fleet import DEMO_TOKENIZER, REPO, Fleet, prompts, write_jsonl
+from tests.fleet import DEMO_TOKENIZER, REPO, Fleet
+from tests.run_output import demo_like_run
 
 pytestmark = pytest.mark.fleet
 
 END = "<|im_end|>"
 
 
-def _sim(spec: dict[str, Any], tag: str) -> dict[str, Any]:
-    return {"id": tag, "messages": [{"role": "user", "content": f"#sim {json.dumps(spec)} {tag}"}]}
-
-
 @pytest.fixture
-def run_out(fleet: Fleet, redis_client: redis.Redis) -> Path:
-    """A demo-like run: 24 prompts over three shards, one with tools, two cut by max_tokens."""
-    tool = [{"type": "function", "function": {"name": "lookup", "parameters": {
-        "type": "object", "properties": {"q": {"type": "string"}}}}}]
-    rows: list[dict[str, Any] | str] = [*prompts(20)]
-    rows += [{"id": "tool0", "messages": [{"role": "user", "content": "Look up item 0."}], "tools": tool}]
-    rows += [_sim({"content": "A plain answer.", "reasoning": "Short.", "finish_reason": "stop"}, "plain")]
-    rows += [_sim({"reasoning": "Thinking on and on", "content": None, "finish_reason": "length"}, f"cut{i}")
-             for i in range(2)]
-    data = write_jsonl(fleet.tmp / "rows.jsonl", rows)
-    config = fleet.write_config([{"name": "V", "path": data, "length": "short"}])
-    config.write_text(config.read_text().replace("shard_rows = 100", "shard_rows = 8"))
-    fleet.start_simulator("--latency-median-ms", "10")
-    fleet.start_worker("w1", concurrency=10)
-    fleet.run_producer(config)
-    assert (fleet.out / "manifest.json").is_file(), "the run wrote no manifest.json"
-    return fleet.out
+def run_out(fleet: Fleet) -> Path:
+    return demo_like_run(fleet)
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
