@@ -100,6 +100,9 @@ class ThrottleLimits(_Strict):
     #: limit and their Retry-After pauses every worker (``common/throttle.lua``). Off: a 429 is
     #: counted and delays only its own request; the caps apply either way.
     adaptive_backoff: bool = True
+    #: Where the adaptive limit starts (None: unbounded, or at ``max_in_flight``). The plan sets it,
+    #: when no ``max_in_flight`` is given, to the worst-case requests the account's balance covers.
+    start_in_flight: int | None = Field(default=None, gt=0)
 
 
 class RequestConfig(_Strict):
@@ -132,6 +135,8 @@ class RequestConfig(_Strict):
     max_requests_per_s: float | None = Field(default=None, gt=0)
     #: Congestion 429/503s cut the fleet's in-flight limit and pause every worker (``ThrottleLimits``).
     adaptive_backoff: bool = True
+    #: Where the fleet's adaptive in-flight limit starts (``ThrottleLimits``); the plan fills it in.
+    start_in_flight: int | None = Field(default=None, gt=0)
 
     def body(self) -> dict[str, Any]:
         exclude = {"extra", "providers", "provider_pin", "truncated", *ThrottleLimits.model_fields}
@@ -143,7 +148,7 @@ class RequestConfig(_Strict):
 
     def throttle(self) -> ThrottleLimits:
         return ThrottleLimits(max_in_flight=self.max_in_flight, max_requests_per_s=self.max_requests_per_s,
-                              adaptive_backoff=self.adaptive_backoff)
+                              adaptive_backoff=self.adaptive_backoff, start_in_flight=self.start_in_flight)
 
 
 class RetryConfig(_Strict):

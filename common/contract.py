@@ -97,6 +97,9 @@ FAIL_PROMPT_TOO_LONG = "prompt_too_long"
 FAIL_INTERNAL = "internal_error"
 #: The answer's body was over SPECFLEET_MAX_ANSWER_BYTES: billed and counted, not kept.
 FAIL_ANSWER_TOO_LARGE = "answer_too_large"
+#: One request's worst case (prompt + max_tokens at the model's price) is over the account's whole
+#: balance (402 weight_exceeds_budget): no retry can help; lower max_tokens or add credits.
+FAIL_WEIGHT_EXCEEDS_BUDGET = "weight_exceeds_budget"
 
 # The per-dataset stats hash's fields are named in common/stats.py only.
 

@@ -28,7 +28,7 @@
 --                                   the last cut: requests and 429s counted from check_ms, the limit
 --                                   before the cut and the share that made it
 --                       tokens, tokens_ms   the requests-per-second bucket (of one) and when it was filled
---                       ok, throttled       answers counted by kind (for progress and metrics)
+--                       ok, throttled, budget   answers counted by kind (for progress and metrics)
 --                       cap         the run's max_in_flight, for readers (workers pass theirs)
 --                       hold        present while the producer's plan is still counting: nobody
 --                                   starts a request (prompts are queued and prepared meanwhile)
@@ -54,8 +54,12 @@
 --            wanting "1": the process giving them back is then under its share with requests
 --            waiting; it marks the fleet wanting (as a vain acquire does), so no borrower takes
 --            these slots in the moment before that process asks for them again.
---            outcome: ok | throttled | refused | other
+--            outcome: ok | throttled | budget | refused | other
 --            (refused: a 429 with adaptive back-off off; counted as throttled, nothing more)
+--            budget: the account's in-flight budget refused the request (a 402 with Retry-After):
+--            too much in flight for the balance. Not a share to judge against a background: the
+--            account says so of every request over it, so it always cuts (one event per
+--            cut_gap_ms, as a 429's) and pauses the fleet for its Retry-After; never checked or undone.
 --            ok grows the limit by 1/limit (one more request per round trip: additive increase) while
 --            the fleet uses its limit (in flight >= grow_near x limit, or within one of it);
 --            throttled (429/503) is congestion when the recent share (of at least min_requests)
@@ -63,9 +67,11 @@
 --            share of that many requests, at least margin), no event began less than cut_gap_ms
 --            ago and no cut is being checked: it cuts the limit to beta x what the provider served
 --            during the event (see below), and a Retry-After pauses every new request of the fleet.
---   state    now_ms bg_half_life_ms -> {limit, in_flight, pause_ms_left, ok, throttled, cap, background_share}
---   reset    max_in_flight hold -> "reset": a new run learns from scratch (slots in flight stay);
---            hold "1": no request starts until "unhold" (the run's plan has not passed yet)
+--   state    now_ms bg_half_life_ms -> {limit, in_flight, pause_ms_left, ok, throttled, cap, background_share,
+--            budget}
+--   reset    max_in_flight hold start -> "reset": a new run learns from scratch (slots in flight stay);
+--            hold "1": no request starts until "unhold" (the run's plan has not passed yet);
+--            start > 0: the adaptive limit starts there (what the account's balance covers), not unbounded
 --   unhold   -> "unheld": the plan passed, requests may start
 local state, slots = KEYS[1], KEYS[2]
 local op = ARGV[1]
@@ -122,6 +128,25 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl)
   local limit = current_limit(max_in_flight)
   if outcome == "other" then return limit end  -- says nothing about capacity
 
+  if outcome == "budget" then
+    redis.call("HINCRBY", state, "budget", 1)
+    -- The account's word, not a share: every refusal belongs to an event (a new one after cut_gap)
+    -- whose estimate of what the balance carries is what was in flight when it began, less what it
+    -- refused since, as for congestion below.
+    local b = redis.call("HMGET", state, "cut_ms", "event_limit", "event_in_flight", "event_throttled")
+    local cut, event_limit = tonumber(b[1] or "0"), tonumber(b[2] or "0")
+    local event_in_flight, refused = tonumber(b[3] or "0"), tonumber(b[4] or "0")
+    if now - cut >= cut_gap then cut, event_limit, event_in_flight, refused = now, limit, in_flight, 0 end
+    refused = refused + 1
+    limit = math.min(limit, math.max(min_limit, math.floor(math.min(event_limit, event_in_flight - refused) * beta)))
+    redis.call("HSET", state, "limit", tostring(limit), "cut_ms", cut, "event_limit", tostring(event_limit),
+               "event_in_flight", event_in_flight, "event_throttled", refused)
+    if retry_after > 0 then
+      local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
+      if now + retry_after > pause then redis.call("HSET", state, "pause_ms", now + retry_after) end
+    end
+    return limit
+  end
   redis.call("HINCRBY", state, outcome == "ok" and "ok" or "throttled", 1)
   if outcome == "refused" then return limit end  -- adaptive back-off is off
   local refusal = outcome == "throttled" and 1 or 0
@@ -259,16 +284,18 @@ elseif op == "release" then
 elseif op == "state" then
   local now = tonumber(ARGV[2])
   redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
-  local s = redis.call("HMGET", state, "limit", "pause_ms", "ok", "throttled", "cap", "bg", "bg_ms")
+  local s = redis.call("HMGET", state, "limit", "pause_ms", "ok", "throttled", "cap", "bg", "bg_ms", "budget")
   local bg = tonumber(s[6] or "0") * 0.5 ^ ((now - tonumber(s[7] or now)) / tonumber(ARGV[3]))
   return {s[1] or "", redis.call("ZCARD", slots), math.max(0, tonumber(s[2] or "0") - now),
-          tonumber(s[3] or "0"), tonumber(s[4] or "0"), s[5] or "", tostring(bg)}
+          tonumber(s[3] or "0"), tonumber(s[4] or "0"), s[5] or "", tostring(bg), tonumber(s[8] or "0")}
 
 elseif op == "reset" then
   local cap = tonumber(ARGV[2])
   redis.call("DEL", state)
   if cap > 0 then redis.call("HSET", state, "cap", cap) end
   if ARGV[3] == "1" then redis.call("HSET", state, "hold", "1") end
+  local start = tonumber(ARGV[4] or "0")
+  if start > 0 then redis.call("HSET", state, "limit", tostring(start)) end
   return "reset"
 
 elseif op == "unhold" then

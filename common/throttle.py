@@ -73,7 +73,7 @@ POLICY = ThrottlePolicy()
 
 #: How a throttle slot's request went, as the script learns from it (not a prompt's outcome:
 #: that is ``common.outcomes.Outcome``).
-SlotOutcome = Literal["ok", "throttled", "refused", "other"]
+SlotOutcome = Literal["ok", "throttled", "budget", "refused", "other"]
 
 #: No fixed cap and no rate cap: the adaptive limit alone.
 NO_CAPS = ThrottleLimits()
@@ -114,6 +114,8 @@ class ThrottleSnapshot:
     throttled: int
     #: The 429 share the provider shows whatever the load (learned from cuts that did not help).
     background_share: float = 0.0
+    #: Requests the account refused for its in-flight budget (402 in_flight_budget_exhausted).
+    budget_refused: int = 0
 
     @property
     def throttled_share(self) -> float:
@@ -170,7 +172,7 @@ class FleetThrottle:
         self._call(*args)
 
     def snapshot(self) -> ThrottleSnapshot:
-        limit, in_flight, pause_left, ok, throttled, cap, background = self._call(
+        limit, in_flight, pause_left, ok, throttled, cap, background, budget = self._call(
             "state", self._clock_ms(), self.policy.background_half_life_ms)
         bounds = [float(x) for x in (limit, cap) if x]  # the learned limit, the run's cap
         return ThrottleSnapshot(
@@ -180,14 +182,17 @@ class FleetThrottle:
             ok=int(ok),
             throttled=int(throttled),
             background_share=float(background),
+            budget_refused=int(budget),
         )
 
     def reset(self, limits: ThrottleLimits = NO_CAPS, *, hold: bool = False) -> None:
         """A new run learns the provider's capacity from scratch (the last run's limit may belong
         to another model or provider, its counters to another run) and records its cap for
         readers. Slots of requests in flight stay. ``hold``: no request starts until ``unhold``
-        (the run's plan is still counting; workers prepare their prompts meanwhile)."""
-        self._call("reset", limits.max_in_flight or 0, "1" if hold else "0")
+        (the run's plan is still counting; workers prepare their prompts meanwhile). The adaptive
+        limit starts at ``limits.start_in_flight`` (what the account's balance covers, from the
+        plan) when it is set, else unbounded (or at the cap)."""
+        self._call("reset", limits.max_in_flight or 0, "1" if hold else "0", limits.start_in_flight or 0)
 
     def unhold(self) -> None:
         """The plan passed: requests may start. Idempotent."""

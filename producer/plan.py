@@ -14,6 +14,14 @@ of that many (a seeded reservoir) and extrapolated; the output says so. The cont
 still covers every prompt: outside the sample, each prompt whose text is long enough in bytes to
 possibly overflow is counted too (a byte-level BPE token is at least one byte).
 
+The account (``producer/account.py``): the balance and the key's limit, read with the run's key.
+The plan refuses (unless ``--yes``) when the worst case, capped by ``[run] budget_usd``, exceeds
+what the key can spend, and says how many worst-case requests (prompt + ``max_tokens`` at the
+model's price) the balance covers in flight at once: the account's in-flight budget refuses more
+(a 402 that slows the fleet). Without ``[request] max_in_flight`` the fleet's in-flight limit
+starts there (``[request] start_in_flight``), bounded from the files' bytes because requests may
+leave before the counts are in.
+
 ``specfleet run`` splits it: the models endpoint first (``read_model``: an unknown model stops the
 run before anything is queued), then the counts (``PendingPlan``) beside the run's start, which
 queues prompts for workers to prepare but holds every request until the counts pass, or until a
@@ -39,6 +47,7 @@ from common.config import DatasetConfig, LengthClass, Pricing, RunConfig
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import DatasetRowError, ModelsUnavailable, PlanRefused, SpecfleetError
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer, tokens_bound
+from producer.account import Account, fetch_account, fit_in_flight, worst_request_usd
 from producer.models import ModelInfo, fetch_model, models_url
 
 log = logging.getLogger(__name__)
@@ -70,6 +79,9 @@ class DatasetPlan:
     too_long: list[str] = field(default_factory=list)
     expected_usd: float | None = None
     worst_usd: float | None = None
+    #: One request's worst case at the counted mean prompt, and how many the balance covers at once.
+    worst_request_usd: float | None = None
+    fit_in_flight: int | None = None
 
     @property
     def sampled(self) -> bool:
@@ -85,6 +97,12 @@ class Plan:
     datasets: list[DatasetPlan]
     #: Why prices are unknown (the endpoint's error), when they are.
     unavailable: str | None = None
+    #: The balance and the key's limit (None: not asked, e.g. a plan without a key).
+    account: Account | None = None
+    #: Where the fleet's in-flight limit starts ([request] start_in_flight), when set.
+    start_in_flight: int | None = None
+    #: The run's own cap ([request] max_in_flight), when set.
+    max_in_flight: int | None = None
 
     def total(self, attr: str) -> float | None:
         values = [getattr(d, attr) for d in self.datasets]
@@ -122,7 +140,7 @@ def _rows_to_budget(ds: DatasetConfig, length: LengthClass, prompts: int) -> tup
 
 
 def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: ModelInfo | None, *,
-                 exact_limit: int = EXACT_LIMIT) -> DatasetPlan:
+                 exact_limit: int = EXACT_LIMIT, account: Account | None = None) -> DatasetPlan:
     length = cfg.length_for(ds.length)
     context = cfg.model.context_length or (info.context_length if info else None)
     room = None if context is None else context - length.max_tokens
@@ -160,6 +178,9 @@ def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: Mod
         per_request = mean_prompt * pricing.prompt + pricing.request
         plan.expected_usd = rows * (per_request + expected * pricing.completion)
         plan.worst_usd = rows * (per_request + length.max_tokens * pricing.completion)
+        plan.worst_request_usd = worst_request_usd(pricing, length, mean_prompt)
+        if account is not None and account.balance_usd is not None:
+            plan.fit_in_flight = fit_in_flight(account.balance_usd, plan.worst_request_usd) or None
     elif pricing is not None:
         plan.expected_usd = plan.worst_usd = 0.0
     return plan
@@ -197,20 +218,23 @@ def byte_shape(path: Path, max_line_bytes: int) -> ByteShape:
     return ByteShape(lines, total, longest)
 
 
-def clears_by_bytes(cfg: RunConfig, info: ModelInfo | None, *, yes: bool) -> str | None:
+def clears_by_bytes(cfg: RunConfig, info: ModelInfo | None, *, yes: bool,
+                    account: Account | None = None) -> str | None:
     """Why the counts cannot refuse this run, from the files' bytes alone; None when they might.
 
     A byte-level BPE token is at least one byte of the text it encodes, and a prompt's text is its
     line's strings plus what the template adds, the row's structure it renders again included
     (``common/prompt_tokens.tokens_bound``). So no prompt can be too long when the longest line,
     bounded so, fits the room ``max_tokens`` leaves in the context, and the worst case cannot exceed
-    ``[run] budget_usd`` when it does not with every prompt that long (or the files' bytes, whichever
-    is less). Then requests need not wait for the counts, which still run and are printed; should
-    they refuse all the same, the run stops as a refusal does (a worker refuses a prompt that cannot
-    fit by itself, before its request)."""
+    ``[run] budget_usd`` (nor what the key can spend) when it does not with every prompt that long
+    (or the files' bytes, whichever is less). Then requests need not wait for the counts, which
+    still run and are printed; should they refuse all the same, the run stops as a refusal does (a
+    worker refuses a prompt that cannot fit by itself, before its request)."""
     context = cfg.model.context_length or (info.context_length if info else None)
     pricing = cfg.model.pricing or (info.pricing if info else None)
-    budget = None if yes or cfg.run.confirm_over_budget else cfg.run.budget_usd
+    confirmed = yes or cfg.run.confirm_over_budget
+    budget = None if confirmed else cfg.run.budget_usd
+    spendable = None if confirmed or account is None else account.spendable_usd
     worst_usd = 0.0
     longest_tokens = 0
     for ds in cfg.datasets:
@@ -220,16 +244,49 @@ def clears_by_bytes(cfg: RunConfig, info: ModelInfo | None, *, yes: bool) -> str
         longest_tokens = max(longest_tokens, per_prompt)
         if context is not None and per_prompt + length.max_tokens > context:
             return None
-        if budget is not None and pricing is not None:
+        if (budget is not None or spendable is not None) and pricing is not None:
             _, rows = _rows_to_budget(ds, length, shape.lines)
             prompt_tokens = min(rows * per_prompt, tokens_bound(shape.bytes, shape.lines))
             worst_usd += (prompt_tokens * pricing.prompt
                           + rows * (pricing.request + length.max_tokens * pricing.completion))
     if budget is not None and worst_usd > budget:
         return None
+    if spendable is not None and pricing is not None and _run_worst(cfg, worst_usd) > spendable:
+        return None
     fits = "any context" if context is None else f"the context of {context:,}"
     dollars = "" if budget is None else f"; worst case at most {_usd(worst_usd)} of budget_usd {_usd(budget)}"
     return f"every prompt has at most {longest_tokens:,} tokens, bounded by bytes, which fit {fits}{dollars}"
+
+
+def _run_worst(cfg: RunConfig, worst_usd: float) -> float:
+    """The most a run can spend: its worst case, or its dollar budget if that is less (a hard
+    budget never passes it)."""
+    budget = cfg.run.budget_usd
+    return worst_usd if budget is None else min(worst_usd, budget)
+
+
+def start_in_flight(cfg: RunConfig, info: ModelInfo | None, account: Account | None) -> int | None:
+    """Where the fleet's in-flight limit starts: the worst-case requests the balance covers, for the
+    dataset whose requests weigh most, each prompt bounded from its file's bytes (requests may leave
+    before the counts are in). None: a cap or a start is set, or the balance or price is unknown."""
+    pricing = cfg.model.pricing or (info.pricing if info else None)
+    if (cfg.request.max_in_flight is not None or cfg.request.start_in_flight is not None or pricing is None
+            or account is None or account.balance_usd is None):
+        return None
+    worst = 0.0
+    for ds in cfg.datasets:
+        shape = byte_shape(ds.path, ds.max_line_bytes)
+        mean_prompt = tokens_bound(shape.bytes, shape.lines) / shape.lines if shape.lines else 0.0
+        worst = max(worst, worst_request_usd(pricing, cfg.length_for(ds.length), mean_prompt))
+    return fit_in_flight(account.balance_usd, worst) or None
+
+
+def apply_account(cfg: RunConfig, info: ModelInfo | None, account: Account | None) -> RunConfig:
+    """The run file with the fleet's starting in-flight limit from the balance, where it is silent."""
+    start = start_in_flight(cfg, info, account)
+    if start is None:
+        return cfg
+    return cfg.model_copy(update={"request": cfg.request.model_copy(update={"start_in_flight": start})})
 
 
 def read_model(cfg: RunConfig, base_url: str) -> tuple[ModelInfo | None, str | None]:
@@ -250,23 +307,27 @@ def read_model(cfg: RunConfig, base_url: str) -> tuple[ModelInfo | None, str | N
 
 
 def count_plan(cfg: RunConfig, base_url: str, info: ModelInfo | None, unavailable: str | None, *,
-               exact_limit: int = EXACT_LIMIT) -> Plan:
+               exact_limit: int = EXACT_LIMIT, account: Account | None = None) -> Plan:
     """The plan's slow part: the tokenizer (its import and load) and every dataset's count."""
     tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code,
                                revision=cfg.model.revision)
-    datasets = [plan_dataset(cfg, ds, tokenizer, info, exact_limit=exact_limit) for ds in cfg.datasets]
+    datasets = [plan_dataset(cfg, ds, tokenizer, info, exact_limit=exact_limit, account=account)
+                for ds in cfg.datasets]
     return Plan(
         model=cfg.model.name, url=models_url(base_url),
         context_length=cfg.model.context_length or (info.context_length if info else None),
         pricing=cfg.model.pricing or (info.pricing if info else None),
-        datasets=datasets, unavailable=unavailable,
+        datasets=datasets, unavailable=unavailable, account=account,
+        start_in_flight=cfg.request.start_in_flight, max_in_flight=cfg.request.max_in_flight,
     )
 
 
-def make_plan(cfg: RunConfig, base_url: str, *, exact_limit: int = EXACT_LIMIT) -> Plan:
-    """Read the model's entry, count every dataset. ``UnknownModel`` propagates: nothing to plan."""
+def make_plan(cfg: RunConfig, base_url: str, *, exact_limit: int = EXACT_LIMIT, api_key: str | None = None) -> Plan:
+    """Read the model's entry and the account, count every dataset. ``UnknownModel`` propagates."""
     info, unavailable = read_model(cfg, base_url)
-    return count_plan(cfg, base_url, info, unavailable, exact_limit=exact_limit)
+    account = fetch_account(base_url, api_key) if api_key else None
+    return count_plan(apply_account(cfg, info, account), base_url, info, unavailable, exact_limit=exact_limit,
+                      account=account)
 
 
 def _usd(value: float | None) -> str:
@@ -304,6 +365,8 @@ def render(plan: Plan) -> str:
                                                                                                   strict=True))))
     lines.append("expect tok: estimate_tokens of the length class, else max_tokens/4; expected $: the rows "
                  "to budget at that length; worst $: the same requests each answered with max_tokens")
+    if plan.account is not None:
+        lines += _account_lines(plan, plan.account)
     for d in plan.datasets:
         if d.sampled:
             lines.append(f"{d.name}: prompt tokens extrapolated from a sample of {d.counted:,} of "
@@ -312,6 +375,34 @@ def render(plan: Plan) -> str:
             lines.append(f"{d.name}: {d.malformed:,} malformed or duplicate rows are skipped "
                          f"(`specfleet check` lists them)")
     return "\n".join(lines)
+
+
+def _account_lines(plan: Plan, account: Account) -> list[str]:
+    if account.balance_usd is not None:
+        balance = f"balance {_usd(account.balance_usd)}"
+    else:
+        balance = f"balance unknown ({account.balance_unknown})"
+    if not account.key_known:
+        key = f"key limit unknown ({account.key_unknown})"
+    elif account.key_limit_usd is None:
+        key = "key limit none"
+    else:
+        key = f"key limit {_usd(account.key_limit_usd)}, {_usd(account.key_remaining_usd)} left"
+    spendable = account.spendable_usd
+    lines = [f"account: {balance} · {key} · the key can spend "
+             f"{'?' if spendable is None else _usd(spendable)}"]
+    fits = [d for d in plan.datasets if d.fit_in_flight is not None and d.worst_request_usd is not None]
+    if fits:
+        per = " · ".join(f"{d.name} {d.fit_in_flight:,} (${d.worst_request_usd:.4f} each)" for d in fits)
+        if plan.max_in_flight is not None:
+            start = f"[request] max_in_flight {plan.max_in_flight:,} caps the fleet"
+        elif plan.start_in_flight is not None:
+            start = f"the fleet's in-flight limit starts at {plan.start_in_flight:,}"
+        else:
+            start = "the fleet's in-flight limit starts unbounded"
+        lines.append(f"in flight under the balance: {per} worst-case requests (prompt + max_tokens at the model's "
+                     f"price; more are refused 402 in_flight_budget_exhausted, which slows the fleet); {start}")
+    return lines
 
 
 def problems(plan: Plan, cfg: RunConfig, *, yes: bool) -> list[str]:
@@ -326,6 +417,12 @@ def problems(plan: Plan, cfg: RunConfig, *, yes: bool) -> list[str]:
     if budget is not None and worst is not None and worst > budget and not (yes or cfg.run.confirm_over_budget):
         out.append(f"worst case {_usd(worst)} exceeds [run] budget_usd {_usd(budget)}: the run may stop on "
                    f"its dollar budget; pass --yes (or set [run] confirm_over_budget = true) to start anyway")
+    spendable = plan.account.spendable_usd if plan.account is not None else None
+    if (spendable is not None and worst is not None and _run_worst(cfg, worst) > spendable
+            and not (yes or cfg.run.confirm_over_budget)):
+        out.append(f"worst case {_usd(_run_worst(cfg, worst))} exceeds what the key can spend ({_usd(spendable)}: "
+                   f"the balance and the key's limit left): the account may refuse the run part-way (402, the "
+                   f"fleet halts); pass --yes (or set [run] confirm_over_budget = true) to start anyway")
     return out
 
 
@@ -365,8 +462,9 @@ class PendingPlan:
     """
 
     def __init__(self, cfg: RunConfig, base_url: str, info: ModelInfo | None, unavailable: str | None, *,
-                 yes: bool) -> None:
+                 yes: bool, account: Account | None = None) -> None:
         self._cfg, self._base_url, self._info, self._unavailable, self._yes = cfg, base_url, info, unavailable, yes
+        self._account = account
         self._lock = threading.Lock()
         self._on_clear: list[Callable[[], None]] = []
         self._cleared = False
@@ -383,11 +481,11 @@ class PendingPlan:
         threading.Thread(target=self._run, args=(counting,), name="plan", daemon=True).start()
 
     def _count_here(self, cleared: Callable[[str], None]) -> tuple[Plan, list[str]]:
-        why = clears_by_bytes(self._cfg, self._info, yes=self._yes)
+        why = clears_by_bytes(self._cfg, self._info, yes=self._yes, account=self._account)
         if why is not None:
             cleared(why)
             self._go.wait(COUNTS_WAIT_MAX_S)
-        plan = count_plan(self._cfg, self._base_url, self._info, self._unavailable)
+        plan = count_plan(self._cfg, self._base_url, self._info, self._unavailable, account=self._account)
         return plan, problems(plan, self._cfg, yes=self._yes)
 
     def _fork(self) -> Counting:
@@ -499,16 +597,22 @@ def _count_in_child(send: Any, count: Counting) -> None:
             send.send(("error", SpecfleetError(f"{type(exc).__name__}: {exc}")))
 
 
-def start_plan(cfg: RunConfig, base_url: str, *, yes: bool) -> tuple[RunConfig, PendingPlan]:
-    """The model's entry now (an unknown model is refused before anything else), the counts to come:
-    the run file with the model's context length and prices, and the plan still counting."""
+def start_plan(cfg: RunConfig, base_url: str, *, yes: bool,
+               api_key: str | None = None) -> tuple[RunConfig, PendingPlan]:
+    """The model's entry and the account now (an unknown model is refused before anything else), the
+    counts to come: the run file with the model's context length and prices and the fleet's starting
+    in-flight limit, and the plan still counting. ``api_key``: the key the account is read with
+    (None: the account is not asked)."""
     info, unavailable = read_model(cfg, base_url)
-    return apply_model(cfg, info), PendingPlan(cfg, base_url, info, unavailable, yes=yes)
+    account = fetch_account(base_url, api_key) if api_key else None
+    cfg = apply_account(cfg, info, account)
+    return apply_model(cfg, info), PendingPlan(cfg, base_url, info, unavailable, yes=yes, account=account)
 
 
-def check_plan(cfg: RunConfig, base_url: str, *, yes: bool, out: TextIO | None = None) -> RunConfig:
+def check_plan(cfg: RunConfig, base_url: str, *, yes: bool, out: TextIO | None = None,
+               api_key: str | None = None) -> RunConfig:
     """Plan, print it, refuse with ``PlanRefused`` if the run must not start; else the run file with
     the model's context length and prices filled in."""
-    applied, pending = start_plan(cfg, base_url, yes=yes)
+    applied, pending = start_plan(cfg, base_url, yes=yes, api_key=api_key)
     pending.settle(out)
     return applied

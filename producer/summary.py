@@ -117,7 +117,9 @@ def report_line(s: Summary) -> str:
 
 def throttle_summary(t: ThrottleSnapshot) -> dict[str, Any]:
     """The fleet's throttle when a dataset ends: its in-flight limit then (None: unbounded), the
-    upstream answers so far by kind (the fleet's counters, reset when the run started) and the 429
-    share learned as the provider's background (refused whatever the load)."""
+    upstream answers so far by kind (the fleet's counters, reset when the run started: ``budget_refused``
+    the account's in-flight budget 402s) and the 429 share learned as the provider's background
+    (refused whatever the load)."""
     return {"limit": None if t.limit is None else round(t.limit, 1), "ok": t.ok, "throttled": t.throttled,
-            "throttled_share": round(t.throttled_share, 4), "background_share": round(t.background_share, 4)}
+            "throttled_share": round(t.throttled_share, 4), "background_share": round(t.background_share, 4),
+            "budget_refused": t.budget_refused}

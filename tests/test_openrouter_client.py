@@ -22,8 +22,10 @@ from common.errors import (
     AccountRefusedError,
     AnswerTooLargeError,
     FatalUpstreamError,
+    InFlightBudgetError,
     MisconfiguredError,
     RetryableUpstreamError,
+    WeightExceedsBudgetError,
 )
 from workers.pipeline import retry
 from workers.pipeline.retry import backoff_s
@@ -137,8 +139,21 @@ def test_every_spelling_of_the_base_url_reaches_the_chat_endpoint(server: str, s
         (502, {"error": {"code": 502, "message": "down"}}, {}, RetryableUpstreamError, "http_502"),
         (503, {"error": {"code": 503, "message": "no provider"}}, {}, RetryableUpstreamError, "http_503"),
         (408, {"error": {"code": 408, "message": "timeout"}}, {}, RetryableUpstreamError, "http_408"),
-        (402, {"error": {"code": 402, "message": "budget"}}, {"Retry-After": "1"}, RetryableUpstreamError, "http_402"),
+        # 402s read by error.metadata.reason / limit_source, not the status (openrouter.md): the
+        # in-flight budget (also the older form: no reason, a Retry-After), one request over the
+        # whole balance, and out of money or over the key's limit.
+        (402, {"error": {"code": 402, "message": "budget"}}, {"Retry-After": "1"}, InFlightBudgetError,
+         "in_flight_budget_exhausted"),
+        (402, {"error": {"code": 402, "message": "would exceed your available credits given your current in-flight",
+                         "metadata": {"reason": "in_flight_budget_exhausted",
+                                      "limit_source": "openrouter_in_flight_budget"}}},
+         {"Retry-After": "3"}, InFlightBudgetError, "in_flight_budget_exhausted"),
+        (402, {"error": {"code": 402, "message": "estimate over the balance",
+                         "metadata": {"reason": "weight_exceeds_budget", "limit_source": "openrouter_credits"}}},
+         {}, WeightExceedsBudgetError, "weight_exceeds_budget"),
         (402, {"error": {"code": 402, "message": "no credits"}}, {}, AccountRefusedError, "http_402"),
+        (402, {"error": {"code": 402, "message": "key limit", "metadata": {"limit_source": "openrouter_key_limit"}}},
+         {"Retry-After": "5"}, AccountRefusedError, "http_402"),
         (400, {"error": {"code": 400, "message": "bad"}}, {}, FatalUpstreamError, "http_400"),
         (401, {"error": {"code": 401, "message": "key"}}, {}, AccountRefusedError, "http_401"),
         (404, {"error": {"code": 404, "message": "No endpoints found for m."}}, {}, MisconfiguredError, "http_404"),
@@ -166,8 +181,10 @@ def test_failures_are_classified(server: str, status: int, body: Any, headers: d
     assert str(err.value).count(reason) == 1 and reason not in err.value.detail  # the reason said once
     if kind is MisconfiguredError:  # the halt line names what to fix: the URL and the model
         assert err.value.target == f"{server}/api/v1/chat/completions with model 'm'"
-    if "Retry-After" in headers:
+    if "Retry-After" in headers and kind is not AccountRefusedError:
         assert err.value.retry_after_s == float(headers["Retry-After"])
+    if kind is WeightExceedsBudgetError:  # what to lower, and to what it is now
+        assert "max_tokens 7" in err.value.detail
 
 
 def test_connection_refused_is_retryable() -> None:

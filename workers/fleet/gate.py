@@ -49,7 +49,7 @@ import gevent
 import gevent.event
 
 from common.config import ThrottleLimits
-from common.errors import UpstreamError
+from common.errors import InFlightBudgetError, UpstreamError
 from common.redis_client import deadline
 from common.throttle import NO_CAPS, FleetThrottle, Release, SlotOutcome
 
@@ -78,9 +78,12 @@ def outcome_of(error: BaseException | None) -> tuple[SlotOutcome, float | None]:
     """The throttle's reading of one attempt (None: it answered) and the Retry-After it carried.
 
     A 429/503, or a 200 whose error object has code 429/503 (openrouter.md), is the provider
-    saying "too many"; a timeout, a 400 or a worker shutting down says nothing about capacity."""
+    saying "too many", and the account's in-flight budget (a 402) says the same of the balance;
+    a timeout, a 400 or a worker shutting down says nothing about capacity."""
     if error is None:
         return "ok", None
+    if isinstance(error, InFlightBudgetError):  # the account: too much in flight for its balance
+        return "budget", error.retry_after_s
     if isinstance(error, UpstreamError) and (error.status in THROTTLED_STATUSES
                                              or error.code in THROTTLED_STATUSES):
         return "throttled", error.retry_after_s

@@ -3,7 +3,10 @@
 The decision is made here, on the error's class (``common.errors``), never on an HTTP status in
 the caller: ``RetryableUpstreamError`` retries with jittered exponential backoff until the attempts
 run out (``UpstreamTimeoutError``, an attempt past its ``timeout_s``, is one); ``FatalUpstreamError``
-fails the prompt (``AnswerTooLargeError`` as ``answer_too_large``); ``AccountRefusedError`` halts the fleet at once
+fails the prompt (``AnswerTooLargeError`` as ``answer_too_large``, ``WeightExceedsBudgetError`` as
+``weight_exceeds_budget``); ``InFlightBudgetError`` retries after its ``Retry-After`` without spending
+one of the prompt's attempts (the account refused it before it ran; the fleet's throttle has cut
+the in-flight limit and paused every worker meanwhile); ``AccountRefusedError`` halts the fleet at once
 (every prompt would fail alike); ``MisconfiguredError`` halts the fleet once it has been met on
 ``misconfig_prompts`` distinct prompts with no answer in between (``DatasetStats`` keeps that
 streak), and until then is retried, since one such answer may be a prompt's own.
@@ -21,14 +24,17 @@ from common.contract import (
     FAIL_MISCONFIGURED,
     FAIL_RETRIES_EXHAUSTED,
     FAIL_UPSTREAM_FATAL,
+    FAIL_WEIGHT_EXCEEDS_BUDGET,
     HALT_MISCONFIGURED,
 )
 from common.errors import (
     AccountRefusedError,
     AnswerTooLargeError,
+    InFlightBudgetError,
     MisconfiguredError,
     RetryableUpstreamError,
     UpstreamError,
+    WeightExceedsBudgetError,
 )
 
 #: Attempts per prompt, the first included (``[retry] max_attempts`` overrides).
@@ -52,6 +58,9 @@ class Decision:
     reason: str = ""
     #: ``retry``: seconds to wait before the next attempt.
     delay_s: float = 0.0
+    #: Whether the failed attempt counts against ``max_attempts``: not when the account refused it
+    #: before it ran (the in-flight budget), which says nothing about the prompt.
+    spends_attempt: bool = True
 
 
 def backoff_s(
@@ -90,6 +99,11 @@ class RetryPolicy:
         this one included (only read for a ``MisconfiguredError``)."""
         if isinstance(error, AccountRefusedError):
             return Decision("halt", error.reason)
+        if isinstance(error, InFlightBudgetError):
+            # Its Retry-After, jittered a little so the refused requests do not come back at once.
+            wait_s = error.retry_after_s or self.backoff_base_s
+            uniform = rng.uniform if rng is not None else random.uniform
+            return Decision("retry", delay_s=wait_s + uniform(0, wait_s / 2), spends_attempt=False)
         if isinstance(error, MisconfiguredError):
             if misconfigured_prompts >= self.misconfig_prompts:
                 return Decision("halt", HALT_MISCONFIGURED)
@@ -97,6 +111,8 @@ class RetryPolicy:
                 return Decision("fail", FAIL_MISCONFIGURED)
         elif isinstance(error, AnswerTooLargeError):
             return Decision("fail", FAIL_ANSWER_TOO_LARGE)
+        elif isinstance(error, WeightExceedsBudgetError):
+            return Decision("fail", FAIL_WEIGHT_EXCEEDS_BUDGET)
         elif not isinstance(error, RetryableUpstreamError):
             return Decision("fail", FAIL_UPSTREAM_FATAL)
         if attempt >= self.max_attempts:

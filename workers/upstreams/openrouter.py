@@ -3,9 +3,10 @@
 ``complete`` turns a ``Request`` into the JSON body, posts it and parses the reply into an
 ``Answer`` (the reasoning/content/tool-call parts of ``choices[0].message``, billed usage,
 provider, generation id) or raises the error class that says what to do:
-``RetryableUpstreamError`` (408, 429, 5xx, 402 with ``Retry-After``, bad JSON, 200-with-error;
-``UpstreamTimeoutError`` when ``timeout_s`` passed before the whole answer was in),
-``AccountRefusedError`` (401, 402 without ``Retry-After``), ``MisconfiguredError`` (404, or a 400
+``RetryableUpstreamError`` (408, 429, 5xx, bad JSON, 200-with-error; ``UpstreamTimeoutError`` when
+``timeout_s`` passed before the whole answer was in; ``InFlightBudgetError`` for the account's
+in-flight budget), ``WeightExceedsBudgetError`` (one request over the whole balance),
+``AccountRefusedError`` (401, any other 402), ``MisconfiguredError`` (404, or a 400
 saying the model does not exist or has no endpoints) and ``FatalUpstreamError`` (anything else a
 retry cannot fix; ``AnswerTooLargeError`` for a body over ``max_answer_bytes``, with the usage
 its tail says was billed). Retrying is the caller's job
@@ -33,10 +34,12 @@ from common.errors import (
     AccountRefusedError,
     AnswerTooLargeError,
     FatalUpstreamError,
+    InFlightBudgetError,
     MisconfiguredError,
     RetryableUpstreamError,
     UpstreamError,
     UpstreamTimeoutError,
+    WeightExceedsBudgetError,
 )
 from workers.upstreams.upstream import Answer, Request
 
@@ -50,6 +53,12 @@ TAIL_BYTES = 64 * 1024
 CHAT_PATH = API_PATH + "/chat/completions"
 # Statuses a later attempt can fix (openrouter.md "Errors"); 402 only with Retry-After.
 _RETRYABLE_STATUSES = {408, 429, 500, 502, 503, 504, 520, 522, 524, 529}
+#: How a 402 names the account's in-flight budget (openrouter.md "The in-flight spending budget").
+IN_FLIGHT_BUDGET_REASON = "in_flight_budget_exhausted"
+IN_FLIGHT_BUDGET_SOURCE = "openrouter_in_flight_budget"
+WEIGHT_EXCEEDS_BUDGET_REASON = "weight_exceeds_budget"
+#: The in-flight budget's 402 always carries Retry-After; should one come without, wait this long.
+IN_FLIGHT_RETRY_AFTER_S = 1.0
 #: How OpenRouter (and OpenAI-style servers) say the model id is wrong: the run file's fault.
 _NO_SUCH_MODEL = re.compile(r"no endpoints found|not a valid model|model .*not (be )?found|model_not_found|"
                             r"does not exist|unknown model", re.IGNORECASE)
@@ -87,6 +96,31 @@ def _error_of(body: Any) -> tuple[Any, str]:
     if isinstance(err, dict):
         return err.get("code"), str(err.get("message", ""))[:300]
     return None, str(err)[:300] if err else ""
+
+
+def _error_metadata(body: Any) -> dict[str, Any]:
+    err = body.get("error") if isinstance(body, dict) else None
+    meta = err.get("metadata") if isinstance(err, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def _payment_required(body: Any, message: str, retry_after_s: float | None, max_tokens: int) -> UpstreamError:
+    """A 402, read by ``error.metadata.reason`` / ``limit_source`` rather than its status
+    (openrouter.md): the in-flight budget (a fleet signal), one request over the whole balance (the
+    prompt fails), or the account out of money (the fleet halts). A 402 naming neither but carrying
+    ``Retry-After`` is the in-flight budget, as the older docs describe it."""
+    meta = _error_metadata(body)
+    why, source = meta.get("reason"), meta.get("limit_source")
+    if why == IN_FLIGHT_BUDGET_REASON or source == IN_FLIGHT_BUDGET_SOURCE or (
+            why is None and source is None and retry_after_s is not None):
+        return InFlightBudgetError(IN_FLIGHT_BUDGET_REASON, message, status=402,
+                                   retry_after_s=IN_FLIGHT_RETRY_AFTER_S if retry_after_s is None else retry_after_s)
+    if why == WEIGHT_EXCEEDS_BUDGET_REASON:
+        return WeightExceedsBudgetError(
+            WEIGHT_EXCEEDS_BUDGET_REASON,
+            f"one request's worst case (its prompt + max_tokens {max_tokens:,} at the model's price) exceeds the "
+            f"account's whole balance: lower max_tokens of its length class, or add credits ({message})", status=402)
+    return AccountRefusedError("http_402", message, status=402)
 
 
 def _usage(raw: Any) -> Usage:
@@ -289,7 +323,7 @@ class OpenRouterClient:
             raise RetryableUpstreamError("transport", type(exc).__name__) from None
         finally:
             deadline.close()
-        return self._parse(status, headers, raw, request.model)
+        return self._parse(status, headers, raw, request.model, max_tokens=request.max_tokens)
 
     def _post(self, body: bytes, *, timeout_s: float, max_bytes: int | None,
               until: float) -> tuple[int, Any, bytearray]:
@@ -362,16 +396,18 @@ class OpenRouterClient:
     def _body(self, request: Request) -> dict[str, Any]:
         return request_body(request)
 
-    def _parse(self, status: int, headers: Any, raw: bytes | bytearray, model: str) -> Answer:
+    def _parse(self, status: int, headers: Any, raw: bytes | bytearray, model: str, *, max_tokens: int = 0) -> Answer:
         retry_after_s = parse_retry_after_s(headers.get("Retry-After"))
         body = _loads(raw)
         if status != 200:
             _, message = _error_of(body)
             message = message or bytes(raw[:200]).decode("utf-8", "replace")
             reason = f"http_{status}"
-            if status in _RETRYABLE_STATUSES or (status == 402 and retry_after_s is not None):
+            if status == 402:
+                raise _payment_required(body, message, retry_after_s, max_tokens)
+            if status in _RETRYABLE_STATUSES:
                 raise RetryableUpstreamError(reason, message, status=status, retry_after_s=retry_after_s)
-            if status in (401, 402):
+            if status == 401:
                 raise AccountRefusedError(reason, message, status=status)
             if status == 404 or (status == 400 and _NO_SUCH_MODEL.search(message)):
                 raise MisconfiguredError(reason, message, status=status, target=f"{self.url} with model {model!r}")
