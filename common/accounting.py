@@ -51,11 +51,21 @@ COUNTERS: tuple[Counter, ...] = (
     Counter("cost_usd", "cost_micro_usd", USD, "Cost reported by OpenRouter, USD"),
     Counter("duplicates", "duplicates", COUNT, "Second deliveries of an already kept prompt, row dropped"),
     Counter("skipped_by_workers", "skipped", COUNT, "Tasks workers skipped (their dataset not active, or stopped)"),
+    Counter("truncated", "truncated", COUNT,
+            "Billed answers cut by max_tokens (finish_reason length), kept, separated or dropped"),
     Counter("engine_rows", "engine_rows", COUNT, "Kept rows whose token ids came from an engine"),
     Counter("engine_mismatch", "engine_mismatch", COUNT,
             "Engine rows whose text rebuild differed from the engine's ids"),
     Counter("engine_prompt_mismatch", "engine_prompt_mismatch", COUNT,
             "Engine rows whose prompt ids differed from the template-rendered prompt"),
+    Counter("batch_requests", "batch_requests", COUNT, "Requests submitted in Batch API batches"),
+    Counter("batch_results", "batch_results", COUNT, "Batch results settled (rebuilt and counted)"),
+    Counter("batch_failed", "batch_failed", COUNT, "Batch requests that failed (an error result, an invalid request)"),
+    Counter("batch_returned", "batch_returned", COUNT,
+            "Batch requests given back unanswered (an expired or failed batch): asked again"),
+    Counter("batch_cost_usd", "batch_cost_micro_usd", USD, "What the batches billed (their usage.cost), USD"),
+    Counter("batch_rows_cost_usd", "batch_rows_cost_micro_usd", USD,
+            "Batch answers at tokens x the batch price, USD (batch_cost_usd minus this: the difference)"),
 )
 
 BY_NAME: dict[str, Counter] = {c.name: c for c in COUNTERS}

@@ -55,6 +55,10 @@ class ModelConfig(_Strict):
     #: The price that dollar budgets use for worst-case holds. Stated here, it overrides what the
     #: models endpoint says; absent, it is read from there at run start.
     pricing: Pricing | None = None
+    #: The price of the model's Batch API variant (``<name>:batch`` in the models list): what a batch
+    #: request's worst case is held at and its row costs. Absent: read from the models endpoint; a
+    #: model without one cannot run in batch mode (``RunConfig.require_batch_variant``).
+    batch_pricing: Pricing | None = None
     #: Provider name -> the quantization it serves the model at (``fp8``, ``bf16`` …), as the
     #: endpoints API lists them; read from it at run start when the run file does not say. Rows name
     #: their provider; this names the weights behind it (``row["quantization"]``, the manifest).
@@ -74,6 +78,13 @@ class LengthClass(_Strict):
     #: failed as ``prompt_too_long``. None: only the model's context length limits it.
     max_prompt_tokens: int | None = Field(default=None, gt=0)
 
+
+#: How requests go out: one HTTP call each (``live``), in Batch API batches (``batch``: about half
+#: the price, answers in minutes to hours), or ``auto``: batch where the model has a batch variant.
+RequestMode = Literal["live", "batch", "auto"]
+#: The Batch API's limits per batch (shared/reference/openrouter.md "Batch API").
+BATCH_MAX_REQUESTS = 5_000
+BATCH_MAX_BYTES = 200 * 1024 * 1024
 
 LengthName = Literal["short", "long"]
 #: Where rows cut by max_tokens go (``RequestConfig.truncated``).
@@ -138,8 +149,17 @@ class RequestConfig(_Strict):
     #: Where the fleet's adaptive in-flight limit starts (``ThrottleLimits``); the plan fills it in.
     start_in_flight: int | None = Field(default=None, gt=0)
 
+    #: ``live`` | ``batch`` | ``auto`` for every dataset that does not set its own ``mode``.
+    mode: RequestMode = "live"
+    #: Batch mode: requests per batch (a worker submits what it gathered sooner, see ``batch_gather_s``).
+    batch_size: int = Field(default=1_000, gt=0, le=BATCH_MAX_REQUESTS)
+    #: Batch mode: a worker submits what it gathered once the oldest request waited this long.
+    batch_gather_s: float = Field(default=5.0, gt=0)
+    #: Batch mode: how often an open batch's status is asked for.
+    batch_poll_s: float = Field(default=30.0, gt=0)
+
     def body(self) -> dict[str, Any]:
-        exclude = {"extra", "providers", "provider_pin", "truncated", *ThrottleLimits.model_fields}
+        exclude = {"extra", "providers", "provider_pin", "truncated", *_BATCH_FIELDS, *ThrottleLimits.model_fields}
         out = {k: v for k, v in self.model_dump(exclude=exclude).items() if v is not None}
         out.update(self.extra)
         if self.providers == "pin" and self.provider_pin:
@@ -149,6 +169,20 @@ class RequestConfig(_Strict):
     def throttle(self) -> ThrottleLimits:
         return ThrottleLimits(max_in_flight=self.max_in_flight, max_requests_per_s=self.max_requests_per_s,
                               adaptive_backoff=self.adaptive_backoff, start_in_flight=self.start_in_flight)
+
+
+_BATCH_FIELDS = ("mode", "batch_size", "batch_gather_s", "batch_poll_s")
+
+
+class BatchView(_Strict):
+    """What a worker needs to run a dataset's prompts through the Batch API."""
+
+    #: Datasets whose prompts go in batches (``mode`` batch, or auto with a batch variant).
+    datasets: tuple[str, ...]
+    pricing: Pricing | None
+    size: int
+    gather_s: float
+    poll_s: float
 
 
 class RetryConfig(_Strict):
@@ -178,6 +212,8 @@ class DatasetConfig(_Strict):
     #: row per prompt). ``all``: every assistant turn is, in order, each call seeing the regenerated
     #: history (one row per turn; see workers/pipeline/conversation.py).
     regenerate: Regenerate = "last"
+    #: ``live`` | ``batch`` | ``auto`` for this dataset (None: ``[request] mode``).
+    mode: RequestMode | None = None
 
     @field_validator("name")
     @classmethod
@@ -222,6 +258,11 @@ class WorkerView(_Strict):
     #: ``[request] providers = "pin"``: the one provider whose answers are kept; another's answer is
     #: refused (``provider_refused``). None: any provider.
     provider_pin: str | None = None
+    #: The Batch API datasets and their settings (None: every dataset is live).
+    batch: BatchView | None = None
+
+    def batched(self, dataset: str) -> bool:
+        return self.batch is not None and dataset in self.batch.datasets
 
     def regenerates_all(self, dataset: str) -> bool:
         return self.regenerate.get(dataset, "last") == "all"
@@ -263,7 +304,41 @@ class RunConfig(_Strict):
             datasets={d.name: d.length for d in self.datasets},
             regenerate={d.name: d.regenerate for d in self.datasets if d.regenerate != "last"},
             throttle=self.request.throttle(),
+            batch=self.batch_view(),
         )
+
+    def asked_mode(self, dataset: DatasetConfig) -> RequestMode:
+        return dataset.mode or self.request.mode
+
+    def dataset_mode(self, dataset: DatasetConfig) -> Literal["live", "batch"]:
+        """``auto`` resolved: batch where the model has a batch variant (a known batch price) and the
+        dataset asks one answer per prompt (``regenerate = "all"`` needs each turn before the next)."""
+        mode = self.asked_mode(dataset)
+        if mode == "auto":
+            return "batch" if self.model.batch_pricing is not None and dataset.regenerate == "last" else "live"
+        return mode
+
+    def batch_view(self) -> BatchView | None:
+        names = tuple(d.name for d in self.datasets if self.dataset_mode(d) == "batch")
+        if not names:
+            return None
+        r = self.request
+        return BatchView(datasets=names, pricing=self.model.batch_pricing, size=r.batch_size,
+                         gather_s=r.batch_gather_s, poll_s=r.batch_poll_s)
+
+    def require_batch_variant(self) -> None:
+        """Batch mode needs the model's ``:batch`` variant (its price) and one answer per prompt:
+        refused before anything is sent, naming the datasets."""
+        batch = [(i, d) for i, d in enumerate(self.datasets) if self.dataset_mode(d) == "batch"]
+        turns = [f"datasets[{i}] ({d.name})" for i, d in batch if d.regenerate != "last"]
+        if turns:
+            raise ConfigError(f"{', '.join(turns)}: mode = \"batch\" cannot regenerate = \"all\" (each turn needs "
+                              "the answer before it); use mode = \"live\" or \"auto\"")
+        if batch and self.model.batch_pricing is None:
+            names = ", ".join(f"datasets[{i}] ({d.name})" for i, d in batch)
+            raise ConfigError(f"{names}: batch mode, but model {self.model.name!r} has no :batch variant "
+                              "(no batch price in the models list or in [model.batch_pricing]): use "
+                              "mode = \"live\" or \"auto\"")
 
     def require_prices(self) -> None:
         """A dollar budget needs the model's price (config or models endpoint) before any request."""

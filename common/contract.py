@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
-#: 2: the producer records every id it enqueues (``keys.DatasetKeys.ids``) and a worker runs only
-#: those (``workers/fleet/poison.py``); a version-1 producer records none, so its messages are refused by
-#: their version, not one by one as unknown ids.
-CONTRACT_VERSION = 2
+#: 3: the producer seals every prompt it enqueues (``seal``: an HMAC of its id, common/seal.py) and a
+#: worker runs only those (``workers/fleet/poison.py``). Version 2 recorded every id in a SET that grew
+#: with the dataset; its messages carry no seal, so they are refused by their version.
+CONTRACT_VERSION = 3
 TASK_NAME = "specfleet.generate"
 #: The queue a worker listens on before any dataset is active; nothing is ever sent to it.
 IDLE_QUEUE = "specfleet.idle"
@@ -30,6 +30,9 @@ class TaskPayload(TypedDict):
     where: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
+    #: ``common.seal.seal`` of the id under the dataset's key, added by ``producer/enqueue.push``: a
+    #: worker refuses a payload without the right one (``unknown_id``).
+    seal: NotRequired[str]
 
 
 class Usage(TypedDict):
@@ -37,6 +40,9 @@ class Usage(TypedDict):
     completion_tokens: int
     reasoning_tokens: int
     cost: float
+    #: 1 when the answer was cut by max_tokens (``finish_reason = "length"``): counted with the
+    #: billed answer's usage (the ``truncated`` counter), never written to a row.
+    truncated: NotRequired[int]
 
 
 class ResultRow(TypedDict):
@@ -61,6 +67,10 @@ class ResultRow(TypedDict):
     #: Rows whose ids came from the engine: the text rebuild checked against them
     #: (``{"match", "prompt_match", …}``, see ``workers/pipeline/engine_ids.py``).
     engine_check: NotRequired[dict[str, Any]]
+    #: The run manifest's id (``common/manifest.py``, ``OUT/manifest.json``) the row belongs to.
+    manifest: NotRequired[str]
+    #: The quantization its provider serves the model at, from the endpoints API (absent: unknown).
+    quantization: NotRequired[str]
     #: regenerate = "all": the turn's index in its conversation (``id`` is the conversation's), the
     #: row's own key ``<id>#<turn>`` (the exactly-once guard's member), and on a conversation's last
     #: row why it ended there (``CONVERSATION_ENDS``).
@@ -97,6 +107,14 @@ FAIL_PROMPT_TOO_LONG = "prompt_too_long"
 FAIL_INTERNAL = "internal_error"
 #: The answer's body was over SPECFLEET_MAX_ANSWER_BYTES: billed and counted, not kept.
 FAIL_ANSWER_TOO_LARGE = "answer_too_large"
+#: Batch mode: the batch's result for the prompt was an error (the next run asks it again).
+FAIL_BATCH_ERROR = "batch_error"
+#: Batch mode: the Batch API refused the prompt's request (its whole batch failed validation naming it,
+#: or refused the submission with a 4xx).
+FAIL_BATCH_INVALID = "batch_invalid"
+#: ``[request] providers = "pin"``: the answer came from another provider than the pinned one
+#: (billed and counted, not kept).
+FAIL_PROVIDER_REFUSED = "provider_refused"
 #: One request's worst case (prompt + max_tokens at the model's price) is over the account's whole
 #: balance (402 weight_exceeds_budget): no retry can help; lower max_tokens or add credits.
 FAIL_WEIGHT_EXCEEDS_BUDGET = "weight_exceeds_budget"

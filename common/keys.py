@@ -6,8 +6,9 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:active                HASH    queue name -> run-config id: what workers consume now (they poll it)
     specfleet:ds:<ds>:budget        HASH    the dataset's budget counters (fields: see budget.lua)
     specfleet:ds:<ds>:done          SET     prompt ids whose row was kept (the exactly-once guard)
-    specfleet:ds:<ds>:ids           SET     every prompt id the producer enqueued (written with the messages): a
-                                            worker runs only a message whose id is in it (workers/fleet/poison.py)
+    specfleet:ds:<ds>:seal_key      STRING  the dataset's seal key (32 random bytes, hex; SET NX, kept across runs):
+                                            a worker runs only a message whose payload carries the HMAC of its id
+                                            under it (common/seal.py, workers/fleet/poison.py)
     specfleet:ds:<ds>:leases        HASH    prompt id -> "<lease>|<hold tokens>|<hold nano-usd>|<expires_ms>"
     specfleet:ds:<ds>:orphans       HASH    lease -> nano-usd still held for a reaped lease (it may be billed)
     specfleet:ds:<ds>:failed        HASH    prompt id -> JSON {reason, attempts, detail, where} (cleared if kept later)
@@ -48,6 +49,19 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:deadletter:counts     HASH    queue -> messages refused from it, in all runs (summary, status)
     specfleet:writes:probe          STRING  a worker's test write while Redis refuses writes (workers/fleet/writes.py);
                                             expires in seconds
+    specfleet:batches:open          ZSET    batch intents not yet settled: intent id -> created ms (common/batches.py)
+    specfleet:batch:<intent>        HASH    one batch's record: run, dataset, model, created_s, state (posting |
+                                            submitted | done), batch_id (OpenRouter's, once known), counts, costs;
+                                            written before the POST (the intent), so a crash cannot bill twice
+    specfleet:batch:<intent>:requests HASH  custom_id -> msgpack {payload, lease}: what the batch asked, for the
+                                            settle of its results (by any worker)
+    specfleet:batch:<intent>:handled SET    custom_ids whose result (or absence) was settled: a poller taking over
+                                            goes on where the last one stopped
+    specfleet:batch:<intent>:poller STRING  the worker polling the batch now (SET NX PX): one at a time, and the
+                                            next poll once it expires
+    specfleet:batch:claims          HASH    OpenRouter batch id -> intent id: a batch found by recovery is taken once
+    specfleet:ds:<ds>:batched       HASH    prompt id -> intent id: the prompt waits in a submitted batch (a
+                                            redelivery of its message is acked, not asked again)
     specfleet:store                 STRING  this store's random id, written once (SET NX) by the first worker to
                                             find none: a worker that meets another id leaves (workers/fleet/server.py)
 
@@ -77,6 +91,8 @@ DEAD_LETTER_MAX = 1000
 DEAD_LETTER_RAW_BYTES = 2048
 WRITE_PROBE = f"{PREFIX}:writes:probe"
 STORE_ID = f"{PREFIX}:store"
+BATCHES_OPEN = f"{PREFIX}:batches:open"
+BATCH_CLAIMS = f"{PREFIX}:batch:claims"
 
 #: Prefix of the per-dataset Celery queue name (a Redis list of the same name).
 QUEUE_PREFIX = f"{PREFIX}.q."
@@ -90,6 +106,18 @@ def queue(dataset: str) -> str:
     return f"{QUEUE_PREFIX}{dataset}"
 
 
+class BatchKeys:
+    """The keys of one batch intent (workers/batch/records.py)."""
+
+    def __init__(self, intent: str) -> None:
+        base = f"{PREFIX}:batch:{intent}"
+        self.intent = intent
+        self.record = base
+        self.requests = f"{base}:requests"
+        self.handled = f"{base}:handled"
+        self.poller = f"{base}:poller"
+
+
 class DatasetKeys:
     """The keys of one dataset; ``budget_keys`` is the KEYS order budget.lua expects."""
 
@@ -98,7 +126,7 @@ class DatasetKeys:
         self.dataset = dataset
         self.budget = f"{base}:budget"
         self.done = f"{base}:done"
-        self.ids = f"{base}:ids"
+        self.seal_key = f"{base}:seal_key"
         self.leases = f"{base}:leases"
         self.orphans = f"{base}:orphans"
         self.failed = f"{base}:failed"
@@ -108,6 +136,7 @@ class DatasetKeys:
         self.ended = f"{base}:ended"
         self.stats = f"{base}:stats"
         self.timeline = f"{base}:timeline"
+        self.batched = f"{base}:batched"
         self.queue = queue(dataset)
 
     @property

@@ -115,6 +115,19 @@ class Settings:
     #: waits for room once its body is in. One larger than all of it goes alone.
     answer_bytes_in_flight: int = field(default=4 << 20, metadata=_env("SPECFLEET_ANSWER_BYTES_IN_FLIGHT", _whole,
                                                                        minimum=1024))
+    #: The producer's queue window (producer/window.py): a dataset's queue holds at most this many
+    #: prompts, and at most this many bytes of their messages; refilled as workers take them. Redis
+    #: then holds a window, not the dataset. Defaults: 4x a 2,000-in-flight fleet's share, and 64 MiB.
+    queue_window_prompts: int = field(default=8_000, metadata=_env("SPECFLEET_QUEUE_WINDOW_PROMPTS", _whole,
+                                                                   minimum=1))
+    queue_window_bytes: int = field(default=64 << 20, metadata=_env("SPECFLEET_QUEUE_WINDOW_BYTES", _whole,
+                                                                    minimum=1 << 16))
+
+    #: Batch mode: how long a worker waits for ``POST /api/v1/batches`` to answer (a batch uploads up
+    #: to 200 MB). A POST without an answer may still have created its batch: it is looked for, never
+    #: posted again blindly, once 1.5x this has passed (workers/batch/poll.py).
+    batch_submit_timeout_s: float = field(default=120.0, metadata=_env("SPECFLEET_BATCH_SUBMIT_TIMEOUT_S", _number,
+                                                                       minimum=1.0))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

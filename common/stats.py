@@ -8,10 +8,10 @@ caller that already pipelined the HGETALL). Counters only ever grow, so any read
 enough for a progress bar.
 
 Fields: the counters of the accounting record (``common/accounting.COUNTERS``: ``requests`` and
-``billed_*``/``cost_micro_usd`` per answer received, billed whether kept or not, ``duplicates`` and
-``skipped`` per outcome, ``engine_*`` per kept row with an engine's ids), ``err:<reason>`` per failed
-upstream attempt (``err:http_429`` …) and ``fail:<reason>`` per prompt that ended failed
-(``fail:token_mismatch`` …).
+``billed_*``/``cost_micro_usd`` per answer received, billed whether kept or not, ``truncated`` per
+billed answer cut by max_tokens, ``duplicates`` and ``skipped`` per outcome, ``engine_*`` per kept
+row with an engine's ids), ``err:<reason>`` per failed upstream attempt (``err:http_429`` …) and
+``fail:<reason>`` per prompt that ended failed (``fail:token_mismatch`` …).
 
 Also the fleet-wide misconfiguration streak (``keys.MISCONFIG_STREAK``): prompts that met a
 "wrong URL or model" answer since the last answer anywhere (``workers/pipeline/retry.py`` halts on it).
@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from common.accounting import BY_NAME, Counted, parse_counts
+from common.accounting import BY_NAME, USD, Counted, parse_counts
 from common.contract import Usage
 from common.keys import MISCONFIG_STREAK, DatasetKeys
 
@@ -39,6 +39,7 @@ SKIPPED = BY_NAME["skipped_by_workers"].source
 ENGINE_ROWS = BY_NAME["engine_rows"].source
 ENGINE_MISMATCH = BY_NAME["engine_mismatch"].source
 ENGINE_PROMPT_MISMATCH = BY_NAME["engine_prompt_mismatch"].source
+TRUNCATED = BY_NAME["truncated"].source
 #: Good prompts in the dataset's file, set by the producer once it has read the file (not a
 #: counter): the exporter's skipped = prompts without an outcome, as summary.json counts them.
 PROMPTS = "prompts"
@@ -69,6 +70,7 @@ def answer_counts(usage: Usage) -> dict[str, int]:
         BILLED_COMPLETION: usage["completion_tokens"],
         BILLED_REASONING: usage["reasoning_tokens"],
         COST_MICRO_USD: round(usage["cost"] * 1e6),
+        TRUNCATED: usage.get("truncated", 0),
     }
 
 
@@ -95,6 +97,16 @@ class DatasetStats:
 
     def record_skipped(self) -> None:
         self._client.hincrby(self.key, SKIPPED, 1)
+
+    def record_batch(self, **by_name: int | float) -> None:
+        """The batch path's counters (``batch_*`` of ``common/accounting.COUNTERS``), by name; dollars in USD."""
+        pipe = self._client.pipeline(transaction=False)
+        for name, value in by_name.items():
+            counter = BY_NAME[name]
+            if not name.startswith("batch_"):
+                raise ValueError(f"{name} is not a batch counter")
+            pipe.hincrby(self.key, counter.source, round(value * 1e6) if counter.unit == USD else int(value))
+        pipe.execute()
 
     def record_prompts(self, prompts: int) -> None:
         """The producer, once it has read the dataset's file (every run: the same file, the same count)."""

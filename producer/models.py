@@ -7,6 +7,7 @@ Public on OpenRouter (no key is sent). Prices come as strings of USD per token (
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 from dataclasses import dataclass
@@ -27,6 +28,12 @@ class ModelInfo:
     id: str
     context_length: int | None
     pricing: Pricing | None
+    #: The price of its Batch API variant (``<id>:batch`` in the list); None: it has none.
+    batch_pricing: Pricing | None = None
+
+
+#: How the models list names a model's Batch API variant (shared/reference/openrouter.md "Batch API").
+BATCH_SUFFIX = ":batch"
 
 
 def api_root(base_url: str) -> str:
@@ -75,13 +82,62 @@ def fetch_model(base_url: str, model_id: str, *, timeout_s: float = MODELS_TIMEO
         raise ModelsUnavailable(f"GET {url}: HTTP {resp.status_code}")
     try:
         data = resp.json()["data"]
-        entries = {str(e["id"]): e for e in data if isinstance(e, dict) and "id" in e}
+        listed = {str(e["id"]): e for e in data if isinstance(e, dict) and "id" in e}
     except (ValueError, KeyError, TypeError):
         raise ModelsUnavailable(f"GET {url}: not a models list") from None
+    # A ``:batch`` entry is a variant of its model, not a model to name in [model] name.
+    entries = {k: v for k, v in listed.items() if not k.endswith(BATCH_SUFFIX)}
     entry = entries.get(model_id)
     if entry is None:
         close = difflib.get_close_matches(model_id, list(entries), n=3, cutoff=0.6)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise UnknownModel(f"[model] name {model_id!r} is not a model at {url} "
                            f"({len(entries):,} models listed){hint}")
-    return parse_model(entry)
+    info = parse_model(entry)
+    variant = listed.get(model_id + BATCH_SUFFIX)
+    if variant is not None:
+        info = dataclasses.replace(info, batch_pricing=parse_model(variant).pricing)
+    return info
+
+
+# --- the model's endpoints: who serves it, at which quantization and price ------------------------
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One provider's endpoint of the model (``GET /api/v1/models/{author}/{slug}/endpoints``)."""
+
+    provider: str
+    quantization: str
+    context_length: int | None
+    pricing: Pricing | None
+    tag: str = ""
+
+
+def endpoints_url(base_url: str, model_id: str) -> str:
+    """The endpoints list of ``author/slug`` (a variant suffix such as ``:nitro`` is not part of it)."""
+    return f"{api_root(base_url)}/api/v1/models/{model_id.split(':', 1)[0]}/endpoints"
+
+
+def parse_endpoint(entry: dict[str, Any]) -> Endpoint:
+    info = parse_model({"id": entry.get("name") or entry.get("provider_name") or "?",
+                        "context_length": entry.get("context_length"), "pricing": entry.get("pricing")})
+    return Endpoint(provider=str(entry.get("provider_name") or ""), quantization=str(entry.get("quantization") or "?"),
+                    context_length=info.context_length, pricing=info.pricing, tag=str(entry.get("tag") or ""))
+
+
+def fetch_endpoints(base_url: str, model_id: str, *, timeout_s: float = MODELS_TIMEOUT_S) -> list[Endpoint]:
+    """The model's endpoints, in the order listed; ``ModelsUnavailable`` naming the URL when the
+    list cannot be read (public on OpenRouter: no key is sent)."""
+    url = endpoints_url(base_url, model_id)
+    try:
+        resp = requests.get(url, timeout=timeout_s, headers={"Accept": "application/json"})
+    except requests.RequestException as exc:
+        raise ModelsUnavailable(f"GET {url}: {type(exc).__name__}") from None
+    if resp.status_code != 200:
+        raise ModelsUnavailable(f"GET {url}: HTTP {resp.status_code}")
+    try:
+        entries = resp.json()["data"]["endpoints"]
+        return [parse_endpoint(e) for e in entries if isinstance(e, dict) and e.get("provider_name")]
+    except (ValueError, KeyError, TypeError):
+        raise ModelsUnavailable(f"GET {url}: not an endpoints list") from None

@@ -49,6 +49,7 @@ from common.errors import DatasetRowError, ModelsUnavailable, PlanRefused, Specf
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer, tokens_bound
 from producer.account import Account, fetch_account, fit_in_flight, worst_request_usd
 from producer.models import ModelInfo, fetch_model, models_url
+from producer.providers import ModelEndpoints, apply_endpoints
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +303,9 @@ def read_model(cfg: RunConfig, base_url: str) -> tuple[ModelInfo | None, str | N
         info = fetch_model(base_url, cfg.model.name)
     except ModelsUnavailable as exc:
         unavailable = str(exc)
-    apply_model(cfg, info).require_prices()
+    applied = apply_model(cfg, info)
+    applied.require_prices()
+    applied.require_batch_variant()  # batch mode with a model that has no :batch variant: before anything
     return info, unavailable
 
 
@@ -434,6 +437,8 @@ def apply_model(cfg: RunConfig, info: ModelInfo | None) -> RunConfig:
         update["context_length"] = info.context_length
     if info is not None and cfg.model.pricing is None and info.pricing is not None:
         update["pricing"] = info.pricing
+    if info is not None and cfg.model.batch_pricing is None and info.batch_pricing is not None:
+        update["batch_pricing"] = info.batch_pricing
     return cfg.model_copy(update={"model": cfg.model.model_copy(update=update)}) if update else cfg
 
 
@@ -462,9 +467,11 @@ class PendingPlan:
     """
 
     def __init__(self, cfg: RunConfig, base_url: str, info: ModelInfo | None, unavailable: str | None, *,
-                 yes: bool, account: Account | None = None) -> None:
+                 yes: bool, account: Account | None = None, endpoints: ModelEndpoints | None = None) -> None:
         self._cfg, self._base_url, self._info, self._unavailable, self._yes = cfg, base_url, info, unavailable, yes
         self._account = account
+        #: The model's endpoints (``producer/providers.py``), printed after the plan's table.
+        self._endpoints = endpoints
         self._lock = threading.Lock()
         self._on_clear: list[Callable[[], None]] = []
         self._cleared = False
@@ -572,6 +579,8 @@ class PendingPlan:
             raise self._error
         assert self._plan is not None
         print(render(self._plan), file=out or sys.stdout, flush=True)
+        if self._endpoints is not None:
+            print(self._endpoints.render(), file=out or sys.stdout, flush=True)
         if self._problems:
             raise PlanRefused("refusing to start:\n  " + "\n  ".join(self._problems))
         return self._plan
@@ -606,7 +615,9 @@ def start_plan(cfg: RunConfig, base_url: str, *, yes: bool,
     info, unavailable = read_model(cfg, base_url)
     account = fetch_account(base_url, api_key) if api_key else None
     cfg = apply_account(cfg, info, account)
-    return apply_model(cfg, info), PendingPlan(cfg, base_url, info, unavailable, yes=yes, account=account)
+    cfg, endpoints = apply_endpoints(cfg, base_url)
+    return apply_model(cfg, info), PendingPlan(cfg, base_url, info, unavailable, yes=yes, account=account,
+                                               endpoints=endpoints)
 
 
 def check_plan(cfg: RunConfig, base_url: str, *, yes: bool, out: TextIO | None = None,

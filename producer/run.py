@@ -28,10 +28,8 @@ from common import keys
 from common.budget import Budget, open_run
 from common.config import DatasetConfig, RunConfig
 from common.contract import halt_line
-from common.datasets import ReadStats, read_prompts
 from common.errors import (
     ConfigError,
-    DatasetRowError,
     Halted,
     Interrupted,
     ProducerFenced,
@@ -43,7 +41,7 @@ from common.redis_client import CLOCK, RedisOutage
 from common.settings import Settings
 from common.stats import DatasetStats
 from common.throttle import FleetThrottle
-from producer.admission import ENQUEUE_BATCH, AdmissionControl, batches
+from producer.admission import ENQUEUE_BATCH, AdmissionControl
 from producer.collector import Collector
 from producer.dataset_run import DatasetPhase, DatasetRun, EndReason, Tuning
 from producer.finalize import finalize, write_malformed
@@ -51,6 +49,8 @@ from producer.lock import ProducerLock
 from producer.ping import warn_if_no_workers
 from producer.plan import PendingPlan
 from producer.plan_gate import PlanGate
+from producer.provenance import finish_manifest
+from producer.providers import require_pin
 from producer.refusals import WriteHold
 from producer.rows import disk_generation, output_error
 from producer.state import DatasetState, read_state
@@ -94,7 +94,8 @@ class Runner:
         self.hold = WriteHold(retry_window_s(client), where(client), notice=self._show,
                               abort=self._interrupted.is_set)
         self.lock = ProducerLock(client, self.hold)
-        self.collector = Collector(client, self.out_dir, cfg.output.shard_rows, fence=self.lock)
+        self.collector = Collector(client, self.out_dir, cfg.output.shard_rows, fence=self.lock,
+                                   truncated=cfg.request.truncated)
         self.throttle = FleetThrottle(client)
         self.gate = PlanGate(plan, self.throttle, self.hold)
         self.admission = AdmissionControl(cfg, client, app, self.lock, self.hold, self.tuning)
@@ -124,6 +125,8 @@ class Runner:
         if missing:  # before anything is enqueued: a typo in the third dataset must not wait hours
             raise ConfigError("dataset files missing\n  " + "\n  ".join(missing))
         self.cfg.require_prices()
+        self.cfg.require_batch_variant()
+        require_pin(self.cfg)
         # Above the generation that wrote any of the folders: a Redis that lost its counter
         # must not hand out a generation the folders would take for an old producer's.
         self.lock.acquire(max((disk_generation(self.out_dir / d.name) for d in self.cfg.datasets), default=0))
@@ -181,7 +184,13 @@ class Runner:
                 if self.progress is not None:
                     self.progress.close()
                 self.lock.release()
-        return [r.summary for r in self._runs if r.summary is not None]
+        summaries = [r.summary for r in self._runs if r.summary is not None]
+        if self.manifest is not None:
+            try:
+                write_manifest(self.out_dir, finish_manifest(self.manifest, summaries))
+            except OSError as exc:
+                raise output_error(self.out_dir, exc) from None
+        return summaries
 
     def _settle_plan(self, *, block: bool = False) -> None:
         """The plan gate's verdict once the counts are in; refused, every dataset's admission ends
@@ -245,31 +254,35 @@ class Runner:
         self.admission.open(run, sink.writer,
                             DatasetPhase.ADMITTING if self.gate.cleared() else DatasetPhase.PLANNING)
         previous = self._runs[-2] if len(self._runs) > 1 else None
-        errors: list[DatasetRowError] = []
-        stats = ReadStats()
-        prompts = read_prompts(ds.path, errors, stats, limit=ds.max_prompts, max_line_bytes=ds.max_line_bytes)
-        first_batch = True
-        enqueue_started = time.monotonic()
-        for batch in batches(prompts, ENQUEUE_BATCH):
-            if self._admission_over(run):
-                break
-            run.enqueued += self.admission.enqueue(run, batch)
-            if first_batch and previous is not None and previous.admission_ended_s is not None:
-                previous.switch_s = time.time() - previous.admission_ended_s
-                first_batch = False
-            self._tick()
-        run.enqueue_s = time.monotonic() - enqueue_started
-        for _ in prompts:  # count the rest of the file for the report, nothing more
-            pass
-        run.prompts, run.malformed = stats.prompts, stats.malformed + stats.duplicates
-        DatasetStats(self.client, ds.name).record_prompts(run.prompts)  # the exporter's skipped needs it
-        run.enqueue_done = True
-        write_malformed(self.out_dir, run, errors)
-        log.info("%s: %s prompts queued in %.2f s (%s malformed rows)", ds.name, f"{run.enqueued:,}",
-                 run.enqueue_s, f"{run.malformed:,}")
+        self.admission.start_window(run)
+        self.admission.fill(run)
+        if previous is not None and previous.admission_ended_s is not None and previous.switch_s is None:
+            previous.switch_s = time.time() - previous.admission_ended_s
+        # The window is refilled on each tick (``_fill``), until the file's end or admission's.
         while run.admitting:
             self._tick()
             time.sleep(TICK_S)
+
+    def _fill(self) -> None:
+        """Each admitting dataset's queue refilled to its window; a first read at its file's end counted."""
+        for r in self._runs:
+            if r.admitting and r.window is not None:
+                self.admission.fill(r)
+            if not r.enqueue_done and r.reading is not None and r.reading.exhausted:
+                self._counted(r)
+
+    def _counted(self, run: DatasetRun) -> None:
+        """The dataset's file was read to its end: its counts for the report, the exporter and the
+        "every prompt has an outcome" check."""
+        assert run.reading is not None
+        stats = run.reading.stats
+        run.prompts, run.malformed = stats.prompts, stats.malformed + stats.duplicates
+        run.enqueue_s = time.time() - run.started_s
+        DatasetStats(self.client, run.name).record_prompts(run.prompts)  # the exporter's skipped needs it
+        run.enqueue_done = True
+        write_malformed(self.out_dir, run, run.reading.errors)
+        log.info("%s: %s prompts queued of %s in the file, read in %.2f s (%s malformed rows)", run.name,
+                 f"{run.enqueued:,}", f"{run.prompts:,}", run.enqueue_s, f"{run.malformed:,}")
 
     def _admission_over(self, run: DatasetRun) -> bool:
         if self._interrupted.is_set():
@@ -303,6 +316,7 @@ class Runner:
             for r in self._runs:
                 if not r.ended and (n := self.hold(r.budget.reap)):
                     log.warning("%s: reclaimed %d expired lease(s) of dead workers", r.name, n)
+        self._fill()
         states = {r.name: read_state(self.client, r.name) for r in self._runs if not r.ended}
         for r in self._runs:
             st = states.get(r.name)
@@ -331,6 +345,8 @@ class Runner:
 
     def _check_drained(self, run: DatasetRun, st: DatasetState, now: float) -> None:
         assert run.admission_ended_s is not None
+        if not run.enqueue_done:
+            return  # the rest of its file is still being counted (producer/window.py): the summary needs it
         drained = st.in_flight == 0 and self.collector.pending(run.name) == 0
         timed_out = now - run.admission_ended_s > self.tuning.drain_timeout_s
         if not (drained or timed_out):
@@ -348,7 +364,8 @@ class Runner:
         self.lock.write(("RPUSH", run.budget.keys.timeline, json.dumps(ended)))
         run.summary = finalize(self.client, self.out_dir, run, final, run_budget_usd=self.cfg.run.budget_usd,
                                throttle=throttle_summary(self.throttle.snapshot()),
-                               shards=self.collector.add(run.name).writer.files())
+                               shards=self.collector.add(run.name).writer.files(),
+                               quantizations=self.cfg.model.quantizations, truncated_policy=self.cfg.request.truncated)
         assert run.end_reason is not None
         run.transition(DatasetPhase.ENDED)
         if self.progress is not None and hasattr(self.progress, "finish"):

@@ -21,7 +21,9 @@ Routes (``SimApp`` hands every ``/api/v1/batches…`` path here):
 ``DELETE /api/v1/batches/{id}``  purges a terminal batch; 409 while it runs. There is **no cancel**
     (``POST …/cancel`` is a 404): a submitted batch runs and is billed.
 
-Timing (``/_sim/config``): validating for ``batch_validate_s``, in progress for ``batch_run_s``
+``batch_submit_delay_s`` holds the 202 that long after the batch is stored: a client that gives up
+first has a batch it does not know of. Timing (``/_sim/config``): validating for ``batch_validate_s``,
+in progress for ``batch_run_s``
 (answers come in evenly over it), finalizing for ``batch_finalize_s``, then completed. A share
 ``batch_expire_rate`` of batches (seeded per batch) expires instead, at ``batch_expire_done`` of its
 requests answered: those results are returned and billed, the rest are not. ``batch_error_rate``
@@ -195,6 +197,8 @@ class BatchStore:
                       invalid=_invalid(requests, model, s, counter), expires=expires)
         self.batches[batch_id] = batch
         self.submitted.update(str(r.get("custom_id")) for r in requests)
+        if s.batch_submit_delay_s:
+            gevent.sleep(s.batch_submit_delay_s)  # stored, billed to come, and its answer late or lost
         return reply(start_response, 202, batch.to_json(with_results=False))
 
     # --- time passing -----------------------------------------------------------------------

@@ -82,6 +82,10 @@ class SimSettings:
     providers: tuple[str, ...] = field(
         default=("Moonshot AI", "Together", "Fireworks", "Parasail"),
         metadata=_meta("provider names to pick from (comma-separated on the CLI)"))
+    provider_quantizations: tuple[str, ...] = field(default=(), metadata=_meta(
+        "each provider's quantization, in the order of providers (the endpoints list's; missing: \"unknown\")"))
+    provider_fallback_rate: float = field(default=0.0, metadata=_meta(
+        "share of requests answered by a provider their provider preferences exclude (providers.py)", lo=0, hi=1))
     price_in_per_mtok: float = field(default=0.60, metadata=_meta("USD per 1M prompt tokens", lo=0))
     price_out_per_mtok: float = field(default=2.50, metadata=_meta(
         "USD per 1M completion tokens (reasoning included)", lo=0))
@@ -162,6 +166,8 @@ class SimSettings:
         "share of batches that expire (seeded per batch) instead of completing", lo=0, hi=1))
     batch_expire_done: float = field(default=0.5, metadata=_meta(
         "share of an expiring batch's requests answered before it expires", lo=0, hi=1))
+    batch_submit_delay_s: float = field(default=0.0, metadata=_meta(
+        "hold the answer to POST /api/v1/batches this long after the batch is stored (a lost answer)", lo=0))
     batch_error_rate: float = field(default=0.0, metadata=_meta(
         "share of batch requests (seeded per request) that fail with an error result", lo=0, hi=1))
     # --- streaming ---

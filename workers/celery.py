@@ -17,6 +17,7 @@ from common.celeryconf import celery_config
 from common.errors import PatchDrift
 from common.settings import Settings
 from workers import runtime
+from workers.batch.poll import PollBatches
 from workers.fleet import poison, stop, writes
 from workers.fleet.context import context
 from workers.fleet.events import BatchedTaskEvents
@@ -47,6 +48,7 @@ app.steps["consumer"].add(FollowActiveQueues)
 app.steps["consumer"].add(BatchedTaskEvents)
 app.steps["consumer"].add(RestoreUnacked)
 app.steps["consumer"].add(ReplaySpool)
+app.steps["consumer"].add(PollBatches)
 
 
 @setup_logging.connect
