@@ -72,6 +72,9 @@ generated as usual:
   (null: none); ``provider``: provider name.
 - ``noncanonical``: bool: with ``return_token_ids``, inject (or not) a non-canonical
   tokenization, whatever ``noncanonical_rate`` says.
+- ``ids_shape``: vllm|sglang|none: with ``return_token_ids``, where the (non-streamed) answer
+  puts the ids: ``vllm`` top-level ``prompt_token_ids`` + ``choices[0].token_ids`` (the default;
+  SGLang builds patched to match vLLM too), ``sglang`` both in ``choices[0]``, ``none`` neither.
 - ``usage``: overrides of ``prompt_tokens``, ``completion_tokens``, ``reasoning_tokens``,
   ``cached_tokens``, ``cost`` (cost is recomputed from the tokens unless given).
 

@@ -10,7 +10,7 @@ import json
 import math
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from simulator.answers import Answer, build_answer
@@ -57,8 +57,11 @@ def _engine_ids(req: ChatRequest, settings: SimSettings, script: Script | None,
     else:
         inject = rng_for(settings.seed, req.prompt_hash, "noncanonical").random() \
             < settings.noncanonical_rate
-    return engine_ids(engine_tokenizer(counter), req.messages, req.tools, answer, inject=inject,
-                      rng=rng_for(settings.seed, req.prompt_hash, "split"))
+    ids = engine_ids(engine_tokenizer(counter), req.messages, req.tools, answer, inject=inject,
+                     rng=rng_for(settings.seed, req.prompt_hash, "split"))
+    if script is not None and script.ids_shape is not None:
+        ids = replace(ids, shape=script.ids_shape)
+    return ids
 
 
 def generate(req: ChatRequest, settings: SimSettings, script: Script | None,

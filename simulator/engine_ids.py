@@ -66,6 +66,8 @@ class EngineIds:
     token_ids: list[int]
     reasoning_tokens: int
     injection: Injection | None
+    #: Where the answer puts them (``script.ID_SHAPES``).
+    shape: str = "vllm"
 
 
 class EngineTokenizer:

@@ -16,6 +16,12 @@ from simulator.kimi import message_text
 from simulator.request import BadRequest
 from simulator.settings import REASONING_FIELDS
 
+#: Where an engine answer carries its ids (``#sim`` ``ids_shape``): ``vllm`` prompt ids at the top
+#: level and the sampled ids in the choice (also SGLang builds patched that way); ``sglang`` both in
+#: the choice (SGLang's ``ChatCompletionResponseChoice``); ``none`` no ids (an engine that ignores
+#: ``return_token_ids``, as stock servers before it did).
+ID_SHAPES = ("vllm", "sglang", "none")
+
 PREFIX = "#sim "
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter", "error")
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "cost")
@@ -45,6 +51,8 @@ class Script:
     provider: str | None = None
     usage: Mapping[str, float] = field(default_factory=dict)
     noncanonical: bool = False  # engine-ids mode: inject a non-canonical tokenization
+    #: engine-ids mode: where the answer carries the ids (``ID_SHAPES``; None: vllm's places).
+    ids_shape: str | None = None
 
 
 def find_script(messages: Sequence[Mapping[str, Any]]) -> Script | None:
@@ -68,7 +76,7 @@ def find_script(messages: Sequence[Mapping[str, Any]]) -> Script | None:
 _KEYS = frozenset({
     "reasoning", "content", "tool_calls", "raw_tool_text", "finish_reason",
     "native_finish_reason", "reasoning_field", "leak_im_end", "fail_attempts", "latency_ms",
-    "retry_after_s", "provider", "usage", "noncanonical",
+    "retry_after_s", "provider", "usage", "noncanonical", "ids_shape",
 })
 
 
@@ -92,6 +100,7 @@ def _parse(spec: Mapping[str, Any]) -> Script:
         provider=_opt_str(spec, "provider"),
         usage=_usage(spec.get("usage") or {}),
         noncanonical=_bool(spec, "noncanonical"),
+        ids_shape=_choice(spec, "ids_shape", ID_SHAPES),
     )
 
 

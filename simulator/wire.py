@@ -72,7 +72,10 @@ def completion_body(*, gen_id: str, created: int, model: str, provider: str, ans
         "index": 0,
         "message": message_json(answer),
     }]
-    if ids is not None:  # vLLM's places: top-level prompt ids, the choice's sampled ids
+    if ids is not None and ids.shape == "sglang":  # SGLang's places: both in the choice
+        body["choices"][0]["prompt_token_ids"] = ids.prompt_ids
+        body["choices"][0]["token_ids"] = ids.token_ids
+    elif ids is not None and ids.shape == "vllm":  # vLLM's: top-level prompt ids, the choice's sampled ids
         body["prompt_token_ids"] = ids.prompt_ids
         body["choices"][0]["token_ids"] = ids.token_ids
     body["usage"] = usage.to_json()

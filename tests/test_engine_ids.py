@@ -153,7 +153,7 @@ def test_rows_hold_the_engines_ids_and_a_noncanonical_one_is_flagged_at_its_toke
     snap = DatasetStats(world.client, DS).read()
     assert (snap.engine_rows, snap.engine_mismatch, snap.engine_prompt_mismatch) == (2, 1, 0)
     assert (snap.failures, Budget(world.client, DS).failures()) == ({}, {})
-    kept = Budget(world.client, DS).snapshot().kept
+    kept = Budget(world.client, DS).snapshot().kept_tokens
     assert kept == len(canonical) + len(canonical) + 1  # the budget counts the engine's completion ids
 
 
@@ -210,11 +210,11 @@ def test_a_prompt_rendered_unlike_the_engines_and_a_trimmed_stop_token(world: Wo
 
 
 def test_an_engine_that_returns_no_ids_halts_the_fleet(world: World, sim: SimHandle) -> None:
-    """The simulator answers in vLLM's shape; a client reading SGLang's (ids in the choice) finds no
-    prompt ids there: a run that relies on ids must not fall back to text in silence."""
+    """The simulator answers like an engine that ignores the id flags (``ids_shape: none``): a run
+    that relies on ids must not fall back to text in silence."""
     ctx = world.start("sglang", engine_url=sim.url + "/api/v1")
     n = DEFAULT_MISCONFIG_PROMPTS
-    outcomes = [generate(ctx, world.payload(f"p{i}", {"content": "c"})) for i in range(n)]
+    outcomes = [generate(ctx, world.payload(f"p{i}", {"content": "c", "ids_shape": "none"})) for i in range(n)]
     # One after another: each earlier prompt exhausts its retries alone (the retry policy's rule for
     # a "wrong model" a single prompt may cause), the n-th distinct prompt halts the fleet.
     assert outcomes == ["failed"] * (n - 1) + ["halted"]

@@ -9,13 +9,20 @@ served model name, 5xx/timeouts retryable), plus the ids the engine sampled:
   rendered with the generation prompt) and ``choices[0].token_ids`` (the completion, with the stop
   token it sampled). Reasoning comes as ``reasoning_content`` or, in later versions, ``reasoning``
   when the server runs a ``--reasoning-parser``.
-- **SGLang** (``return_token_ids`` on ``/v1/chat/completions``, non-streaming only): both lists in
-  the choice, ``choices[0].prompt_token_ids`` and ``choices[0].token_ids`` (its ``output_ids``);
-  reasoning as ``reasoning_content``. SGLang may trim a matched stop token from ``output_ids``
-  (``no_stop_trim`` false); the row step puts the end-of-turn token back where the turn ended.
+- **SGLang** (non-streaming ``/v1/chat/completions``): ``return_token_ids`` gives
+  ``choices[0].token_ids`` (its ``output_ids``) and ``return_prompt_token_ids`` gives
+  ``choices[0].prompt_token_ids`` (sglang ``python/sglang/srt/entrypoints/openai/protocol.py``:
+  ``ChatCompletionRequest.return_prompt_token_ids``/``return_token_ids``,
+  ``ChatCompletionResponseChoice.prompt_token_ids``/``token_ids``), so both flags are sent. Builds
+  patched to answer like vLLM put ``prompt_token_ids`` at the top level instead: the prompt ids are
+  read from the choice first, then from the top level (vLLM: the other way round); stock SGLang
+  before these fields returns no ids at all. Reasoning comes as ``reasoning_content``. SGLang may
+  trim a matched stop token from ``output_ids`` (``no_stop_trim`` false); the row step puts the
+  end-of-turn token back where the turn ended.
 
 An engine that answers without ids (too old, or a proxy that drops unknown fields) is the run's
-misconfiguration, not the prompt's: every answer would be alike, so it halts like a wrong model.
+misconfiguration, not the prompt's: every answer would be alike, so it halts like a wrong model,
+naming the engine and what to upgrade (``NO_IDS_FIX``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,17 @@ from workers.upstreams.upstream import Request
 
 EngineKind = Literal["vllm", "sglang"]
 CHAT_PATH = "/v1/chat/completions"
+#: The body flags that ask each engine for its ids.
+ID_FLAGS: dict[str, dict[str, bool]] = {
+    "vllm": {"return_token_ids": True},
+    "sglang": {"return_token_ids": True, "return_prompt_token_ids": True},
+}
+#: What to do when an engine answers without them: the version that has them, and the way around.
+NO_IDS_FIX = {  # short: the halt line keeps 300 characters, the URL and model come first
+    "vllm": "upgrade vLLM to >= 0.10.2 (return_token_ids), or bypass a proxy that drops fields",
+    "sglang": "upgrade SGLang to one whose chat API takes return_prompt_token_ids, or bypass a proxy "
+              "that drops fields",
+}
 
 
 def engine_chat_url(base_url: str) -> str:
@@ -62,22 +80,23 @@ class EngineClient(OpenRouterClient):
             self._session.headers.pop("Authorization", None)
 
     def _body(self, request: Request) -> dict[str, Any]:
-        return {**request_body(request), "return_token_ids": True}
+        return {**request_body(request), **ID_FLAGS[self.kind]}
 
     def _extra_fields(self, body: dict[str, Any], choice: dict[str, Any], model: str) -> dict[str, Any]:
-        # vLLM puts the prompt ids beside the choices, SGLang inside the choice.
-        prompt = _ids((body if self.kind == "vllm" else choice).get("prompt_token_ids"))
+        # vLLM puts the prompt ids beside the choices, SGLang inside the choice (a patched SGLang
+        # beside them): each kind's own place first, then the other.
+        places = (body, choice) if self.kind == "vllm" else (choice, body)
+        prompt = _ids(next((p["prompt_token_ids"] for p in places if p.get("prompt_token_ids") is not None), None))
         completion = _ids(choice.get("token_ids"))
         if prompt is None or completion is None:
             missing = " and ".join(n for n, v in (("prompt ids", prompt), ("completion ids", completion)) if v is None)
             raise MisconfiguredError(
                 "no_token_ids",
-                f"the {self.kind} server answered without {missing}: it ignores return_token_ids "
-                "(vLLM >= 0.10.2 and a recent SGLang return them)",
+                f"the {self.kind} server answered without {missing}; {NO_IDS_FIX[self.kind]}",
                 target=f"{self.url} with model {model!r}",
                 status=200,
             )
         return {"prompt_ids": prompt, "completion_ids": completion, "provider": body.get("provider") or self.kind}
 
 
-__all__ = ["EngineClient", "EngineKind", "engine_chat_url"]
+__all__ = ["ID_FLAGS", "NO_IDS_FIX", "EngineClient", "EngineKind", "engine_chat_url"]
