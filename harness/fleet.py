@@ -43,10 +43,15 @@ def prompts(n: int, prefix: str = "p") -> list[dict[str, Any]]:
             for i in range(n)]
 
 
-def read_rows(out_dir: Path, dataset: str) -> list[dict[str, Any]]:
+def read_rows(out_dir: Path, dataset: str, *, truncated: bool = True) -> list[dict[str, Any]]:
+    """The dataset's kept rows: the shards' and (``truncated``) truncated.jsonl's, the rows cut by
+    max_tokens that ``[request] truncated = "separate"`` (the default) writes beside them."""
+    folder = out_dir / dataset
+    files = sorted(folder.glob("shard-*.jsonl")) + ([folder / "truncated.jsonl"] if truncated else [])
     rows = []
-    for shard in sorted((out_dir / dataset).glob("shard-*.jsonl")):
-        rows += [json.loads(line) for line in shard.read_text().split("\n") if line.strip()]
+    for path in files:
+        if path.exists():
+            rows += [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
     return rows
 
 
@@ -125,11 +130,14 @@ class Fleet:
         return [sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress", "--stall-s", "5", "--yes",
                 *extra]
 
-    def start_producer(self, config: Path, name: str = "producer", *extra: str) -> subprocess.Popen[bytes]:
-        return self._spawn(name, self.producer_cmd(config, *extra), self.env())
+    def start_producer(self, config: Path, name: str = "producer", *extra: str,
+                       env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """``env``: variables for this producer only (e.g. ``SPECFLEET_QUEUE_WINDOW_PROMPTS``)."""
+        return self._spawn(name, self.producer_cmd(config, *extra), self.env(**(env or {})))
 
-    def run_producer(self, config: Path, *, timeout_s: float = 180, name: str = "producer") -> str:
-        proc = self.start_producer(config, name)
+    def run_producer(self, config: Path, *, timeout_s: float = 180, name: str = "producer",
+                     env: dict[str, str] | None = None) -> str:
+        proc = self.start_producer(config, name, env=env)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -166,7 +174,7 @@ class Fleet:
         ids = Counter(r["id"] for r in rows)
         assert not [i for i, c in ids.items() if c > 1], "a prompt id appears twice across the shards"
         snap = Budget(client, dataset).snapshot()
-        assert snap.kept == sum(r["num_tokens"] for r in rows), "budget and rows disagree"
+        assert snap.kept_tokens == sum(r["num_tokens"] for r in rows), "budget and rows disagree"
         assert snap.rows == len(rows)
         for r in rows:
             assert sum(r["loss_mask"]) == r["num_tokens"]
@@ -206,11 +214,16 @@ class Fleet:
 
     def write_config(self, datasets: list[dict[str, Any]], *, timeout_s: float = 10, max_attempts: int = 4,
                      estimate_tokens: int | None = None, request: str = "", tokenizer: Path = DEMO_TOKENIZER,
-                     trust_remote_code: bool = False) -> Path:
+                     trust_remote_code: bool = False, truncated: str | None = "keep") -> Path:
+        """``truncated``: ``[request] truncated``, unless ``request`` sets it. The harness keeps rows
+        cut by max_tokens in the shards (``keep``), as every test written before the policy expects
+        (the simulator cuts a share of answers at the harness' max_tokens); None: the product's
+        default."""
+        policy = [] if truncated is None or "truncated" in request else [f'truncated = "{truncated}"']
         lines = [
             "[model]", 'name = "moonshotai/kimi-k2.5"', f'tokenizer = "{tokenizer}"',
             f"trust_remote_code = {str(trust_remote_code).lower()}", "",
-            "[request]", request or "temperature = 1.0", "",
+            "[request]", request or "temperature = 1.0", *policy, "",
             "[lengths.short]", "max_tokens = 1024", f"timeout_s = {timeout_s}",
             f"estimate_tokens = {estimate_tokens}" if estimate_tokens else "",
             "", "[lengths.long]", "max_tokens = 4096", f"timeout_s = {timeout_s}", "",

@@ -17,19 +17,22 @@ from celery import Celery
 from common import keys
 from common.config import RunConfig
 from common.contract import CONTRACT_VERSION, FOLLOW_COMMAND, TaskPayload, conversation_of
-from common.datasets import Prompt, ReadStats, read_prompts
-from common.errors import DatasetRowError
+from common.datasets import Prompt
+from common.seal import ensure_key
 from producer.dataset_run import BUDGET_END_REASONS, DatasetPhase, DatasetRun, EndReason, Tuning
-from producer.enqueue import push
+from producer.enqueue import Pushed, push_batch
 from producer.lock import ProducerLock
 from producer.refusals import WriteHold
 from producer.restore import restore_from_disk
 from producer.rows import RowWriter
 from producer.state import DatasetState
+from producer.window import PromptStream, QueueWindow
 
 log = logging.getLogger(__name__)
 
 ENQUEUE_BATCH = 1000
+#: Batches one fill reads at most: a tick stays short while a resumed run skips prompts already done.
+FILL_BATCHES = 8
 
 
 class AdmissionControl:
@@ -71,9 +74,37 @@ class AdmissionControl:
         except Exception as exc:
             log.debug("%s broadcast failed (workers follow on their next poll): %s", FOLLOW_COMMAND, exc)
 
-    def enqueue(self, run: DatasetRun, batch: list[Prompt]) -> int:
-        """Queue the prompts of ``batch`` that have no outcome yet; returns how many."""
-        return self._push(run, self._lacking_outcome(run, batch))
+    def start_window(self, run: DatasetRun, *, skip: frozenset[str] = frozenset()) -> QueueWindow:
+        """A new read of the dataset's file, queued through the window from its start; the first
+        read of a dataset is also its count (``run.reading``)."""
+        key = self.hold(lambda: ensure_key(self.client, run.name))
+        window = QueueWindow(PromptStream(run.cfg), self.tuning.window, key, skip)
+        if run.reading is None:
+            run.reading = window.stream
+        run.window = window
+        return window
+
+    def fill(self, run: DatasetRun) -> int:
+        """Refill the dataset's queue up to its window (at most ``FILL_BATCHES`` batches read, so a
+        tick stays short while a resumed run skips what is done); returns how many were queued."""
+        w = run.window
+        if w is None or w.stream.exhausted:
+            return 0
+        queued = int(self.client.llen(run.budget.keys.queue))
+        n = 0
+        for _ in range(FILL_BATCHES):
+            room = w.room(queued + n)
+            if room <= 0:
+                break
+            batch = w.stream.take(min(ENQUEUE_BATCH, room))
+            todo = self._lacking_outcome(run, [p for p in batch if p.id not in w.skip])
+            pushed = self._push(run, w, todo)
+            w.record(len(batch), pushed.messages, pushed.bytes)
+            n += pushed.messages
+            if w.stream.exhausted:
+                break
+        run.enqueued += n
+        return n
 
     def _lacking_outcome(self, run: DatasetRun, batch: list[Prompt]) -> list[Prompt]:
         if not batch:
@@ -81,7 +112,7 @@ class AdmissionControl:
         done = self.client.smismember(run.outcome_key, [p.id for p in batch])
         return [p for p, is_done in zip(batch, done, strict=True) if not is_done]
 
-    def _push(self, run: DatasetRun, prompts: list[Prompt]) -> int:
+    def _push(self, run: DatasetRun, w: QueueWindow, prompts: list[Prompt]) -> Pushed:
         payloads: list[TaskPayload] = [
             {
                 "v": CONTRACT_VERSION,
@@ -94,7 +125,8 @@ class AdmissionControl:
             }
             for p in prompts
         ]
-        return push(self.client, self.app, run.budget.keys.queue, payloads, fence=self.lock)
+        return push_batch(self.client, self.app, run.budget.keys.queue, payloads, fence=self.lock,
+                          seal_key=w.seal_key)
 
     def check(self, run: DatasetRun, st: DatasetState, now: float) -> None:
         """One look at an admitting dataset: ends its admission when the budget or the outcomes say
@@ -108,7 +140,7 @@ class AdmissionControl:
         if outcomes >= run.prompts:
             self.end(run, EndReason.COMPLETE)
             return
-        if st.queued or st.in_flight:
+        if st.queued or st.in_flight or (run.window is not None and not run.window.stream.exhausted):
             run.idle_since_s = None
             return
         if run.idle_since_s is None:
@@ -127,20 +159,13 @@ class AdmissionControl:
                     run.name, run.prompts - outcomes, requeued, run.sweeps)
 
     def sweep(self, run: DatasetRun) -> int:
-        """Re-enqueue prompts with no outcome (a message lost with a Redis that did not persist)."""
+        """Re-enqueue prompts with no outcome (a message lost with a Redis that did not persist):
+        the file read again through a window of its own; returns how many its first fill queued."""
         # A conversation's failure is its failed turn's (row key "<id>#<turn>").
-        failed = set(k.decode() if run.cfg.regenerate == "last" else conversation_of(k.decode())
-                     for k in self.client.hkeys(run.budget.keys.failed))
-        errors: list[DatasetRowError] = []
-        n = 0
-        for batch in batches(read_prompts(run.cfg.path, errors, ReadStats(), limit=run.cfg.max_prompts,
-                                            max_line_bytes=run.cfg.max_line_bytes),
-                             ENQUEUE_BATCH):
-            todo = self._lacking_outcome(run, [p for p in batch if p.id not in failed])
-            if n < 10 and todo:  # which ones, so a lost message can be traced
-                log.info("%s: sweeping %s", run.name, ", ".join(p.id for p in todo))
-            n += self._push(run, todo)
-        return n
+        failed = frozenset(k.decode() if run.cfg.regenerate == "last" else conversation_of(k.decode())
+                           for k in self.client.hkeys(run.budget.keys.failed))
+        self.start_window(run, skip=failed)
+        return self.fill(run)
 
     def end(self, run: DatasetRun, reason: EndReason) -> None:
         run.transition(DatasetPhase.DRAINING, reason)
@@ -156,6 +181,9 @@ class AdmissionControl:
             self.lock.refresh()
             self.hold(run.budget.close)
         purged = int(self.lock.write(("LLEN", k.queue), ("DEL", k.queue))[0])
+        run.window = None
+        if run.reading is not None and not run.reading.exhausted:
+            run.reading.count_rest_in_background()  # the report's counts, while the next dataset starts
         try:
             self.app.control.cancel_consumer(k.queue)
         except Exception as exc:  # workers also drop it on their next poll
@@ -181,7 +209,8 @@ class AdmissionControl:
         self.hold(lambda: run.budget.open(run.cfg.budget_tokens, run.cfg.budget_usd, self.cfg.run.budget_mode))
         self.follow(run.budget.keys.queue)
         queued = self.sweep(run)
-        if not queued:
+        if not queued and run.window is not None and run.window.stream.exhausted:
+            run.window = None
             self.lock.write(("HDEL", keys.ACTIVE_QUEUES, run.budget.keys.queue))
             return False
         run.top_ups += 1

@@ -181,8 +181,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from producer.plan import check_plan
 
     settings = Settings.from_env()
-    check_plan(load_config(args.config), settings.openrouter_base_url, yes=args.yes,
-               api_key=settings.openrouter_api_key)
+    cfg = load_config(args.config)
+    check_plan(cfg, settings.openrouter_base_url, yes=args.yes, api_key=settings.openrouter_api_key)
+    if settings.redis_url:  # the Redis the run will use: does its maxmemory hold what the run needs?
+        from producer import redis_memory
+        from producer.window import WindowBounds
+
+        window = WindowBounds(settings.queue_window_prompts, settings.queue_window_bytes)
+        try:
+            _, line = redis_memory.check(connect(settings.redis_url, SCRAPE_REDIS_WINDOW_S), cfg, window)
+        except Exception as exc:  # the plan is printed: an unreachable Redis only leaves this unknown
+            line = f"Redis memory: not checked ({type(exc).__name__}: {exc})"
+        print(line)
     return 0
 
 

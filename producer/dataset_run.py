@@ -32,6 +32,7 @@ from common.config import DatasetConfig
 from common.errors import IllegalTransition
 from producer.state import DatasetState
 from producer.summary import Summary
+from producer.window import PromptStream, QueueWindow, WindowBounds
 
 
 class DatasetPhase(StrEnum):
@@ -93,6 +94,8 @@ class Tuning:
     drain_timeout_s: float = 4 * 3600.0
     #: Rounds that refill the room a budget stop left (see producer/admission.py's top_up).
     max_top_ups: int = 3
+    #: How much of a dataset the producer keeps queued (producer/window.py).
+    window: WindowBounds = field(default_factory=WindowBounds)
 
 
 @dataclass
@@ -121,6 +124,10 @@ class DatasetRun:
     switch_s: float | None = None
     enqueue_s: float | None = None
     summary: Summary | None = None
+    #: The first read of the file, which counts it (``prompts``, ``malformed``) as it is queued.
+    reading: PromptStream | None = None
+    #: The read being queued now (the first, or a sweep's); None once admission ended.
+    window: QueueWindow | None = None
 
     @property
     def name(self) -> str:

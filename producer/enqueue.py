@@ -16,7 +16,7 @@ import socket
 from collections.abc import Iterable, Sequence
 from json.encoder import encode_basestring_ascii
 from operator import itemgetter
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgpack
 import redis
@@ -24,7 +24,7 @@ from celery import Celery
 from kombu.serialization import dumps
 
 from common.contract import TASK_NAME, TaskPayload
-from common.keys import DatasetKeys
+from common.seal import ensure_key, seal
 
 _ORIGIN = f"specfleet-producer@{socket.gethostname()}:{os.getpid()}"
 
@@ -119,21 +119,34 @@ class FencedWrite(Protocol):
     def write(self, *commands: Sequence[Any]) -> list[Any]: ...
 
 
+class Pushed(NamedTuple):
+    messages: int
+    #: The messages' bytes as Redis stores them (the window's byte bound counts these).
+    bytes: int
+
+
 def push(client: redis.Redis, app: Celery, queue: str, payloads: Iterable[TaskPayload], *,
-         fence: FencedWrite | None = None) -> int:
-    """LPUSH one batch of task messages in one round trip; returns how many were pushed.
-    ``fence``: pushed only while the producer lock is ours (a paused producer that lost it must
-    not queue a stale batch beside the new holder's)."""
+         fence: FencedWrite | None = None, seal_key: bytes | None = None) -> int:
+    """``push_batch``, counting messages only."""
+    return push_batch(client, app, queue, payloads, fence=fence, seal_key=seal_key).messages
+
+
+def push_batch(client: redis.Redis, app: Celery, queue: str, payloads: Iterable[TaskPayload], *,
+               fence: FencedWrite | None = None, seal_key: bytes | None = None) -> Pushed:
+    """LPUSH one batch of task messages in one round trip, each payload sealed (common/seal.py:
+    ``seal_key``, or the dataset's key read from Redis). ``fence``: pushed only while the producer
+    lock is ours (a paused producer that lost it must not queue a stale batch beside the new holder's)."""
     batch = list(payloads)
     if not batch:
-        return 0
+        return Pushed(0, 0)
+    dataset = batch[0]["dataset"]
+    key = seal_key if seal_key is not None else ensure_key(client, dataset)
     template = MessageTemplate(app, queue)
     ids = random_uuids(2 * len(batch))
-    messages = [template.render(p, ids[2 * i], ids[2 * i + 1]) for i, p in enumerate(batch)]
-    # The ids before their messages: a worker runs only an id it finds there (workers/fleet/poison.py).
-    known = ("SADD", DatasetKeys(batch[0]["dataset"]).ids, *{p["id"] for p in batch})
+    messages = [template.render({**p, "seal": seal(key, dataset, p["id"])}, ids[2 * i], ids[2 * i + 1])
+                for i, p in enumerate(batch)]
     if fence is not None:
-        fence.write(known, ("LPUSH", queue, *messages))
+        fence.write(("LPUSH", queue, *messages))
     else:
-        client.pipeline(transaction=False).execute_command(*known).lpush(queue, *messages).execute()
-    return len(messages)
+        client.lpush(queue, *messages)
+    return Pushed(len(messages), sum(map(len, messages)))

@@ -58,6 +58,7 @@ def execute(
     from producer.run import Runner, Tuning
     from producer.state import read_timeline
     from producer.summary import report_line
+    from producer.window import WindowBounds
 
     client = connect(redis_url, settings.redis_retry_window_s)
     if metrics_port:
@@ -71,7 +72,8 @@ def execute(
         client,
         make_app(settings, redis_url),
         progress=ProgressView(names) if progress else None,
-        tuning=Tuning(stall_s=stall_s) if stall_s else Tuning(),
+        tuning=Tuning(stall_s=stall_s or Tuning.stall_s,
+                      window=WindowBounds(settings.queue_window_prompts, settings.queue_window_bytes)),
         plan=plan,
     )
     threading.Thread(target=_stop_while_away, args=(runner, redis_url, cfg.output.dir), name="stop-watch",

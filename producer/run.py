@@ -41,6 +41,7 @@ from common.redis_client import CLOCK, RedisOutage
 from common.settings import Settings
 from common.stats import DatasetStats
 from common.throttle import FleetThrottle
+from producer import redis_memory
 from producer.admission import ENQUEUE_BATCH, AdmissionControl
 from producer.collector import Collector
 from producer.dataset_run import DatasetPhase, DatasetRun, EndReason, Tuning
@@ -155,6 +156,7 @@ class Runner:
                               "started_s": time.time(), "out_dir": str(self.out_dir)})
         hold(lambda: self.client.set(keys.CURRENT_RUN, current))
         self.collector.start()
+        threading.Thread(target=self._check_redis_memory, name="redis-memory", daemon=True).start()
         fenced = False
         CLOCK.observe(self._outage_notice)
         spent = hold(lambda: open_run(self.client, self.cfg.run.budget_usd, [d.name for d in self.cfg.datasets]))
@@ -191,6 +193,15 @@ class Runner:
             except OSError as exc:
                 raise output_error(self.out_dir, exc) from None
         return summaries
+
+    def _check_redis_memory(self) -> None:
+        """The run's Redis memory estimated from its files' bytes, against maxmemory (a warning when under)."""
+        try:
+            too_small, line = redis_memory.check(self.client, self.cfg, self.tuning.window)
+        except Exception as exc:  # an estimate: never worth stopping the run for
+            log.debug("Redis memory estimate failed: %s", exc)
+            return
+        (log.warning if too_small else log.info)("%s", line)
 
     def _settle_plan(self, *, block: bool = False) -> None:
         """The plan gate's verdict once the counts are in; refused, every dataset's admission ends

@@ -8,11 +8,13 @@ import json
 import uuid
 from typing import Any
 
+import msgpack
 import pytest
 import redis
 from celery import Celery, Task
 
 from common.contract import CONTRACT_VERSION, TASK_NAME, TaskPayload
+from common.seal import ensure_key, seal
 from common.settings import Settings
 from producer.celery_app import make_app
 from producer.enqueue import push, random_uuids
@@ -70,8 +72,10 @@ def test_the_hand_built_message_is_what_apply_async_pushes(redis_client: redis.R
     ours = _pop(redis_client)
 
     argsrepr = f"({payload['dataset']}/{payload['id']})"
+    # push seals the payload (common/seal.py): apply_async is given the sealed one.
+    sealed: TaskPayload = {**payload, "seal": seal(ensure_key(redis_client, "E"), "E", prompt_id)}
     with app.producer_or_acquire() as producer:  # the task as workers declare it, sent to this Redis
-        _worker_task(monkeypatch, app).apply_async(args=(payload,), queue=QUEUE, argsrepr=argsrepr,
+        _worker_task(monkeypatch, app).apply_async(args=(sealed,), queue=QUEUE, argsrepr=argsrepr,
                                                    kwargsrepr="{}", producer=producer)
     theirs = _pop(redis_client)
 
@@ -96,3 +100,28 @@ def test_the_ids_are_distinct_random_version_4_uuids() -> None:
     assert {u.version for u in parsed} == {4} and {u.variant for u in parsed} == {uuid.RFC_4122}
     assert len(set(ids)) == len(ids)
     assert len({i[:8] for i in ids}) > 1_900  # random bits, not a counter
+
+
+def test_a_worker_runs_only_what_the_producer_sealed(redis_client: redis.Redis) -> None:
+    """The seal replaces a SET of every enqueued id: a pushed message passes the worker's check, the
+    same payload with another id, or a seal under another dataset's key, does not."""
+    from workers.fleet import poison
+
+    app = _app(redis_client)
+    push(redis_client, app, QUEUE, [_payload("p7")])
+    raw = redis_client.rpop(QUEUE)
+    assert raw is not None
+    body = msgpack.unpackb(base64.b64decode(json.loads(raw)["body"]), raw=False)
+    payload = body[0][0]
+    assert redis_client.exists("specfleet:ds:E:ids") == 0  # no per-prompt state in Redis
+
+    def check(p: dict[str, Any]) -> str | None:
+        refusal = poison.check_task(redis_client, p, None, None, lambda run: ["E", "F"])
+        return None if refusal is None else refusal.reason
+
+    assert check(payload) is None
+    assert check({**payload, "id": "p8"}) == poison.UNKNOWN_ID
+    assert check({k: v for k, v in payload.items() if k != "seal"}) == poison.UNKNOWN_ID
+    other = seal(ensure_key(redis_client, "F"), "F", "p7")
+    assert check({**payload, "dataset": "F", "seal": other}) is None
+    assert check({**payload, "seal": other}) == poison.UNKNOWN_ID

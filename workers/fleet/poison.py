@@ -12,8 +12,9 @@ first place that can make it:
   JSON object without properties made it drop and rebuild its broker connection.
 - **Before the prompt's first step** (``check_task``, from workers/pipeline/task.py; Redis reads, so in the
   task's own greenlet): the payload's run must be the run its queue serves (``keys.ACTIVE_QUEUES``),
-  its dataset the queue's and one of the run's, and its id one the producer enqueued
-  (``DatasetKeys.ids``, written with the messages). An id not in the file would otherwise be asked,
+  its dataset the queue's and one of the run's, and its id one the producer sealed (``seal``: an
+  HMAC of the id under the dataset's key, common/seal.py; the key is read once per process and again
+  when a seal does not match it). An id not in the file would otherwise be asked,
   paid for and counted as one of the dataset's prompts (a row, or a failure, of a prompt the file
   does not have, and the run's "every prompt has an outcome" reached one real prompt early).
 
@@ -40,7 +41,7 @@ from typing import Any
 import msgpack
 import redis
 
-from common import keys
+from common import keys, seal
 from common.contract import CONTRACT_VERSION, IDLE_QUEUE, TASK_NAME
 from common.errors import PoisonMessage
 from common.logs import RedactSecrets
@@ -160,9 +161,25 @@ def check_task(client: redis.Redis, payload: dict[str, Any], queue: str | None, 
         return Refusal(RUN, f"run {run!r:.40} is not in this Redis")
     if dataset not in datasets:
         return Refusal(DATASET, f"run {run} has no dataset {dataset!r:.60}")
-    if not client.sismember(keys.DatasetKeys(dataset).ids, payload["id"]):
+    if not _sealed(client, dataset, payload["id"], payload.get("seal")):
         return Refusal(UNKNOWN_ID, f"{dataset}/{payload['id']!s:.80} was never enqueued: not a prompt of the file")
     return None
+
+
+#: Dataset -> its seal key, as this process last read it.
+_SEAL_KEYS: dict[str, bytes] = {}
+
+
+def _sealed(client: redis.Redis, dataset: str, prompt_id: str, claimed: object) -> bool:
+    key = _SEAL_KEYS.get(dataset)
+    if key is not None and seal.sealed(key, dataset, prompt_id, claimed):
+        return True
+    # Not read yet, or the key changed (a Redis that lost it and a producer that made another).
+    key = seal.read_key(client, dataset)
+    if key is None:
+        return False
+    _SEAL_KEYS[dataset] = key
+    return seal.sealed(key, dataset, prompt_id, claimed)
 
 
 def dead_letter(client: redis.Redis, raw: bytes, queue: str, refusal: Refusal, *,
