@@ -99,8 +99,10 @@ class Collector:
     """One thread draining the results streams of every open dataset."""
 
     def __init__(self, client: redis.Redis, out_dir: Path, shard_rows: int, row_format: str = "jsonl",
-                 fence: FencedWriter | None = None) -> None:
-        """``fence``: the producer lock (tests and benches may run a collector without one)."""
+                 fence: FencedWriter | None = None, truncated: str = "keep") -> None:
+        """``fence``: the producer lock (tests and benches may run a collector without one);
+        ``truncated``: where rows cut by max_tokens go (``[request] truncated``)."""
+        self._truncated = truncated
         self._client = client
         self._fence = fence
         self._out_dir = out_dir
@@ -118,7 +120,8 @@ class Collector:
         with self._lock:
             sink = self._sinks.get(dataset)
             if sink is None:
-                writer = open_writer(self._out_dir / dataset, self._shard_rows, self._row_format, self._fence)
+                writer = open_writer(self._out_dir / dataset, self._shard_rows, self._row_format, self._fence,
+                                     self._truncated)
                 sink = self._sinks[dataset] = DatasetSink(dataset, writer)
             return sink
 

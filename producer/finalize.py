@@ -16,6 +16,7 @@ from common import keys
 from common.contract import conversation_of
 from common.errors import DatasetRowError
 from producer.dataset_run import DatasetRun
+from producer.provenance import read_mix
 from producer.rows import atomic_write
 from producer.state import DatasetState
 from producer.summary import Summary, report_line, summary_counts
@@ -90,8 +91,10 @@ def build_summary(run: DatasetRun, st: DatasetState, failures: dict[str, Any], *
 
 
 def finalize(client: redis.Redis, out_dir: Path, run: DatasetRun, st: DatasetState, *,
-             run_budget_usd: float | None, throttle: dict[str, Any], shards: list[str]) -> Summary:
-    """failed.jsonl and summary.json of a drained dataset; the summary's line logged."""
+             run_budget_usd: float | None, throttle: dict[str, Any], shards: list[str],
+             quantizations: dict[str, str] | None = None, truncated_policy: str = "keep") -> Summary:
+    """failed.jsonl and summary.json of a drained dataset; the summary's line logged, and a warning
+    when more than one provider or quantization served its rows."""
     folder = dataset_dir(out_dir, run)
     failures = run.budget.failures()
     lines = [json.dumps({"id": pid, **f}, ensure_ascii=False) for pid, f in sorted(failures.items())]
@@ -99,6 +102,11 @@ def finalize(client: redis.Redis, out_dir: Path, run: DatasetRun, st: DatasetSta
     conversations = conversation_counts(client, run.budget.keys) if run.cfg.regenerate == "all" else None
     summary = build_summary(run, st, failures, run_budget_usd=run_budget_usd, throttle=throttle, shards=shards,
                             conversations=conversations)
+    mix = read_mix(folder, quantizations)
+    summary.providers, summary.truncated_rows = mix.providers, mix.truncated_rows
+    summary.provider_warning, summary.truncated_policy = mix.warning(), truncated_policy
+    if summary.provider_warning:
+        log.warning("%s: %s", run.name, summary.provider_warning)
     atomic_write(folder / "summary.json", summary.dumps())
     log.info("%s", report_line(summary))
     return summary

@@ -8,6 +8,7 @@ writing.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
 from common.accounting import COUNTERS, USD
+from common.manifest import MANIFEST
 from producer.progress import fmt_duration, fmt_tokens
 from producer.summary import Summary
 
@@ -62,7 +64,8 @@ def write_report(
     _write_png(png, plain, timelines)
     md = out_dir / REPORT_MD
     tmp = md.with_suffix(".md.tmp")
-    tmp.write_text(render_markdown(plain, timelines, png_name=png.name), encoding="utf-8")
+    manifest = _manifest(out_dir)
+    tmp.write_text(render_markdown(plain, timelines, png_name=png.name, manifest=manifest), encoding="utf-8")
     tmp.replace(md)  # a reader never sees half a report
     return md
 
@@ -231,8 +234,48 @@ def _conversations(summaries: Sequence[dict[str, Any]]) -> list[str]:
     return ["## Conversations (every turn regenerated)", "", *lines, ""] if lines else []
 
 
+def _manifest(out_dir: Path) -> dict[str, Any] | None:
+    """``OUT/manifest.json`` as plain data (None: absent or unreadable: the report is still written)."""
+    try:
+        data = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _provenance(summaries: Sequence[dict[str, Any]], manifest: dict[str, Any] | None) -> list[str]:
+    """What made the rows (the manifest's summary) and, per dataset, who served them and the rows
+    cut by max_tokens."""
+    lines: list[str] = []
+    if manifest is not None:
+        tok = manifest.get("tokenizer") or {}
+        files = tok.get("files") or {}
+        file_list = ", ".join(f"`{name}` {str(sha)[:12]}" for name, sha in sorted(files.items()))
+        template = str(manifest.get("chat_template_sha256") or "-")[:12]
+        lines += [
+            f"- manifest `{manifest.get('manifest_id', '?')}` (manifest.json; every row's `manifest`) · specfleet "
+            f"{manifest.get('specfleet_version', '?')} · {manifest.get('started_at', '?')} → "
+            f"{manifest.get('ended_at') or 'running'}",
+            f"- model `{manifest.get('model', '?')}` · tokenizer `{tok.get('source', '?')}` revision "
+            f"{tok.get('revision') or '-'} ({file_list or 'no files'}) · chat template sha256 {template}",
+            f"- providers `{manifest.get('providers_policy', '?')}`, preferences "
+            f"`{json.dumps(manifest.get('provider'), sort_keys=True)}` · truncated rows "
+            f"`{manifest.get('truncated_policy', '?')}` · request "
+            f"`{json.dumps(manifest.get('request'), sort_keys=True)}`",
+        ]
+    for s in summaries:
+        mix = s.get("providers") or {}
+        shown = ", ".join(f"{k} {int(v):,}" for k, v in sorted(mix.items(), key=lambda kv: -kv[1])) or "no rows"
+        cut = int(_num(s, "truncated_rows") or 0)
+        lines.append(f"- **{s.get('dataset', '?')}**: rows by provider|quantization: {shown} · truncated "
+                     f"(finish_reason length) {cut:,} rows, `{s.get('truncated_policy', 'keep')}`"
+                     + (f" · **warning**: {s['provider_warning']}" if s.get("provider_warning") else ""))
+    return ["## Provenance", "", *lines, ""] if lines else []
+
+
 def render_markdown(
-    summaries: list[dict[str, Any]], timelines: dict[str, list[dict[str, Any]]], *, png_name: str = REPORT_PNG
+    summaries: list[dict[str, Any]], timelines: dict[str, list[dict[str, Any]]], *, png_name: str = REPORT_PNG,
+    manifest: dict[str, Any] | None = None,
 ) -> str:
     rows = [table_row(s) for s in summaries]
     if len(summaries) > 1:
@@ -251,6 +294,7 @@ def render_markdown(
         "",
         f"![budget consumption and throughput over time]({png_name})",
         "",
+        *_provenance(summaries, manifest),
         *_conversations(summaries),
         *_throttle_section(summaries),
         *_engine_ids(summaries),

@@ -37,6 +37,14 @@ from common.errors import OutputError, ProducerFenced
 log = logging.getLogger(__name__)
 
 CHECKPOINT = ".checkpoint.json"
+#: ``[request] truncated = "separate"``: rows cut by max_tokens, full, beside the shards.
+TRUNCATED_FILE = "truncated.jsonl"
+#: ``truncated = "drop"``: one stub per dropped row (its id, tokens, cost, provider: no text, no ids),
+#: so a resumed run counts it as kept (billed is billed) and never asks for it again.
+DROPPED_FILE = "dropped.jsonl"
+#: What a dropped row's stub keeps.
+STUB_FIELDS = ("id", "key", "turn", "where", "finish_reason", "num_tokens", "usage", "provider", "quantization",
+               "model", "generation_id", "manifest", "conversation_end")
 #: Held (flock) by a writer around each batch and its checkpoint, and around recovery.
 FOLDER_LOCK = ".lock"
 #: How often a writer waiting for the folder's lock says so.
@@ -112,6 +120,11 @@ class Checkpoint:
     #: The producer lock's generation and owner that wrote it (0, "": a writer without a lock).
     generation: int = 0
     owner: str = ""
+    #: Durable bytes and rows of truncated.jsonl and dropped.jsonl (part of ``rows``).
+    truncated_offset: int = 0
+    truncated_rows: int = 0
+    dropped_offset: int = 0
+    dropped_rows: int = 0
 
 
 def stream_id(text: str) -> tuple[int, int]:
@@ -154,6 +167,53 @@ def jsonl_line(row: dict[str, Any]) -> bytes:
     return line + b"\n"
 
 
+def is_truncated(row: dict[str, Any]) -> bool:
+    """Cut by max_tokens: the answer never reached its end."""
+    return row.get("finish_reason") == "length"
+
+
+def dropped_stub(row: dict[str, Any]) -> dict[str, Any]:
+    """A dropped row as ``dropped.jsonl`` keeps it. A regenerated turn keeps its message (the
+    conversation's history for a resumed run), nothing else of its text."""
+    stub = {k: row[k] for k in STUB_FIELDS if k in row}
+    if "key" in row:
+        stub["conversations"] = row["conversations"][-1:]
+    return stub
+
+
+def _write_at(path: Path, offset: int, data: bytes) -> int:
+    """``data`` at ``offset`` (what a failed write left after it is overwritten), fsynced; the new end."""
+    with path.open("r+b" if path.exists() else "wb") as fh:
+        fh.seek(offset)
+        fh.write(data)
+        fh.truncate()
+        fh.flush()
+        os.fsync(fh.fileno())
+        return fh.tell()
+
+
+def _cut_to(path: Path, offset: int) -> None:
+    if path.exists() and path.stat().st_size > offset:
+        log.warning("%s: truncating %s to checkpoint (%d bytes)", path.parent.name, path.name, offset)
+        with path.open("r+b") as fh:
+            fh.truncate(offset)
+            os.fsync(fh.fileno())
+
+
+def _read_rows(path: Path, end: int | None) -> Iterator[dict[str, Any]]:
+    """The rows of a JSONL file up to byte ``end`` (None: all)."""
+    if not path.exists():
+        return
+    read = 0
+    with path.open("rb") as fh:
+        for line in fh:
+            read += len(line)
+            if end is not None and read > end:
+                break
+            if line.strip():
+                yield json.loads(line)
+
+
 def shard_path(dataset_dir: Path, shard: int) -> Path:
     return dataset_dir / f"shard-{shard:05d}.jsonl"
 
@@ -179,10 +239,15 @@ class JsonlShards:
     and the batch's rows at or before its position are skipped: no interleaving loses or repeats a row.
     """
 
-    def __init__(self, dataset_dir: Path, shard_rows: int, fence: Fence | None = None) -> None:
+    def __init__(self, dataset_dir: Path, shard_rows: int, fence: Fence | None = None,
+                 truncated: str = "keep") -> None:
+        """``truncated``: where rows cut by max_tokens go (``[request] truncated``): ``keep`` in the
+        shards, ``separate`` in truncated.jsonl, ``drop`` as stubs in dropped.jsonl. Each batch's
+        rows, wherever they go, are durable with its one checkpoint."""
         self.dir = dataset_dir
         self.shard_rows = shard_rows
         self.fence = fence
+        self.truncated = truncated
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -254,12 +319,9 @@ class JsonlShards:
 
     def _recover(self) -> None:
         try:
-            path = shard_path(self.dir, self.cp.shard)
-            if path.exists() and path.stat().st_size > self.cp.offset:
-                log.warning("%s: truncating %s to checkpoint (%d bytes)", self.dir.name, path.name, self.cp.offset)
-                with path.open("r+b") as fh:
-                    fh.truncate(self.cp.offset)
-                    os.fsync(fh.fileno())
+            _cut_to(shard_path(self.dir, self.cp.shard), self.cp.offset)
+            _cut_to(self.dir / TRUNCATED_FILE, self.cp.truncated_offset)
+            _cut_to(self.dir / DROPPED_FILE, self.cp.dropped_offset)
             for stale in self.dir.glob("shard-*.jsonl"):
                 if _shard_number(stale) > self.cp.shard:
                     log.warning("%s: removing %s, opened after the checkpoint", self.dir.name, stale.name)
@@ -285,9 +347,18 @@ class JsonlShards:
         cp = self.cp
         if self.fence is not None:
             cp = replace(cp, generation=self.fence.generation, owner=self.fence.owner)
-        lines = [jsonl_line(r) for r in rows]
+        kept, cut = (rows, []) if self.truncated == "keep" else _split(rows)
+        lines = [jsonl_line(r) for r in kept]
         path = shard_path(self.dir, cp.shard)
         try:
+            if cut and self.truncated == "separate":
+                path = self.dir / TRUNCATED_FILE
+                end = _write_at(path, cp.truncated_offset, b"".join(jsonl_line(r) for r in cut))
+                cp = replace(cp, truncated_offset=end, truncated_rows=cp.truncated_rows + len(cut))
+            elif cut:
+                path = self.dir / DROPPED_FILE
+                end = _write_at(path, cp.dropped_offset, b"".join(jsonl_line(dropped_stub(r)) for r in cut))
+                cp = replace(cp, dropped_offset=end, dropped_rows=cp.dropped_rows + len(cut))
             while lines:
                 room = self.shard_rows - cp.rows_in_shard
                 if room <= 0:
@@ -297,13 +368,8 @@ class JsonlShards:
                 path = shard_path(self.dir, cp.shard)
                 # At the checkpoint's offset, not appended: bytes a failed write left behind
                 # are overwritten, so writing a batch again never writes it twice.
-                with path.open("r+b" if path.exists() else "wb") as fh:
-                    fh.seek(cp.offset)
-                    fh.write(b"".join(chunk))
-                    fh.truncate()
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                    cp = replace(cp, offset=fh.tell(), rows_in_shard=cp.rows_in_shard + len(chunk))
+                end = _write_at(path, cp.offset, b"".join(chunk))
+                cp = replace(cp, offset=end, rows_in_shard=cp.rows_in_shard + len(chunk))
             cp = replace(cp, rows=cp.rows + len(rows), last_id=last_id)
             path = self.dir / CHECKPOINT
             self._save_checkpoint(cp)
@@ -324,31 +390,33 @@ class JsonlShards:
         files.atomic_write(self.dir / CHECKPOINT, json.dumps(asdict(cp)).encode())
 
     def iter_kept(self) -> Iterator[dict[str, Any]]:
+        """The shards' rows, then truncated.jsonl's and dropped.jsonl's stubs (the budget kept them all)."""
         for shard in range(self.cp.shard + 1):
-            path = shard_path(self.dir, shard)
-            if not path.exists():
-                continue
-            end = self.cp.offset if shard == self.cp.shard else None
-            read = 0
-            with path.open("rb") as fh:
-                for line in fh:
-                    read += len(line)
-                    if end is not None and read > end:
-                        break
-                    if line.strip():
-                        yield json.loads(line)
+            yield from _read_rows(shard_path(self.dir, shard), self.cp.offset if shard == self.cp.shard else None)
+        yield from _read_rows(self.dir / TRUNCATED_FILE, self.cp.truncated_offset)
+        yield from _read_rows(self.dir / DROPPED_FILE, self.cp.dropped_offset)
 
     def files(self) -> list[str]:
         return sorted(p.name for p in self.dir.glob("shard-*.jsonl") if _shard_number(p) <= self.cp.shard)
 
 
+def _split(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    kept: list[dict[str, Any]] = []
+    cut: list[dict[str, Any]] = []
+    for row in rows:
+        (cut if is_truncated(row) else kept).append(row)
+    return kept, cut
+
+
 #: Output formats by name: a new one is a class with RowWriter's methods and a line here.
-ROW_FORMATS: dict[str, Callable[[Path, int, Fence | None], RowWriter]] = {"jsonl": JsonlShards}
+ROW_FORMATS: dict[str, Callable[[Path, int, Fence | None, str], RowWriter]] = {"jsonl": JsonlShards}
 
 
-def open_writer(dataset_dir: Path, shard_rows: int, fmt: str = "jsonl", fence: Fence | None = None) -> RowWriter:
+def open_writer(dataset_dir: Path, shard_rows: int, fmt: str = "jsonl", fence: Fence | None = None,
+                truncated: str = "keep") -> RowWriter:
     """The writer for one dataset's folder, recovered to its last durable position; ``fence``: the
-    producer lock whose generation the writer checks and records."""
-    writer = ROW_FORMATS[fmt](dataset_dir, shard_rows, fence)
+    producer lock whose generation the writer checks and records; ``truncated``: the policy for
+    rows cut by max_tokens."""
+    writer = ROW_FORMATS[fmt](dataset_dir, shard_rows, fence, truncated)
     writer.recover()
     return writer

@@ -70,6 +70,14 @@ class Summary(Counted):
     conversations_partial: int | None = None
     #: Kept turns per conversation (a histogram: turns -> conversations, those with at least one).
     turns_per_conversation: dict[str, int] = field(default_factory=dict)
+    #: The rows' provider mix: ``"<provider>|<quantization>"`` -> rows in the folder (all runs), and
+    #: the warning when more than one provider or quantization served them (``producer/provenance.py``).
+    providers: dict[str, int] = field(default_factory=dict)
+    provider_warning: str | None = None
+    #: Where rows cut by max_tokens went (``[request] truncated``), and how many the folder holds or
+    #: dropped (all runs; the ``truncated`` counter is this run's billed answers cut, kept or not).
+    truncated_policy: str = "keep"
+    truncated_rows: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return ordered(asdict(self), Summary)
@@ -112,6 +120,7 @@ def report_line(s: Summary) -> str:
         f"completion tokens · {s.wall_s:.1f} s"
         + (f" · 429s {100 * s.throttle['throttled_share']:.1f}%" if s.throttle else "")
         + (f" · dead letters {s.dead_letters:,} (not prompts: `specfleet status`)" if s.dead_letters else "")
+        + (f" · truncated {s.truncated_rows:,} ({s.truncated_policy})" if s.truncated_rows else "")
     )
 
 

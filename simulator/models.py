@@ -12,6 +12,7 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
+from simulator.providers import quantization
 from simulator.settings import SimSettings
 
 CREATED = 1769040000  # a fixed listing date, so the catalogue is the same in every run
@@ -108,7 +109,7 @@ def endpoints_json(model_id: str, s: SimSettings) -> dict[str, Any] | None:
         "pricing": pricing_json(s),
         "provider_name": provider,
         "tag": provider.lower().replace(" ", "-"),
-        "quantization": "unknown",
+        "quantization": quantization(s, provider),
         "max_completion_tokens": s.max_completion_tokens,
         "max_prompt_tokens": None,
         "supported_parameters": list(SUPPORTED_PARAMETERS),

@@ -37,6 +37,8 @@ class ChatRequest:
     prompt_hash: str
     #: vLLM's switch (engine_ids.py): answer with prompt_token_ids and each choice's token_ids
     return_token_ids: bool = False
+    #: OpenRouter's ``provider`` preferences (only, ignore, order, allow_fallbacks …: providers.py)
+    provider: dict[str, Any] | None = None
 
 
 def parse_chat_request(raw: bytes, *, default_model: str) -> ChatRequest:
@@ -65,7 +67,20 @@ def parse_chat_request(raw: bytes, *, default_model: str) -> ChatRequest:
         reasoning=_reasoning(body),
         prompt_hash=prompt_hash(messages),
         return_token_ids=_flag(body, "return_token_ids"),
+        provider=_provider(body.get("provider")),
     )
+
+
+def _provider(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BadRequest("provider: expected an object")
+    for key in ("only", "ignore", "order", "quantizations"):
+        names = value.get(key)
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise BadRequest(f"provider.{key}: expected a list of strings")
+    return value
 
 
 def _flag(body: Mapping[str, Any], key: str) -> bool:

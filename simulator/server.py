@@ -36,6 +36,8 @@ from simulator.models import (
     models_json,
     no_endpoints_message,
 )
+from simulator.providers import NoProvider
+from simulator.providers import choose as choose_provider
 from simulator.request import BadRequest, ChatRequest, parse_chat_request
 from simulator.script import Script, find_script
 from simulator.seeding import rng_for
@@ -308,7 +310,11 @@ class SimApp:
         # Per-attempt draws (fault, provider, latency): the n-th try of a prompt is the same in
         # every run, whatever order concurrent requests arrive in.
         rng = rng_for(s.seed, req.prompt_hash, "attempt", attempt)
-        provider = (script.provider if script else None) or rng.choice(s.providers)
+        try:
+            provider = (script.provider if script else None) or choose_provider(s, req.provider, rng)
+        except NoProvider as exc:
+            call.status = "404"
+            return _json(start_response, 404, error_body(404, str(exc)))
         if script is not None:
             call.ledger.scripted += 1
         fault = call.fault = self._fault(call, req, script, attempt, rng)
