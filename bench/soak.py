@@ -680,7 +680,7 @@ def main() -> int:
         for cause in (KILLED, STOPPED, RERUN, PARTITION, SWEPT, OVERLAP, STOPPED_PAID, REDIS_KILLED, READ_LATE,
                       ELSE)))
     unexpected = sum(n for cause, n in causes.items() if cause not in EXPECTED)
-    counter_kept, counter_rows = budget.kept, budget.rows
+    counter_kept, counter_rows = budget.kept_tokens, budget.rows
     same = counter_kept == kept_tokens and counter_rows == len(rows)
     print(f"budget counter: kept {counter_kept:,} tokens in {counter_rows:,} rows · rows on disk: "
           f"{kept_tokens:,} tokens in {len(rows):,} rows · {'equal' if same else 'DIFFERENT'}")

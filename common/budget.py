@@ -128,7 +128,7 @@ class BudgetPolicy:
         """The projected rule's estimate of a row once nothing is in flight: what ``reserve`` holds
         for the next request (budget.lua: the prior weighing as prior_weight_rows rows)."""
         weight = self.prior_weight_rows
-        return (prior_tokens * weight + snap.kept) / (weight + snap.rows)
+        return (prior_tokens * weight + snap.kept_tokens) / (weight + snap.rows)
 
     def should_top_up(self, snap: BudgetSnapshot, prior_tokens: int) -> bool:
         """After a budget stop, once nothing is in flight: is the room left worth another round?
@@ -137,7 +137,7 @@ class BudgetPolicy:
         admit nothing."""
         if snap.rule != "projected" or snap.ended_by != "tokens" or not snap.rows:
             return False
-        return snap.limit - snap.kept >= self.top_up_min_rows * math.ceil(self.row_estimate(snap, prior_tokens))
+        return snap.limit - snap.kept_tokens >= self.top_up_min_rows * math.ceil(self.row_estimate(snap, prior_tokens))
 
 
 POLICY = BudgetPolicy()
@@ -166,9 +166,9 @@ class Admission:
 @dataclass(frozen=True)
 class BudgetSnapshot:
     limit: int
-    kept: int
+    kept_tokens: int
     #: Token holds of live leases (hard: their worst cases; projected: their estimates).
-    held: int
+    reserved_tokens: int
     rows: int
     state: str  # active | exhausted | stopped | "" (never opened)
     in_flight: int
@@ -177,7 +177,7 @@ class BudgetSnapshot:
     limit_nusd: int  # 0: no dollar budget
     spent_nusd: int
     held_nusd: int
-    orphaned_nusd: int
+    unresolved_nusd: int
     run_limit_nusd: int
     run_spent_nusd: int
     run_state: str
@@ -186,6 +186,33 @@ class BudgetSnapshot:
     def run_exhausted(self) -> bool:
         return self.run_state == "exhausted"
 
+
+@dataclass(frozen=True)
+class BudgetTotal:
+    """One total of the dataset's budget hash, and each name it goes by (``TOTALS``)."""
+
+    #: The one Python name: ``BudgetSnapshot``'s attribute (a dollar total there in nano-dollars,
+    #: ``_nusd`` for ``_usd``) and ``DatasetState``'s (producer/state.py, ``specfleet status --json``).
+    name: str
+    #: budget.lua's hash field: stored in Redis, so it keeps its name (a resumed run reads it).
+    field: str
+    #: The summary.json key (user-facing; None: not in summary.json).
+    summary: str | None
+    #: The exporter's series (user-facing; None: not exported).
+    metric: str | None
+
+
+#: Where a budget total's name differs along the way, the mapping is here and nowhere else
+#: (tests/test_accounting.py checks each name is where it says).
+TOTALS: tuple[BudgetTotal, ...] = (
+    BudgetTotal("kept_tokens", "tokens_kept", "tokens", "specfleet_kept_tokens"),
+    BudgetTotal("reserved_tokens", "tokens_held", None, "specfleet_reserved_tokens"),
+    BudgetTotal("rows", "rows_kept", "results", "specfleet_rows"),
+    BudgetTotal("spent_usd", "nusd_spent", "spent_usd", "specfleet_spent_usd"),
+    BudgetTotal("held_usd", "nusd_held", None, "specfleet_held_usd"),
+    #: Dollars held for reaped leases whose answer may still be billed (budget.lua's orphans).
+    BudgetTotal("unresolved_usd", "nusd_orphaned", "unresolved_usd", None),
+)
 
 _SNAPSHOT_FIELDS = ("tokens_limit", "tokens_kept", "tokens_held", "rows_kept", "admission_state", "tokens_rule",
                     "ended_by", "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
@@ -213,9 +240,9 @@ def parse_snapshot(replies: Sequence[Any]) -> BudgetSnapshot:
         return (v or b"").decode() if isinstance(v, bytes | None) else str(v)
 
     return BudgetSnapshot(
-        limit=i(b[0]), kept=i(b[1]), held=i(b[2]), rows=i(b[3]), state=s(b[4]), in_flight=i(in_flight),
-        rule=s(b[5]), ended_by=s(b[6]), limit_nusd=i(b[7]), spent_nusd=i(b[8]), held_nusd=i(b[9]),
-        orphaned_nusd=i(b[10]), run_limit_nusd=i(r[0]), run_spent_nusd=i(r[1]), run_state=s(r[2]),
+        limit=i(b[0]), kept_tokens=i(b[1]), reserved_tokens=i(b[2]), rows=i(b[3]), state=s(b[4]),
+        in_flight=i(in_flight), rule=s(b[5]), ended_by=s(b[6]), limit_nusd=i(b[7]), spent_nusd=i(b[8]),
+        held_nusd=i(b[9]), unresolved_nusd=i(b[10]), run_limit_nusd=i(r[0]), run_spent_nusd=i(r[1]), run_state=s(r[2]),
     )
 
 

@@ -65,7 +65,7 @@ def build_summary(run: DatasetRun, st: DatasetState, failures: dict[str, Any], *
         budget_mode=st.budget_mode,
         budget_usd=run.cfg.budget_usd,
         spent_usd=round(st.spent_usd, 9),
-        unresolved_usd=round(st.orphaned_usd, 9),
+        unresolved_usd=round(st.unresolved_usd, 9),
         run_budget_usd=run_budget_usd,
         run_spent_usd=round(st.run_spent_usd, 9),
         dead_letters=st.dead_letters,

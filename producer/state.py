@@ -40,7 +40,7 @@ class DatasetState(Counted):
     spent_usd: float = 0.0
     #: Worst-case dollars of requests in flight, and of reaped ones that may still be billed.
     held_usd: float = 0.0
-    orphaned_usd: float = 0.0
+    unresolved_usd: float = 0.0
     run_budget_usd: float = 0.0
     run_spent_usd: float = 0.0
     #: Upstream errors by class (``http_429``, ``timeout`` …) and final failures by reason.
@@ -74,8 +74,8 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
         dataset=dataset,
         t_s=time.time(),
         limit=b.limit,
-        kept_tokens=b.kept,
-        reserved_tokens=b.held,
+        kept_tokens=b.kept_tokens,
+        reserved_tokens=b.reserved_tokens,
         rows=b.rows,
         failed=int(failed),
         in_flight=b.in_flight,
@@ -86,7 +86,7 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
         budget_usd=b.limit_nusd / NUSD_PER_USD,
         spent_usd=b.spent_nusd / NUSD_PER_USD,
         held_usd=b.held_nusd / NUSD_PER_USD,
-        orphaned_usd=b.orphaned_nusd / NUSD_PER_USD,
+        unresolved_usd=b.unresolved_nusd / NUSD_PER_USD,
         run_budget_usd=b.run_limit_nusd / NUSD_PER_USD,
         run_spent_usd=b.run_spent_nusd / NUSD_PER_USD,
         **stats.counts(),

@@ -4,6 +4,7 @@ producer's state, summary.json, the report and the exporter's /metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common import stats
 from common.accounting import COUNTERS, USD, Counter
+from common.budget import FIELDS, NUSD_PER_USD, TOTALS, Budget
 from common.keys import CURRENT_RUN, DatasetKeys
 from producer.metrics import make_registry
 from producer.report import REPORT_MD, write_report
@@ -89,3 +91,31 @@ def test_every_counter_travels_from_the_hash_to_state_summary_report_and_metrics
         metric = f"specfleet_{name}_total"
         assert metric in samples, f"/metrics lacks {metric}"
         assert samples[metric] == value, metric
+
+
+def test_every_budget_total_goes_by_the_names_budget_py_declares(redis_client: redis.Redis) -> None:
+    """``common/budget.TOTALS``: each budget total is read from its hash field into the snapshot and
+    the producer's state under its one name, and reaches summary.json and /metrics under the
+    user-facing names it declares (a rename anywhere without the table fails here)."""
+    dataset = "totals"
+    k = DatasetKeys(dataset)
+    for i, t in enumerate(TOTALS):
+        assert t.field in FIELDS, f"{t.field} is not a field of budget.lua's hash"
+        redis_client.hset(k.budget, t.field, 1_000_000_000 * (i + 1))  # a distinct value each
+    redis_client.set(CURRENT_RUN, json.dumps({"config_id": "cfg", "datasets": [dataset], "started_s": time.time()}))
+    snap, st = Budget(redis_client, dataset).snapshot(), read_state(redis_client, dataset)
+    samples = {}
+    for family in text_string_to_metric_families(generate_latest(make_registry(redis_client)).decode()):
+        for s in family.samples:
+            if s.labels.get("dataset") == dataset:
+                samples[s.name.removesuffix("_total")] = s.value
+    summary_keys = {f.name for f in dataclasses.fields(Summary)}
+    for i, t in enumerate(TOTALS):
+        dollars = t.name.endswith("_usd")
+        raw = getattr(snap, t.name.removesuffix("_usd") + "_nusd" if dollars else t.name)
+        value = getattr(st, t.name)
+        assert raw == 1_000_000_000 * (i + 1), t
+        assert value == (raw / NUSD_PER_USD if dollars else raw), t
+        assert t.summary is None or t.summary in summary_keys, f"summary.json has no {t.summary}"
+        if t.metric is not None:
+            assert samples.get(t.metric) == value, f"/metrics: {t.metric} is not {t.name}"

@@ -33,7 +33,7 @@ def ask(tokens: int, uusd: int = 0, prior: int | None = None) -> Ask:
 
 def usd(s: BudgetSnapshot) -> tuple[float, float, float, float]:
     """(spent, held, orphaned, run spent) in micro-dollars."""
-    return s.spent_nusd / U, s.held_nusd / U, s.orphaned_nusd / U, s.run_spent_nusd / U
+    return s.spent_nusd / U, s.held_nusd / U, s.unresolved_nusd / U, s.run_spent_nusd / U
 
 
 def opened(client: redis.Redis, name: str = "ds", *, tokens: int = 1_000, usd: float | None = None,
@@ -46,7 +46,7 @@ def opened(client: redis.Redis, name: str = "ds", *, tokens: int = 1_000, usd: f
 
 def hard_invariant(s: BudgetSnapshot) -> None:
     """What the hard rule promises after every step: nothing over, nothing committed beyond."""
-    assert s.kept <= s.limit and s.kept + s.held <= s.limit, s
+    assert s.kept_tokens <= s.limit and s.kept_tokens + s.reserved_tokens <= s.limit, s
     if s.limit_nusd:
         assert s.spent_nusd <= s.limit_nusd and s.spent_nusd + s.held_nusd <= s.limit_nusd, s
     if s.run_limit_nusd:
@@ -76,12 +76,12 @@ def test_unopened_dataset_admits_nothing(redis_client: redis.Redis) -> None:
 def test_settle_counts_once_and_a_duplicate_still_pays(redis_client: redis.Redis) -> None:
     b = opened(redis_client, tokens=1_000, usd=1.0)
     assert b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask(100, 2_000)).status == "ok"
-    assert (b.snapshot().held, usd(b.snapshot())[1]) == (100, 2_000)
+    assert (b.snapshot().reserved_tokens, usd(b.snapshot())[1]) == (100, 2_000)
     assert b.settle("p1", "L1", 42, _row("p1"), cost_usd=0.0015) == "kept"
     # A second delivery (acks_late after a crash) finishes the same prompt again: billed, not kept.
     assert b.settle("p1", "L2", 42, _row("p1"), cost_usd=0.001) == "duplicate"
     s = b.snapshot()
-    assert (s.kept, s.rows, s.held, s.in_flight) == (42, 1, 0, 0)
+    assert (s.kept_tokens, s.rows, s.reserved_tokens, s.in_flight) == (42, 1, 0, 0)
     assert usd(s) == (2_500, 0, 0, 2_500)
     assert redis_client.xlen(b.keys.results) == 1
     assert b.reserve("p1", "L3", ttl_ms=TTL_MS, ask=ask(100)).status == "done"
@@ -94,7 +94,7 @@ def test_a_billed_failure_and_a_release_count_their_cost(redis_client: redis.Red
     b.reserve("p2", "L2", ttl_ms=TTL_MS, ask=ask(100, 5_000))
     b.release("p2", "L2", cost_usd=0.002)
     s = b.snapshot()
-    assert usd(s)[:2] == (5_000, 0) and s.held == 0
+    assert usd(s)[:2] == (5_000, 0) and s.reserved_tokens == 0
     assert b.failures()["p1"]["reason"] == "token_mismatch"
 
 
@@ -104,7 +104,7 @@ def test_live_lease_makes_a_second_delivery_wait(redis_client: redis.Redis) -> N
     second = b.reserve("p1", "L2", ttl_ms=TTL_MS, ask=ask(10))
     assert second.status == "busy" and 0 < second.value <= TTL_MS
     assert b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask(10)).status == "ok"
-    assert b.snapshot().held == 10
+    assert b.snapshot().reserved_tokens == 10
 
 
 def test_renew_extends_only_a_live_lease_and_takes_no_budget(redis_client: redis.Redis) -> None:
@@ -113,12 +113,12 @@ def test_renew_extends_only_a_live_lease_and_takes_no_budget(redis_client: redis
     b.reserve("p1", "L1", ttl_ms=1, ask=ask(60))
     time.sleep(0.01)
     assert b.renew("p1", "L1", ttl_ms=TTL_MS) == "ok"  # not reaped yet: extended
-    assert b.reap() == 0 and b.snapshot().held == 60
+    assert b.reap() == 0 and b.snapshot().reserved_tokens == 60
     b.reserve("p2", "L2", ttl_ms=1, ask=ask(30))
     time.sleep(0.01)
     assert b.reap() == 1
     assert b.renew("p2", "L2", ttl_ms=TTL_MS) == "lost"
-    assert b.snapshot().held == 60
+    assert b.snapshot().reserved_tokens == 60
     b.close()
     assert b.renew("p1", "L1", ttl_ms=TTL_MS) == "stopped"
 
@@ -130,11 +130,11 @@ def test_expired_lease_is_taken_over_and_its_dollars_stay_held_until_it_lands(re
     assert b.reserve("p1", "L2", ttl_ms=TTL_MS, ask=ask(100, 7_000)).status == "ok"
     s = b.snapshot()
     # Tokens: only the live lease holds. Dollars: the dead one may have been billed in full.
-    assert s.held == 100 and usd(s)[1:3] == (14_000, 7_000)
+    assert s.reserved_tokens == 100 and usd(s)[1:3] == (14_000, 7_000)
     assert b.settle("p1", "dead", 7, _row("p1"), cost_usd=0.004) == "kept"
     assert b.settle("p1", "L2", 7, _row("p1"), cost_usd=0.005) == "duplicate"
     s = b.snapshot()
-    assert (s.kept, s.held, s.in_flight) == (7, 0, 0) and usd(s)[:3] == (9_000, 0, 0)
+    assert (s.kept_tokens, s.reserved_tokens, s.in_flight) == (7, 0, 0) and usd(s)[:3] == (9_000, 0, 0)
 
 
 def test_reap_frees_tokens_and_orphans_dollars(redis_client: redis.Redis) -> None:
@@ -144,7 +144,7 @@ def test_reap_frees_tokens_and_orphans_dollars(redis_client: redis.Redis) -> Non
     time.sleep(0.01)
     assert b.reap() == 1
     s = b.snapshot()
-    assert (s.held, s.in_flight) == (10, 1) and usd(s)[1:3] == (600, 300)
+    assert (s.reserved_tokens, s.in_flight) == (10, 1) and usd(s)[1:3] == (600, 300)
     assert b.fail("p1", "L1", "retries_exhausted", 3, "late") == "failed"  # the orphan resolves, unbilled
     assert usd(b.snapshot())[1:3] == (300, 0)
 
@@ -166,8 +166,8 @@ def test_hard_rule_holds_worst_cases_and_reoffers_the_room_they_leave(redis_clie
         n += 1
     s = b.snapshot()
     assert r.status == "over" and (s.state, s.ended_by) == ("exhausted", "tokens")
-    assert 0 <= s.limit - s.kept < w.worst_tokens  # the shortfall is under one worst case
-    assert s.kept == 900 * n
+    assert 0 <= s.limit - s.kept_tokens < w.worst_tokens  # the shortfall is under one worst case
+    assert s.kept_tokens == 900 * n
 
 
 def test_hard_rule_discards_a_reaped_answer_that_would_cross_the_cap(redis_client: redis.Redis) -> None:
@@ -182,7 +182,7 @@ def test_hard_rule_discards_a_reaped_answer_that_would_cross_the_cap(redis_clien
     assert b.settle("p1", "L1", 600, _row("p1"), cost_usd=0.01) == "kept"
     s = b.snapshot()
     hard_invariant(s)
-    assert s.kept == 600 and usd(s)[:3] == (18_000, 0, 0)
+    assert s.kept_tokens == 600 and usd(s)[:3] == (18_000, 0, 0)
 
 
 def test_dollar_budget_ends_the_dataset_first_when_it_binds(redis_client: redis.Redis) -> None:
@@ -302,7 +302,7 @@ def test_open_rederives_holds_and_resumes_counts(redis_client: redis.Redis) -> N
     assert usd(b.snapshot())[1] == 200
     assert b.open(5_000, 2.0, "hard") == (50, 1)
     s = b.snapshot()
-    assert (s.limit, s.held, s.state) == (5_000, 0, "active") and usd(s) == (100, 100, 100, 100)
+    assert (s.limit, s.reserved_tokens, s.state) == (5_000, 0, "active") and usd(s) == (100, 100, 100, 100)
     assert s.limit_nusd == 2_000_000 * U
     assert b.reserve("p4", "L4", ttl_ms=TTL_MS, ask=ask(10, 100)).status == "ok"
 
@@ -314,12 +314,12 @@ def test_reconcile_rebuilds_counts_and_dollars_from_the_rows_on_disk_once(redis_
     assert not b.agrees_with("0-0", len(ids))
     assert b.reconcile("0-0", ids, tokens, costs) is not None
     s = b.snapshot()
-    assert (s.rows, s.kept, usd(s)[0], usd(s)[3]) == (12_000, 36_000, 120_000, 120_000)
+    assert (s.rows, s.kept_tokens, usd(s)[0], usd(s)[3]) == (12_000, 36_000, 120_000, 120_000)
     assert redis_client.scard(b.keys.done) == 12_000
     assert b.reserve("p11999", "L", ttl_ms=TTL_MS, ask=ask(1)).status == "done"
     assert b.agrees_with("0-0", len(ids))
     assert b.reconcile("0-0", ids, tokens, costs) is None  # Redis already agrees: nothing changes
-    assert b.snapshot().kept == 36_000
+    assert b.snapshot().kept_tokens == 36_000
 
 
 
@@ -329,7 +329,7 @@ def test_large_sums_stay_exact_integers(redis_client: redis.Redis) -> None:
     ids = [f"p{i}" for i in range(1_000)]
     assert b.reconcile("0-0", ids, [10**6] * len(ids), [1_234.567891234] * len(ids)) is not None
     s = b.snapshot()
-    assert (s.kept, s.spent_nusd, s.run_spent_nusd) == (10**9, 1_234_567_891_234_000, 1_234_567_891_234_000)
+    assert (s.kept_tokens, s.spent_nusd, s.run_spent_nusd) == (10**9, 1_234_567_891_234_000, 1_234_567_891_234_000)
     assert open_run(redis_client, 5_000_000.0, ["ds"]) == pytest.approx(1_234_567.891234)
     b.reserve("x", "L", ttl_ms=TTL_MS, ask=ask(10, 10))
     assert b.settle("x", "L", 5, _row("x"), cost_usd=0.000000001) == "kept"
@@ -366,7 +366,7 @@ def test_a_late_failure_of_a_kept_prompt_records_nothing(redis_client: redis.Red
     assert b.failures() == {}
     assert redis_client.hlen(b.keys.failed) == 0
     s = b.snapshot()
-    assert (s.kept, s.rows, s.held, s.in_flight) == (42, 1, 0, 0)
+    assert (s.kept_tokens, s.rows, s.reserved_tokens, s.in_flight) == (42, 1, 0, 0)
 
 
 def test_the_stop_waits_while_more_requests_are_in_flight_than_rows_landed(redis_client: redis.Redis) -> None:
@@ -382,7 +382,7 @@ def test_the_stop_waits_while_more_requests_are_in_flight_than_rows_landed(redis
         assert b.settle(f"short{i}", "L", 10, _row(f"short{i}"), cost_usd=0) == "kept"
     b.open(1_000, None, "projected")  # the same state under a limit the in-flight projection does not fit
     s = b.snapshot()
-    assert (s.rows, s.in_flight, s.kept) == (trust, in_flight, 10 * trust)
+    assert (s.rows, s.in_flight, s.kept_tokens) == (trust, in_flight, 10 * trust)
     # kept (200) + one estimate fits under 1,000; 30 in flight projected at ~85 each do not.
     assert b.reserve("next", "L", ttl_ms=TTL_MS, ask=ask(1_000, prior=100)).status == "wait"
     assert b.snapshot().state == "active"
@@ -397,6 +397,6 @@ def test_a_halted_account_admits_nothing_and_frees_the_lease(redis_client: redis
     # The holder asking again is refused too, and its admission goes back.
     assert b.reserve("p1", "L1", ttl_ms=TTL_MS, ask=ask(10)).status == "halted"
     s = b.snapshot()
-    assert (s.held, s.in_flight, s.state) == (0, 0, "active")
+    assert (s.reserved_tokens, s.in_flight, s.state) == (0, 0, "active")
     redis_client.delete(HALT)  # what the next producer run does once the key or credits are fixed
     assert b.reserve("p2", "L2", ttl_ms=TTL_MS, ask=ask(10)).status == "ok"

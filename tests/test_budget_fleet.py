@@ -76,7 +76,7 @@ def test_small_token_budgets_end_within_one_worst_case_never_over(
     assert s["end_reason"] == "budget" and s["budget_mode"] == "hard"
     assert budget - POLICY.worst_tokens(max_tokens) < s["tokens"] <= budget, s
     snap = Budget(redis_client, "T").snapshot()
-    assert snap.held == 0 and snap.in_flight == 0
+    assert snap.reserved_tokens == 0 and snap.in_flight == 0
 
 
 def test_resume_continues_dollars_even_after_redis_lost_them(fleet: Fleet, redis_client: redis.Redis) -> None:

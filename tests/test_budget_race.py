@@ -50,7 +50,7 @@ def atomic_snapshot(client: redis.Redis, dataset: str) -> BudgetSnapshot:
 
 
 def check(s: BudgetSnapshot) -> None:
-    assert s.kept <= s.limit and s.kept + s.held <= s.limit, s
+    assert s.kept_tokens <= s.limit and s.kept_tokens + s.reserved_tokens <= s.limit, s
     if s.limit_nusd:
         assert s.spent_nusd + s.held_nusd <= s.limit_nusd, s
     if s.run_limit_nusd:
@@ -169,14 +169,14 @@ def test_many_racing_workers_never_cross_the_hard_cap(redis_client: redis.Redis,
     assert s.ended_by == case.ends_by, (s, outcomes)
     assert outcomes.get("over", 0) > 0
     if case.ends_by == "tokens":
-        assert s.limit - s.kept < WORST_TOKENS
-        fill = s.kept / s.limit
+        assert s.limit - s.kept_tokens < WORST_TOKENS
+        fill = s.kept_tokens / s.limit
     elif case.ends_by == "usd":
         # Orphans (reaped, never landed) stay held as possibly billed: they count as spent here.
-        assert s.limit_nusd - s.spent_nusd - s.orphaned_nusd < WORST_NUSD + late_room_nusd[0]
+        assert s.limit_nusd - s.spent_nusd - s.unresolved_nusd < WORST_NUSD + late_room_nusd[0]
         fill = s.spent_nusd / s.limit_nusd
     else:
-        assert s.run_limit_nusd - s.run_spent_nusd - s.orphaned_nusd < WORST_NUSD + late_room_nusd[0]
+        assert s.run_limit_nusd - s.run_spent_nusd - s.unresolved_nusd < WORST_NUSD + late_room_nusd[0]
         fill = s.run_spent_nusd / s.run_limit_nusd
-    print(f"{case.name}: fill {100 * fill:.1f}% outcomes {outcomes} orphaned ${s.orphaned_nusd / 1e9:.4f} "
+    print(f"{case.name}: fill {100 * fill:.1f}% outcomes {outcomes} orphaned ${s.unresolved_nusd / 1e9:.4f} "
           f"late room ${late_room_nusd[0] / 1e9:.4f}")

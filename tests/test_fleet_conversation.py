@@ -57,7 +57,7 @@ def test_conversations_survive_a_killed_worker_and_no_turn_is_paid_twice(fleet: 
     assert check.conversations == N and summary["results"] == len(rows)
     assert summary["turns_per_conversation"] == {str(k): v for k, v in sorted(check.turns_per_conversation.items())}
     snap = Budget(redis_client, "CONV").snapshot()
-    assert (snap.rows, snap.kept) == (len(rows), sum(r["num_tokens"] for r in rows))
+    assert (snap.rows, snap.kept_tokens) == (len(rows), sum(r["num_tokens"] for r in rows))
     # Conversations went past their first turn, and some ended on tool calls.
     assert sum(v for k, v in check.turns_per_conversation.items() if k >= 3) > 10
     assert check.ends["tool_calls"] > 0 and check.ends["last_turn"] > 0

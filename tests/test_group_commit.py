@@ -70,7 +70,7 @@ def test_greenlets_share_pipelines_and_each_batch_waits_for_its_fence(
     assert committer.batches < 20, "the calls were not batched"
     assert _fences(plain) - fences_before == committer.batches, "one AOF fence per batch"
     snap = Budget(plain, "ds").snapshot()
-    assert (snap.rows, snap.kept, snap.in_flight) == (40, 280, 0)
+    assert (snap.rows, snap.kept_tokens, snap.in_flight) == (40, 280, 0)
     # The usage counters travelled with the settles, once each.
     assert int(plain.hget(DatasetStats(plain, "ds").key, REQUESTS) or 0) == 40
 

@@ -90,7 +90,7 @@ def midrun(redis_client: redis.Redis) -> redis.Redis:
 
 
 def test_scrape_reports_every_dataset_series(midrun: redis.Redis) -> None:
-    reserved = Budget(midrun, "short").snapshot().held
+    reserved = Budget(midrun, "short").snapshot().reserved_tokens
     assert reserved > 0
     port = _free_port()
     start_metrics_server(midrun, port)

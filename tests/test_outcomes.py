@@ -16,8 +16,8 @@ SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
 #: reads them by position), not a prompt's outcome.
 PRODUCER_OPS = {"run_open": {"run_open"}, "reap": {"reaped"}, "open": {"open"}, "close": {"closed"},
                 "reconcile": {"current", "mismatch", "reconciled"}}
-#: Outcomes the worker makes itself, never budget.lua.
-WORKERS_OWN = {Outcome.SPOOLED, Outcome.SKIPPED_STOPPED, Outcome.SKIPPED_OVER, Outcome.DEAD_LETTER}
+#: Outcomes the worker makes itself, never budget.lua (batched: batch mode's, workers/batch/).
+WORKERS_OWN = {Outcome.SPOOLED, Outcome.SKIPPED_STOPPED, Outcome.SKIPPED_OVER, Outcome.DEAD_LETTER, Outcome.BATCHED}
 
 
 def replies(script: str) -> dict[str, set[str]]:

@@ -51,7 +51,7 @@ def _counts(client: redis.Redis, b: Budget) -> tuple[object, ...]:
     the results stream, and the usage counters of the stats."""
     s = b.snapshot()
     st = DatasetStats(client, b.keys.dataset).read()
-    return (s.spent_nusd, s.run_spent_nusd, s.held_nusd, s.orphaned_nusd, s.held, s.kept, s.rows,
+    return (s.spent_nusd, s.run_spent_nusd, s.held_nusd, s.unresolved_nusd, s.reserved_tokens, s.kept_tokens, s.rows,
             client.xlen(b.keys.results), st.requests, st.billed_prompt_tokens, st.billed_completion_tokens,
             st.cost_usd, len(b.failures()))
 

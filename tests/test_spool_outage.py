@@ -78,10 +78,10 @@ def test_answers_spooled_in_an_outage_count_their_billed_dollars_when_replayed(
 
     billed_usd = 0.0123 + 0.0045  # what the upstream billed for the two answers
     snap = b.snapshot()
-    assert (snap.rows, snap.kept) == (1, 40)
+    assert (snap.rows, snap.kept_tokens) == (1, 40)
     assert snap.spent_nusd / NUSD_PER_USD == pytest.approx(billed_usd, abs=1e-9), "replayed answers lost dollars"
     assert snap.run_spent_nusd == snap.spent_nusd
-    assert snap.held_nusd == 0 and snap.held == 0
+    assert snap.held_nusd == 0 and snap.reserved_tokens == 0
     stats = DatasetStats(plain, "ds").read()
     assert stats.cost_usd == pytest.approx(billed_usd, abs=2e-6)
     assert (stats.billed_prompt_tokens, stats.billed_completion_tokens) == (50, 90)
