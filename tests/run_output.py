@@ -15,7 +15,7 @@ def _sim(spec: dict[str, Any], tag: str) -> dict[str, Any]:
 
 def demo_like_run(fleet: Fleet, dataset: str = "V") -> Path:
     """24 prompts over three shards of ``dataset``, one with tools, two cut by max_tokens (set apart
-    in truncated.jsonl by the default ``truncated = "separate"``); the output folder."""
+    in truncated.jsonl by ``truncated = "separate"``, the product default); the output folder."""
     tool = [{"type": "function", "function": {"name": "lookup", "parameters": {
         "type": "object", "properties": {"q": {"type": "string"}}}}}]
     rows: list[dict[str, Any] | str] = [*prompts(20)]
@@ -24,7 +24,7 @@ def demo_like_run(fleet: Fleet, dataset: str = "V") -> Path:
     rows += [_sim({"reasoning": "Thinking on and on", "content": None, "finish_reason": "length"}, f"cut{i}")
              for i in range(2)]
     data = write_jsonl(fleet.tmp / "rows.jsonl", rows)
-    config = fleet.write_config([{"name": dataset, "path": data, "length": "short"}])
+    config = fleet.write_config([{"name": dataset, "path": data, "length": "short"}], truncated="separate")
     config.write_text(config.read_text().replace("shard_rows = 100", "shard_rows = 8"))
     fleet.start_simulator("--latency-median-ms", "10")
     fleet.start_worker("w1", concurrency=10)
