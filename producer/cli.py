@@ -88,8 +88,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from common.batches import open_batches
     from common.throttle import FleetThrottle
-    from producer.progress import ProgressView
+    from producer.progress import ProgressView, batch_lines
     from producer.state import current_run, read_state
 
     client = connect(Settings.from_env().require_redis_url(), SCRAPE_REDIS_WINDOW_S)
@@ -121,6 +122,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         view.close()
     print(_dead_letters(client))
+    for line in batch_lines(open_batches(client)):
+        print(line)
     return 0
 
 

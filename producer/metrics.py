@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from common import keys
 from common.accounting import COUNTERS
+from common.batches import open_batches
 from common.errors import ConfigError
 from common.stats import PROMPTS
 from common.throttle import FleetThrottle, ThrottleSnapshot
@@ -97,6 +98,7 @@ class SpecfleetCollector(Collector):
             states = [read_state(self._client, ds) for ds in run_datasets(run)]
             outcomes = self._outcomes(run, states)
             throttle = self._throttle.snapshot()
+            batches = open_batches(self._client)
         except redis.RedisError as exc:
             # A scrape error would blank every series; say "Redis down" as a metric instead.
             log.warning("metrics: cannot read Redis: %s", exc)
@@ -109,6 +111,7 @@ class SpecfleetCollector(Collector):
             yield from self._families(run or {}, states, outcomes)
         if run:
             yield from _throttle_families(throttle)
+        yield from _batch_families(batches)
 
     def _outcomes(self, run: dict[str, Any] | None, states: list[DatasetState]) -> dict[str, tuple[int, int]]:
         """(prompts in the file, prompts with a kept outcome) of each dataset whose producer has
@@ -220,6 +223,23 @@ def _throttle_families(t: ThrottleSnapshot) -> Iterator[Metric]:
     answered = CounterMetricFamily("specfleet_upstream_ok", "Upstream attempts answered (whole fleet, this run)")
     answered.add_metric([], t.ok)
     yield from (limit, in_flight, paused, throttled, answered)
+
+
+def _batch_families(batches: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Open Batch API batches (``common/batches.py``), by dataset and state (OpenRouter's word, or
+    ``posting`` before the batch id is known)."""
+    labels = ["dataset", "status"]
+    count = GaugeMetricFamily("specfleet_batches_open", "Batch API batches not yet settled", labels=labels)
+    requests_ = GaugeMetricFamily("specfleet_batch_requests_open", "Requests in open batches", labels=labels)
+    age = GaugeMetricFamily("specfleet_batch_oldest_age_seconds", "Age of the oldest open batch", labels=labels)
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for b in batches:
+        groups.setdefault((b["dataset"], b["status"]), []).append(b)
+    for (dataset, status), group in sorted(groups.items()):
+        count.add_metric([dataset, status], len(group))
+        requests_.add_metric([dataset, status], sum(b["requests"] for b in group))
+        age.add_metric([dataset, status], max(b["age_s"] for b in group))
+    yield from (count, requests_, age)
 
 
 def make_registry(client: redis.Redis) -> CollectorRegistry:

@@ -83,6 +83,12 @@ class DatasetPlan:
     #: One request's worst case at the counted mean prompt, and how many the balance covers at once.
     worst_request_usd: float | None = None
     fit_in_flight: int | None = None
+    #: How its requests go: ``live`` or ``batch`` (``auto`` resolved), and whether batch could.
+    mode: str = "live"
+    can_batch: bool = False
+    #: Expected dollars each way (the model's price, its :batch variant's); None: unknown.
+    live_expected_usd: float | None = None
+    batch_expected_usd: float | None = None
 
     @property
     def sampled(self) -> bool:
@@ -173,7 +179,16 @@ def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: Mod
         prompt_tokens=prompt_tokens, max_prompt_tokens=max(counts, default=0), max_tokens=length.max_tokens,
         expected_completion=expected, expected_rows=rows, too_long=too_long,
     )
-    pricing = cfg.model.pricing or (info.pricing if info else None)
+    applied = apply_model(cfg, info)
+    plan.mode, batch_pricing = applied.dataset_mode(ds), applied.model.batch_pricing
+    plan.can_batch = batch_pricing is not None and ds.regenerate == "last"
+    live_pricing = cfg.model.pricing or (info.pricing if info else None)
+    pricing = batch_pricing if plan.mode == "batch" else live_pricing
+    if stats.prompts:
+        mean = prompt_tokens / stats.prompts
+        for price, attr in ((live_pricing, "live_expected_usd"), (batch_pricing, "batch_expected_usd")):
+            if price is not None:
+                setattr(plan, attr, rows * (mean * price.prompt + price.request + expected * price.completion))
     if pricing is not None and stats.prompts:
         mean_prompt = prompt_tokens / stats.prompts
         per_request = mean_prompt * pricing.prompt + pricing.request
@@ -368,6 +383,7 @@ def render(plan: Plan) -> str:
                                                                                                   strict=True))))
     lines.append("expect tok: estimate_tokens of the length class, else max_tokens/4; expected $: the rows "
                  "to budget at that length; worst $: the same requests each answered with max_tokens")
+    lines += _mode_lines(plan)
     if plan.account is not None:
         lines += _account_lines(plan, plan.account)
     for d in plan.datasets:
@@ -378,6 +394,23 @@ def render(plan: Plan) -> str:
             lines.append(f"{d.name}: {d.malformed:,} malformed or duplicate rows are skipped "
                          f"(`specfleet check` lists them)")
     return "\n".join(lines)
+
+
+def _mode_lines(plan: Plan) -> list[str]:
+    """Per dataset: live or batch, both prices and the saving (the $ columns are the mode's)."""
+    out = []
+    for d in plan.datasets:
+        live, batch = d.live_expected_usd, d.batch_expected_usd
+        saving = "" if live is None or batch is None or not live else \
+            f", batch saves {_usd(live - batch)} ({1 - batch / live:.0%})"
+        prices = f"expected live {_usd(live)}, batch {_usd(batch) if d.can_batch else 'n/a'}{saving}"
+        if d.mode == "batch":
+            out.append(f"{d.name}: batch mode (OpenRouter's Batch API, answers in minutes to hours) · {prices}")
+        elif d.can_batch:
+            out.append(f"{d.name}: live mode · {prices}: mode = \"batch\" (or \"auto\") can use the Batch API")
+        else:
+            out.append(f"{d.name}: live mode · {prices} · no batch variant for this model or dataset")
+    return out
 
 
 def _account_lines(plan: Plan, account: Account) -> list[str]:

@@ -313,6 +313,18 @@ def _throttle_word(t: ThrottleSnapshot) -> str:
     return f"paused {t.pause_ms_left / 1000:.1f}s" if t.pause_ms_left else "sending"
 
 
+def batch_lines(batches: list[dict[str, Any]]) -> list[str]:
+    """Open Batch API batches (``common/batches.open_batches``): a summary, then one line each."""
+    if not batches:
+        return []
+    lines = [f"batches: {len(batches)} open, {sum(b['requests'] for b in batches):,} requests, oldest "
+             f"{max(b['age_s'] for b in batches):,.0f} s"]
+    for b in sorted(batches, key=lambda b: -b["age_s"]):
+        lines.append(f"  {b['dataset']} {b['batch_id'] or '(posting)'}: {b['status']} · {b['requests']:,} requests "
+                     f"({b['completed']:,} done, {b['failed']:,} failed) · {b['age_s']:,.0f} s old")
+    return lines
+
+
 def throttle_line(t: ThrottleSnapshot, t_s: float) -> str:
     """One plain line for the fleet's upstream throttle."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_s))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -13,7 +15,7 @@ import requests
 from common import keys
 from common.batches import open_batches
 from common.budget import POLICY
-from tests.fleet import TEST_KEY, Fleet, read_summary, write_jsonl
+from tests.fleet import REPO, TEST_KEY, Fleet, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
 
@@ -152,4 +154,19 @@ def test_batch_mode_with_a_model_without_a_batch_variant_is_refused_before_anyth
     proc.wait(timeout=120)
     assert proc.returncode == 2, fleet.log("producer")
     assert "has no :batch variant" in fleet.log("producer")
+    assert fleet.sim_stats()["requests"] == 0 and _batches(fleet)["batches"] == 0
+
+
+def test_the_plan_shows_both_prices_the_saving_and_which_datasets_use_batch(fleet: Fleet) -> None:
+    fleet.start_simulator(*FAST)
+    a = write_jsonl(fleet.tmp / "a.jsonl", [{"id": f"a{i}", "messages": [{"role": "user", "content": f"q {i}"}]}
+                                           for i in range(20)])
+    config = fleet.write_config([{"name": "Auto", "path": a, "length": "short", "mode": "auto"},
+                                 {"name": "Live", "path": a, "length": "short"}])
+    proc = subprocess.run([sys.executable, "-m", "producer.cli", "plan", str(config)], capture_output=True, text=True,
+                          env=fleet.env(), cwd=REPO, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "Auto: batch mode" in out and "batch saves" in out and "(50%)" in out, out
+    assert 'Live: live mode' in out and 'can use the Batch API' in out, out
     assert fleet.sim_stats()["requests"] == 0 and _batches(fleet)["batches"] == 0
