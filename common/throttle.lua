@@ -32,6 +32,7 @@
 --                       cap         the run's max_in_flight, for readers (workers pass theirs)
 --                       hold        present while the producer's plan is still counting: nobody
 --                                   starts a request (prompts are queued and prepared meanwhile)
+--                       balance_bound   present once the account's balance bounds the limit (drain applies)
 --                       want_ms     unix ms until which a process within its share wanted a slot
 --                                   and found none: no borrowing (acquire, keep_free) until then
 -- KEYS[2] slots  ZSET   slot id -> expiry unix ms: requests in flight; a dead worker's slots expire
@@ -48,8 +49,9 @@
 --            WANT_MS): meanwhile nobody borrows, so every slot freed goes to a share.
 --   release  now_ms beta min_limit cut_gap_ms grow_near window_ms min_requests margin bg_max
 --            bg_half_life_ms noise_z check_requests check_ratio wanting
---            then per slot given back: slot outcome retry_after_ms max_in_flight ttl_ms
---            (ttl_ms: the slot's, as acquired) -> {"released", limit after the last}
+--            then per slot given back: slot outcome retry_after_ms max_in_flight ttl_ms drain
+--            (ttl_ms: the slot's, as acquired; drain: an answer's cost over its request's worst case)
+--            -> {"released", limit after the last}
 --            A process's answers of the moment come back in one call, in the order given.
 --            wanting "1": the process giving them back is then under its share with requests
 --            waiting; it marks the fleet wanting (as a vain acquire does), so no borrower takes
@@ -60,6 +62,9 @@
 --            too much in flight for the balance. Not a share to judge against a background: the
 --            account says so of every request over it, so it always cuts (one event per
 --            cut_gap_ms, as a 429's) and pauses the fleet for its Retry-After; never checked or undone.
+--            From then on (or from a reset with a start: the balance's fit) the limit is balance-bound:
+--            each ok answer spent ``drain`` worst cases of the balance, so the limit shrinks by as much
+--            (what fits in flight shrinks as the run spends) before it may grow by 1/limit.
 --            ok grows the limit by 1/limit (one more request per round trip: additive increase) while
 --            the fleet uses its limit (in flight >= grow_near x limit, or within one of it);
 --            throttled (429/503) is congestion when the recent share (of at least min_requests)
@@ -114,7 +119,7 @@ end
 
 -- One slot given back with its outcome; the policy is read from ARGV[3..14] (see "release").
 -- Returns the limit after it.
-local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl)
+local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl, drain)
   local beta, min_limit, cut_gap = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
   local grow_near, window, min_requests = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
   local margin, bg_max, bg_half_life = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
@@ -137,6 +142,7 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl)
     local cut, event_limit = tonumber(b[1] or "0"), tonumber(b[2] or "0")
     local event_in_flight, refused = tonumber(b[3] or "0"), tonumber(b[4] or "0")
     if now - cut >= cut_gap then cut, event_limit, event_in_flight, refused = now, limit, in_flight, 0 end
+    redis.call("HSET", state, "balance_bound", "1")
     refused = refused + 1
     limit = math.min(limit, math.max(min_limit, math.floor(math.min(event_limit, event_in_flight - refused) * beta)))
     redis.call("HSET", state, "limit", tostring(limit), "cut_ms", cut, "event_limit", tostring(event_limit),
@@ -184,6 +190,11 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl)
   end
 
   if outcome == "ok" then
+    if drain > 0 and limit < UNBOUNDED and redis.call("HEXISTS", state, "balance_bound") == 1 then
+      -- The answer was billed: what is left of the balance covers drain fewer worst cases.
+      limit = math.max(min_limit, limit - drain)
+      redis.call("HSET", state, "limit", tostring(limit))
+    end
     -- Grow only while the limit is what holds the fleet back: a fleet with fewer greenlets than
     -- its limit would otherwise raise it without bound, and the next cut would find it meaningless.
     -- "At the limit" with a margin: slots freed in one process are refilled by another only after
@@ -275,8 +286,9 @@ if op == "acquire" then
 
 elseif op == "release" then
   local now, limit = tonumber(ARGV[2]), 0
-  for i = 16, #ARGV, 5 do
-    limit = release_one(ARGV[i], now, ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]))
+  for i = 16, #ARGV, 6 do
+    limit = release_one(ARGV[i], now, ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]),
+                        tonumber(ARGV[i + 5]))
   end
   if ARGV[15] == "1" then redis.call("HSET", state, "want_ms", now + WANT_MS) end
   return {"released", tostring(limit)}
@@ -295,7 +307,7 @@ elseif op == "reset" then
   if cap > 0 then redis.call("HSET", state, "cap", cap) end
   if ARGV[3] == "1" then redis.call("HSET", state, "hold", "1") end
   local start = tonumber(ARGV[4] or "0")
-  if start > 0 then redis.call("HSET", state, "limit", tostring(start)) end
+  if start > 0 then redis.call("HSET", state, "limit", tostring(start), "balance_bound", "1") end
   return "reset"
 
 elseif op == "unhold" then

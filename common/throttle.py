@@ -89,6 +89,9 @@ class Release:
     ttl_ms: int
     retry_after_s: float | None = None
     limits: ThrottleLimits = NO_CAPS
+    #: An answer's cost over its request's worst case: the share of one worst case it spent from
+    #: the balance, by which the limit shrinks once the balance binds it (throttle.lua).
+    drain: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,8 @@ class FleetThrottle:
         caller is then under its share with requests waiting; borrowers keep off for a while."""
         args: list[Any] = ["release", self._clock_ms(), *self.policy.release_args(), "1" if wanting else "0"]
         for r in releases:
-            args += [r.slot, r.outcome, int((r.retry_after_s or 0) * 1000), r.limits.max_in_flight or 0, r.ttl_ms]
+            args += [r.slot, r.outcome, int((r.retry_after_s or 0) * 1000), r.limits.max_in_flight or 0, r.ttl_ms,
+                     repr(float(r.drain))]
         self._call(*args)
 
     def snapshot(self) -> ThrottleSnapshot:

@@ -86,6 +86,25 @@ def test_a_run_starts_its_limit_where_the_balance_puts_it(redis_client: redis.Re
     assert t.snapshot().limit is None
 
 
+def test_a_balance_bound_limit_shrinks_by_what_each_answer_spent(redis_client: redis.Redis) -> None:
+    """The balance is spent as answers land, so the worst cases it covers shrink: an answer that
+    cost half a worst case takes half a request off a limit the balance bounds (started from the
+    balance's fit, or cut by its 402), and nothing off a limit it does not."""
+    from common.config import ThrottleLimits
+    from common.throttle import Release
+
+    t = FleetThrottle(redis_client, clock_ms=lambda: T0_MS)
+    t.reset(ThrottleLimits(start_in_flight=100))
+    slots = [f"s{i}" for i in range(10)]
+    t.acquire_many(slots, ttl_ms=TTL_MS)
+    t.release_many([Release(s, "ok", TTL_MS, drain=0.5) for s in slots])
+    assert t.snapshot().limit == 95  # ten in flight of 100: too few to grow it
+    t.reset(ThrottleLimits(max_in_flight=100))  # a cap, not the balance: answers spend nothing off it
+    t.acquire_many(slots, ttl_ms=TTL_MS)
+    t.release_many([Release(s, "ok", TTL_MS, drain=0.5) for s in slots])
+    assert t.snapshot().limit == 100
+
+
 # --- the simulator's account, over HTTP ----------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from common.throttle import FleetThrottle
-from tests.fleet import Fleet, read_summary
+from tests.fleet import Fleet, read_rows, read_summary
 
 pytestmark = pytest.mark.fleet
 
@@ -27,12 +27,13 @@ def _estimate_usd() -> float:
 
 def test_the_in_flight_budget_slows_the_fleet_and_spends_no_attempts(fleet: Fleet, redis_client: redis.Redis) -> None:
     """200 greenlets against a balance that covers ~48 worst cases in flight (fewer as it is spent),
-    with no plan to start the limit there: every prompt is kept (before, each 402 was one of the
-    prompt's 2 attempts: prompts failed ``retries_exhausted`` while the fleet kept pushing)."""
+    with no plan to start the limit there, and one attempt per prompt: every prompt is kept on its
+    one attempt (before, each 402 was one of the prompt's attempts: prompts failed
+    ``retries_exhausted`` while the fleet kept pushing)."""
     n, balance = 300, 1.0
     fleet.start_simulator("--latency-median-ms", "400", "--balance-usd", str(balance),
                           "--in-flight-retry-after-s", "1")
-    config = fleet.one_dataset("A", n, max_attempts=2)
+    config = fleet.one_dataset("A", n, max_attempts=1)
     config.write_text(config.read_text().replace("max_tokens = 1024", f"max_tokens = {MAX_TOKENS}"))
     for i in range(2):
         fleet.start_worker(f"w{i + 1}", concurrency=100)
@@ -48,6 +49,8 @@ def test_the_in_flight_budget_slows_the_fleet_and_spends_no_attempts(fleet: Flee
           f"max held ${sim['account']['max_held_usd']:.4f}")
     assert summary["failed"] == 0, summary
     assert summary["results"] == n
+    # A row counts the requests that ran: a 402 the account answered before running is not one.
+    assert {row["attempts"] for row in read_rows(fleet.out, "A")} == {1}
     assert refused["weight_exceeds_budget"] == 0 and refused["insufficient_credits"] == 0
     assert refused["in_flight_budget_exhausted"] > 0  # the budget did bind
     # The fleet slowed: its limit was cut to what the balance covers, and the refusals after the

@@ -90,6 +90,15 @@ def outcome_of(error: BaseException | None) -> tuple[SlotOutcome, float | None]:
     return "other", None
 
 
+class Receipt:
+    """What an attempt inside a slot reports for its release: what its answer cost (USD)."""
+
+    __slots__ = ("cost_usd",)
+
+    def __init__(self) -> None:
+        self.cost_usd = 0.0
+
+
 class _Waiter:
     __slots__ = ("error", "gone", "granted", "limits", "slot", "ttl_ms", "warm", "woken")
 
@@ -125,20 +134,25 @@ class Gate:
     @contextmanager
     def slot(self, *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS,
              keepalive: Callable[[], None] | None = None,
-             warm: Callable[[int], None] | None = None) -> Iterator[None]:
+             warm: Callable[[int], None] | None = None, worst_usd: float | None = None) -> Iterator[Receipt]:
         """One upstream attempt inside a fleet-wide slot, released with its outcome (an exception
         of the attempt passes through). ``warm(n)``: the upstream's way to open the connections
-        of ``n`` waiting requests while the run's plan holds them (``OpenRouterClient.warm``)."""
+        of ``n`` waiting requests while the run's plan holds them (``OpenRouterClient.warm``).
+        ``worst_usd``: the request's worst case as the account's in-flight budget weighs it; an
+        answer whose cost the attempt puts in the yielded ``Receipt`` spent that share of one
+        worst case from the balance (``Release.drain``)."""
         slot = self.acquire(ttl_ms=ttl_ms, limits=limits, keepalive=keepalive, warm=warm)
+        receipt = Receipt()
         try:
-            yield
+            yield receipt
         except BaseException as exc:
             outcome, retry_after_s = outcome_of(exc)
             if outcome == "throttled" and not limits.adaptive_backoff:
                 outcome = "refused"  # counted in the 429 share; no cut, no fleet-wide pause
             self.release(slot, outcome, ttl_ms=ttl_ms, retry_after_s=retry_after_s, limits=limits)
             raise
-        self.release(slot, "ok", ttl_ms=ttl_ms, limits=limits)
+        drain = receipt.cost_usd / worst_usd if worst_usd else 0.0
+        self.release(slot, "ok", ttl_ms=ttl_ms, limits=limits, drain=drain)
 
     def acquire(self, *, ttl_ms: int, limits: ThrottleLimits = NO_CAPS,
                 keepalive: Callable[[], None] | None = None,
@@ -238,10 +252,10 @@ class Gate:
         waiter.woken.set()
 
     def release(self, slot: str, outcome: SlotOutcome, *, ttl_ms: int, retry_after_s: float | None = None,
-                limits: ThrottleLimits = NO_CAPS) -> None:
+                limits: ThrottleLimits = NO_CAPS, drain: float = 0.0) -> None:
         """Never raises, and with batched releases never waits (a paid answer must not be lost to,
         nor held up by, a Redis blip): a slot Redis does not hear of expires by its TTL."""
-        self._releases.append(Release(slot, outcome, ttl_ms, retry_after_s, limits))
+        self._releases.append(Release(slot, outcome, ttl_ms, retry_after_s, limits, drain))
         if not self._batch_releases:
             self._flush()
         elif self._releaser is None:
