@@ -301,10 +301,14 @@ def call(job: _Job, prepared: Prepared) -> Answer | Outcome:
         max_answer_bytes=job.ctx.settings.max_answer_bytes,
     )
     upstream = job.ctx.upstream(job.view)
+    pricing = job.view.model.pricing
+    # The request as the account's in-flight budget weighs it: its prompt and max_tokens at the price.
+    worst_usd = (prepared.prompt_tokens * pricing.prompt + job.length.max_tokens * pricing.completion
+                 + pricing.request) if pricing is not None else None
     while True:
         t0 = time.monotonic()
         try:
-            answer = _attempt(job, upstream, request)
+            answer = _attempt(job, upstream, request, worst_usd)
         except PromptEnded as ended:
             return ended.outcome
         except UpstreamError as exc:
@@ -338,10 +342,11 @@ def call(job: _Job, prepared: Prepared) -> Answer | Outcome:
         return answer
 
 
-def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
+def _attempt(job: _Job, upstream: Upstream, request: Request, worst_usd: float | None = None) -> Answer:
     """One attempt through the fleet-wide throttle (``workers/fleet/gate.py``): wait for a slot of the
     fleet's in-flight limit, renewing the lease meanwhile, and give it back with the outcome (a
-    429/503 cuts the fleet's limit and its Retry-After pauses every worker)."""
+    429/503 or the in-flight budget's 402 cuts the fleet's limit and its Retry-After pauses every
+    worker; an answer's cost over ``worst_usd`` shrinks a limit the balance bounds)."""
 
     def keepalive() -> None:
         if (ended := _renew(job)) is not None:
@@ -356,12 +361,15 @@ def _attempt(job: _Job, upstream: Upstream, request: Request) -> Answer:
         sent = False
         try:
             with process_room().requesting(), job.ctx.gate.slot(ttl_ms=ttl_ms, limits=job.view.throttle,
-                                                                keepalive=keepalive, warm=warm):
+                                                                keepalive=keepalive, warm=warm,
+                                                                worst_usd=worst_usd) as receipt:
                 if (ended := _lease_for_send(job)) is not None:
                     raise PromptEnded(ended)  # the slot goes back unused
                 job.attempts += 1
                 job.sent_at, sent = time.monotonic(), True
-                return upstream.complete(request)
+                answer = upstream.complete(request)
+                receipt.cost_usd = answer.usage["cost"]
+                return answer
         except UNREACHABLE as exc:
             if sent:  # not the lease check's
                 raise
