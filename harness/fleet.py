@@ -6,8 +6,10 @@ only timings are shortened. Logs go to files under the test's tmp dir and are pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -67,6 +69,8 @@ class Fleet:
         self.logs.mkdir(exist_ok=True)
         self.out = tmp_path / "out"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        #: pids of the processes _spawn started, each the leader of a process group of its own.
+        self._leaders: set[int] = set()
         self.sim_url = ""
 
     # --- processes --------------------------------------------------------------------------
@@ -89,8 +93,11 @@ class Fleet:
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         log = (self.logs / f"{name}.log").open("ab")
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        # A session of its own, so stop_all can end what it started too (the producer's forked plan
+        # count outlived its SIGKILLed parent by 10 s or more, using a core the next tests needed).
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
         self.procs[name] = proc
+        self._leaders.add(proc.pid)
         return proc
 
     def start_simulator(self, *args: str) -> str:
@@ -190,7 +197,12 @@ class Fleet:
         """The test is over: nothing left is worth a graceful stop (a warm worker shutdown costs
         ~5 s each; graceful stops have tests of their own in test_operations.py)."""
         for proc in self.procs.values():
-            if proc.poll() is None:
+            if proc.pid in self._leaders:
+                # Its group: the children too, even once it has ended (Linux hands out no pid still
+                # in use as a group's id, so a group whose members are all gone is the only miss).
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            elif proc.poll() is None:
                 proc.kill()
         for proc in self.procs.values():
             proc.wait()
