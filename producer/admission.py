@@ -84,15 +84,15 @@ class AdmissionControl:
         run.window = window
         return window
 
-    def fill(self, run: DatasetRun) -> int:
-        """Refill the dataset's queue up to its window (at most ``FILL_BATCHES`` batches read, so a
-        tick stays short while a resumed run skips what is done); returns how many were queued."""
+    def fill(self, run: DatasetRun, *, batches: int = FILL_BATCHES) -> int:
+        """Refill the dataset's queue up to its window (at most ``batches`` batches read, so a tick
+        stays short while a resumed run skips what is done); returns how many were queued."""
         w = run.window
         if w is None or w.stream.exhausted:
             return 0
         queued = int(self.client.llen(run.budget.keys.queue))
         n = 0
-        for _ in range(FILL_BATCHES):
+        for _ in range(batches):
             room = w.room(queued + n)
             if room <= 0:
                 break
@@ -181,9 +181,7 @@ class AdmissionControl:
             self.lock.refresh()
             self.hold(run.budget.close)
         purged = int(self.lock.write(("LLEN", k.queue), ("DEL", k.queue))[0])
-        run.window = None
-        if run.reading is not None and not run.reading.exhausted:
-            run.reading.count_rest_in_background()  # the report's counts, while the next dataset starts
+        run.window = None  # the rest of its file is counted on the runner's next tick (Runner._fill)
         try:
             self.app.control.cancel_consumer(k.queue)
         except Exception as exc:  # workers also drop it on their next poll

@@ -266,7 +266,7 @@ class Runner:
                             DatasetPhase.ADMITTING if self.gate.cleared() else DatasetPhase.PLANNING)
         previous = self._runs[-2] if len(self._runs) > 1 else None
         self.admission.start_window(run)
-        self.admission.fill(run)
+        self.admission.fill(run, batches=1)  # the first prompts at once; the ticks fill the rest of the window
         if previous is not None and previous.admission_ended_s is not None and previous.switch_s is None:
             previous.switch_s = time.time() - previous.admission_ended_s
         # The window is refilled on each tick (``_fill``), until the file's end or admission's.
@@ -279,6 +279,10 @@ class Runner:
         for r in self._runs:
             if r.admitting and r.window is not None:
                 self.admission.fill(r)
+            elif not r.admitting and r.reading is not None and not (r.reading.exhausted or r.reading.counting):
+                # Admission ended before the file's end: the rest counted for the report, in a thread
+                # started here, after the next dataset's first prompts are queued (it takes the GIL).
+                r.reading.count_rest_in_background()
             if not r.enqueue_done and r.reading is not None and r.reading.exhausted:
                 self._counted(r)
 

@@ -53,6 +53,8 @@ class PromptStream:
         self._lock = threading.Lock()
         #: The file was read to its end (or to max_prompts): ``stats`` counts all of it.
         self.exhausted = False
+        #: The rest is being counted in a thread (``count_rest_in_background``).
+        self.counting = False
 
     def take(self, n: int) -> list[Prompt]:
         with self._lock:
@@ -63,6 +65,8 @@ class PromptStream:
 
     def count_rest_in_background(self) -> None:
         """Read the rest for its counts only (the report's prompts and malformed rows), in a thread."""
+        self.counting = True
+
         def rest() -> None:
             with self._lock:
                 for _ in self._prompts:

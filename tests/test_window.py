@@ -57,11 +57,11 @@ def big_prompts(path: Path, n: int, size_bytes: int) -> Path:
 
 @pytest.fixture
 def small_redis(tmp_path: Path) -> Iterator[RestartableValkey]:
-    """A Valkey as compose.yaml configures it (noeviction, AOF on), but with 24 MB."""
+    """A Valkey as compose.yaml configures it (noeviction, AOF on), but with 16 MB."""
     valkey = RestartableValkey(tmp_path / "valkey")
     valkey.start()
     client = redis.Redis.from_url(valkey.url)
-    client.config_set("maxmemory", str(24 << 20))
+    client.config_set("maxmemory", str(16 << 20))
     client.close()
     try:
         yield valkey
@@ -72,18 +72,19 @@ def small_redis(tmp_path: Path) -> Iterator[RestartableValkey]:
 @pytest.mark.timeout(1500)
 def test_a_dataset_twice_the_size_of_redis_runs_to_its_end_with_every_prompt_once(
         tmp_path: Path, small_redis: RestartableValkey) -> None:
-    n = 1700
-    data = big_prompts(tmp_path / "big.jsonl", n, 32_000)
-    assert data.stat().st_size > 2 * (24 << 20)
+    n = 9000
+    data = big_prompts(tmp_path / "big.jsonl", n, 4_000)
+    assert data.stat().st_size > 2 * (16 << 20)
     fleet = Fleet(tmp_path, small_redis.url)
     client = redis.Redis.from_url(small_redis.url)
     try:
         fleet.start_simulator("--latency-median-ms", "50")
-        config = fleet.write_config([{"name": "Big", "path": data, "length": "short", "budget_tokens": 10**9}])
+        config = fleet.write_config([{"name": "Big", "path": data, "length": "short", "budget_tokens": 10**9}],
+                                    timeout_s=60)
         fleet.start_worker("w1", concurrency=40)
         fleet.start_worker("w2", concurrency=40)
         with longest_queue(client, "Big") as longest:
-            fleet.run_producer(config, timeout_s=1400, env={"SPECFLEET_QUEUE_WINDOW_BYTES": str(3 << 20)})
+            fleet.run_producer(config, timeout_s=1400, env={"SPECFLEET_QUEUE_WINDOW_BYTES": str(2 << 20)})
         memory = client.info("memory")
         print(f"longest queue {longest['Big']:,} of {n:,}; Redis peak {memory['used_memory_peak'] / 2**20:.1f} MiB")
         fleet.assert_exactly_once(client, "Big", n)
@@ -91,9 +92,9 @@ def test_a_dataset_twice_the_size_of_redis_runs_to_its_end_with_every_prompt_onc
         assert (summary["end_reason"], summary["prompts"], summary["failed"]) == ("complete", n, 0), summary
         logs = fleet.all_logs()
         assert "OOM" not in logs and "OutOfMemory" not in logs and "refuses writes" not in logs, logs[-8000:]
-        # 3 MiB of ~44 KB messages: ~70 queued at once; Redis well under its 24 MB.
-        assert longest["Big"] <= 100, longest
-        assert memory["used_memory_peak"] < 18 << 20, memory["used_memory_peak_human"]
+        # 2 MiB of ~6.4 KB messages: ~330 queued at once; Redis well under its 16 MB.
+        assert longest["Big"] <= 400, longest
+        assert memory["used_memory_peak"] < 12 << 20, memory["used_memory_peak_human"]
     finally:
         fleet.stop_all()
         client.close()
