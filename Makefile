@@ -83,6 +83,7 @@ bench: install  ## benchmark scripts that print figures
 	$(BIN)/python -m bench.budget_fill --prompts 10000 --with-projected
 	$(BIN)/python -m bench.engine_ids_run --prompts 10000 --noncanonical-rate 0.02
 	$(BIN)/python -m bench.conversations_run --conversations 1000
+	$(BIN)/python -m bench.scale_run --prompts 100000,1000000 --to-the-end 100000
 	$(BIN)/python -m bench.versus_seed --prompts 6000 --latencies-ms 300,15000
 
 soak: install  ## chaos soak (not part of test): 10k prompts, faults, worker and Redis SIGKILLs
