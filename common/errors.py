@@ -21,6 +21,7 @@ a library's exception or a message string. The tree (httpx's ``_exceptions.py`` 
     │   └── MisconfiguredError         halt once it repeats: 404, model not found
     ├── BatchSubmitError               a Batch API submission did not (surely) create a batch
     │   └── BatchRefused               4xx: surely not created (no :batch variant, over a limit)
+    ├── LostPoll                       (inside a worker's batch poll) its poll lease lapsed: another settles it
     ├── TokenizerError                 the target tokenizer cannot load or fails its round trip
     ├── TokenMismatch                  a rebuilt row failed its self-check
     ├── PromptFailed                   (inside a worker's task) the prompt fails with a reason
@@ -162,11 +163,15 @@ class MisconfiguredError(UpstreamError):
 
     ``target`` names the URL and the model asked for, so the halt line says what to fix. One such
     answer may be a prompt's own (no provider serves its tools): the fleet halts only when it
-    repeats across prompts (``workers/pipeline/retry.py``)."""
+    repeats across prompts (``workers/pipeline/retry.py``). ``fix``: what to do when it is not a
+    URL or model name but the server itself (an engine without ids): the halt line ends with it."""
 
-    def __init__(self, reason: str, detail: str, *, target: str, status: int = 0) -> None:
+    def __init__(self, reason: str, detail: str, *, target: str, status: int = 0, fix: str | None = None) -> None:
         super().__init__(reason, detail, status=status)
         self.target = target
+        self.fix = fix
+        if fix is not None:
+            self.args = (f"{reason}: {detail}; {fix}",)
 
 
 class ModelsUnavailable(SpecfleetError):
@@ -188,6 +193,11 @@ class BatchRefused(BatchSubmitError):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+
+
+class LostPoll(SpecfleetError):
+    """A worker's poll lease of a batch lapsed mid-settle: it stops and the new poller goes on (the
+    budget's settle counts a result once per lease, whoever repeats it)."""
 
 
 class TokenizerError(SpecfleetError):

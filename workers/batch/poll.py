@@ -33,7 +33,7 @@ from celery import bootsteps
 from common.batches import DONE, POSTING, SUBMITTED, Intent, load, open_intents
 from common.budget import Budget
 from common.contract import FAIL_BATCH_INVALID
-from common.errors import BatchRefused, BatchSubmitError, ConfigError
+from common.errors import BatchRefused, BatchSubmitError, ConfigError, LostPoll
 from common.stats import DatasetStats
 from workers import WORKER_ID
 from workers.batch import records
@@ -78,6 +78,9 @@ def poll_once(ctx: WorkerContext) -> int:
                 _recover(ctx, intent)
             elif intent.state == SUBMITTED:
                 _poll(ctx, intent)
+        except LostPoll:
+            log.warning("batch %s (%s): poll lease lapsed mid-settle; the next poller goes on", intent.id,
+                        intent.batch_id)
         except Exception:
             log.exception("batch %s (%s): poll failed; the next poller goes on", intent.id, intent.batch_id)
     return polled
@@ -138,7 +141,10 @@ def _poll(ctx: WorkerContext, intent: Intent) -> None:
 def _settle(ctx: WorkerContext, intent: Intent, remote: dict[str, Any]) -> None:
     """Every request of a terminal batch gets its outcome or is given back."""
     client = ctx.redis
-    records.hold_poll(client, intent.id, OWNER, SETTLE_LEASE_MS)
+    if not records.hold_poll(client, intent.id, OWNER, SETTLE_LEASE_MS):
+        # Our poll lease lapsed while we asked (a slow GET): another worker may be settling it now.
+        log.info("%s batch %s: the poll passed to another worker before the settle", intent.dataset, intent.id)
+        return
     view = ctx.run(intent.run)
     items = records.items(client, intent.id)
     done = records.handled(client, intent.id)
@@ -151,7 +157,8 @@ def _settle(ctx: WorkerContext, intent: Intent, remote: dict[str, Any]) -> None:
     def flush() -> None:
         records.mark_handled(client, intent.id, step)
         step.clear()
-        records.hold_poll(client, intent.id, OWNER, SETTLE_LEASE_MS)
+        if not records.hold_poll(client, intent.id, OWNER, SETTLE_LEASE_MS):
+            raise LostPoll(intent.id)
 
     if status == "failed":
         message = str((remote.get("error") or {}).get("message") or "")
