@@ -57,11 +57,11 @@ class ModelEndpoints:
 
 
 def cheapest(endpoints: list[Endpoint]) -> Endpoint | None:
-    priced = [e for e in endpoints if e.pricing is not None]
-    if not priced:
-        return None
-    return min(priced, key=lambda e: (e.pricing.completion, e.pricing.prompt, e.pricing.request)
-               if e.pricing else (0.0, 0.0, 0.0))
+    """The endpoint with the lowest completion, then prompt, then request price (the first listed
+    of equals); None when none is priced."""
+    priced = [(e.pricing.completion, e.pricing.prompt, e.pricing.request, i, e)
+              for i, e in enumerate(endpoints) if e.pricing is not None]
+    return min(priced)[-1] if priced else None
 
 
 def read_endpoints(cfg: RunConfig, base_url: str) -> ModelEndpoints:

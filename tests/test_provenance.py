@@ -230,3 +230,30 @@ def test_truncated_rows_are_counted_and_go_where_the_policy_says(
     fleet.run_producer(config, name="producer2")
     assert fleet.sim_stats()["requests"] == before
     assert Budget(redis_client, "T").snapshot().rows == 20
+
+
+def test_the_plans_pin_is_the_lowest_completion_then_prompt_price_and_names_compare_folded() -> None:
+    from common.config import Pricing
+    from common.providers import provider_key, quantization_of
+    from producer.models import Endpoint
+    from producer.providers import cheapest
+
+    def ep(name: str, prompt: float, completion: float) -> Endpoint:
+        return Endpoint(name, "fp8", None, Pricing(prompt=prompt / 1e6, completion=completion / 1e6))
+
+    listed = [ep("A", 0.5, 3.0), ep("B", 0.9, 2.0), ep("C", 0.4, 2.0), Endpoint("D", "fp4", None, None)]
+    assert [cheapest(listed), cheapest([ep("A", 1, 1), ep("B", 1, 1)])] == [listed[2], ep("A", 1, 1)]
+    assert cheapest([Endpoint("D", "fp4", None, None)]) is None
+    assert provider_key("Deep Infra") == provider_key("deepinfra/fp4") == provider_key("DeepInfra") == "deepinfra"
+    assert quantization_of({"DeepInfra": "fp4"}, "deep-infra") == "fp4" and quantization_of(None, "x") == "?"
+
+
+def test_a_pin_on_a_provider_that_does_not_serve_the_model_is_refused_before_any_request(fleet: Fleet) -> None:
+    fleet.start_simulator(*TWO_PROVIDERS)
+    config = fleet.write_config([_dataset(fleet, "G", [_plain(i) for i in range(3)])],
+                                request='providers = "pin"\nprovider_pin = "Gamma"')
+    proc = fleet.start_producer(config)
+    assert proc.wait(timeout=120) == 2, fleet.log("producer")
+    assert "provider_pin 'Gamma' does not serve moonshotai/kimi-k2.5 (its endpoints: Alpha Cloud, Beta)" in \
+        fleet.log("producer")
+    assert fleet.sim_stats()["requests"] == 0
