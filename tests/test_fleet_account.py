@@ -33,7 +33,9 @@ def test_the_in_flight_budget_slows_the_fleet_and_spends_no_attempts(fleet: Flee
     n, balance = 300, 1.0
     fleet.start_simulator("--latency-median-ms", "400", "--balance-usd", str(balance),
                           "--in-flight-retry-after-s", "1")
-    config = fleet.one_dataset("A", n, max_attempts=1)
+    # One attempt: a timeout would fail its prompt too, so give a loaded box room (the box the
+    # tests share ran a 400 ms answer past 10 s at a load of 33).
+    config = fleet.one_dataset("A", n, max_attempts=1, timeout_s=120)
     config.write_text(config.read_text().replace("max_tokens = 1024", f"max_tokens = {MAX_TOKENS}"))
     for i in range(2):
         fleet.start_worker(f"w{i + 1}", concurrency=100)
