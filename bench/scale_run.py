@@ -103,7 +103,7 @@ def _run(tmp: Path, datasets: list[dict[str, Any]], workers: int, greenlets: int
         settled_bytes = int(client.memory_usage(f"specfleet:ds:{datasets[0]['name']}:settled", samples=0) or 0)
         per_row = (done_bytes, settled_bytes)
         log = fleet.log("producer")
-        oom = sum(fleet.log(n).count("OOM") for n in fleet.procs)
+        oom = sum(fleet.log(n).count(word) for n in fleet.procs for word in ("OOM command", "OutOfMemoryError"))
         kept = summaries[datasets[0]["name"]]["results"]
         print(f"  done set {per_row[0]:,} B, settled {per_row[1]:,} B for {kept:,} rows (MEMORY USAGE): "
               f"{per_row[0] / max(kept, 1):.1f} + {per_row[1] / max(kept, 1):.1f} B per kept row")
