@@ -21,7 +21,7 @@ import redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from common.config import Pricing
-from common.contract import Usage
+from common.contract import HALT_MESSAGE_MAX_CHARS, Usage
 from common.keys import HALT, RUN_BUDGET, DatasetKeys
 from common.outcomes import Outcome, reply_outcome
 from common.redis_client import fence_command, fence_failed
@@ -395,7 +395,8 @@ class Budget:
 
     def halt(self, reason: str, message: str, worker: str) -> None:
         """Stop every admission of every dataset: the account itself was refused."""
-        self._client.set(HALT, json.dumps({"reason": reason, "message": message[:300], "worker": worker}), nx=True)
+        record = {"reason": reason, "message": message[:HALT_MESSAGE_MAX_CHARS], "worker": worker}
+        self._client.set(HALT, json.dumps(record), nx=True)
 
     # --- producer --------------------------------------------------------------------------
 

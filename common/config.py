@@ -30,6 +30,8 @@ class _Strict(BaseModel):
 #: Who answers: OpenRouter (text only), or a self-hosted OpenAI-compatible engine that returns the
 #: token ids it sampled (``return_token_ids``), at the workers' ``SPECFLEET_ENGINE_URL``.
 UpstreamKind = Literal["openrouter", "vllm", "sglang"]
+#: ``[model] engine_prompt_mismatch``: what an engine's differently rendered prompt does to the run.
+EnginePromptMismatch = Literal["refuse", "warn"]
 
 
 class Pricing(_Strict):
@@ -63,6 +65,10 @@ class ModelConfig(_Strict):
     #: endpoints API lists them; read from it at run start when the run file does not say. Rows name
     #: their provider; this names the weights behind it (``row["quantization"]``, the manifest).
     quantizations: dict[str, str] | None = None
+    #: Engine runs: an answer whose prompt ids differ from the prompt the run's tokenizer renders
+    #: (the engine serves another chat template) halts the run at the first one (``refuse``), or is
+    #: kept and counted, the summary and report warning per dataset (``warn``).
+    engine_prompt_mismatch: EnginePromptMismatch = "refuse"
 
 
 class LengthClass(_Strict):

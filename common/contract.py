@@ -123,10 +123,25 @@ FAIL_WEIGHT_EXCEEDS_BUDGET = "weight_exceeds_budget"
 
 #: Halt reasons (``keys.HALT``'s ``reason``) other than the refused account's ``http_401``/``http_402``.
 HALT_MISCONFIGURED = "misconfigured"
+#: An engine run that cannot go on (no ids, another chat template): the message ends with the
+#: engine's own fix (``halt_message``), which the halt line keeps as its end.
+HALT_ENGINE = "engine"
+#: What ``keys.HALT`` keeps of a halt's message (``Budget.halt``).
+HALT_MESSAGE_MAX_CHARS = 300
+
+
+def halt_message(what: str, fix: str) -> str:
+    """``what; fix`` within HALT_MESSAGE_MAX_CHARS, ``what`` cut short rather than the fix."""
+    room = HALT_MESSAGE_MAX_CHARS - len(fix) - 2
+    if len(what) > room:
+        what = what[:max(room - 1, 0)] + "…"
+    return f"{what}; {fix}"[:HALT_MESSAGE_MAX_CHARS]
 
 
 def halt_line(reason: str, message: str) -> str:
     """What the producer tells the user about a halt a worker recorded: once, with what to fix."""
+    if reason == HALT_ENGINE:
+        return f"the engine run was halted (run the same command again once fixed): {message}"
     if reason == HALT_MISCONFIGURED:
         return (f"the upstream is misconfigured: {message.rstrip('.')}; fix the workers' OPENROUTER_BASE_URL "
                 "(SPECFLEET_ENGINE_URL for an engine run) or the run file's model.name, then run the same command "

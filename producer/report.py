@@ -191,6 +191,7 @@ def _engine_ids(summaries: Sequence[dict[str, Any]]) -> list[str]:
             f"- **{s.get('dataset', '?')}**: {int(rows):,} rows with the engine's ids; `engine_mismatch` "
             f"{int(wrong):,} ({wrong / rows:.2%} of them: text-only rebuilding would have been wrong); "
             f"prompt ids unlike the template-rendered prompt: {int(prompts):,} ({prompts / rows:.2%})"
+            + (f" · **warning**: {s['engine_prompt_warning']}" if s.get("engine_prompt_warning") else "")
         )
     if not lines:
         return []

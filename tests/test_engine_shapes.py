@@ -15,7 +15,7 @@ import redis
 from common.errors import MisconfiguredError
 from tests.fleet import TEST_KEY, Fleet, read_summary, write_jsonl
 from workers.upstreams.upstream import Request
-from workers.upstreams.vllm import EngineClient
+from workers.upstreams.vllm import NO_IDS_FIX, EngineClient
 
 
 def _request() -> Request:
@@ -46,9 +46,10 @@ def test_no_ids_names_the_engine_and_the_fix() -> None:
     client = EngineClient("sglang", "http://engine:30000", None, pool_size=1)
     with pytest.raises(MisconfiguredError) as caught:
         client._extra_fields({}, {"token_ids": [3]}, "m")
-    message = str(caught.value.detail)
+    message = str(caught.value)
     assert "the sglang server answered without prompt ids" in message
     assert "upgrade SGLang to one whose chat API takes return_prompt_token_ids" in message
+    assert caught.value.fix == NO_IDS_FIX["sglang"]  # what the halt line ends with
     vllm = EngineClient("vllm", "http://engine:8000", None, pool_size=1)
     with pytest.raises(MisconfiguredError, match=r"0\.10\.2"):
         vllm._extra_fields({}, {}, "m")

@@ -14,7 +14,11 @@ difference no self-check on the text can see. So with ids:
   often text-only rebuilding would have been wrong (or would have lost the row);
 - the engine's prompt ids are compared with the prompt the worker rendered with the target's chat
   template (``prompt_match``, ``prompt_position``): a difference means the engine serves another
-  chat template than the tokenizer the run names, a configuration smell counted on its own.
+  chat template than the tokenizer the run names. Every such row's prompt is not what the run's
+  tokenizer says it is, so under ``[model] engine_prompt_mismatch = "refuse"`` (the default) the
+  first one halts the run (``prompt_refusal`` says where and what to fix; the generate step halts);
+  under ``"warn"`` the row is kept and counted (``engine_prompt_mismatch``), the summary and report
+  warning per dataset.
 
 Where the turn ended (``stop``/``tool_calls``) and the engine trimmed the stop token it sampled
 (SGLang without ``no_stop_trim``), the end-of-turn id is put back (``end_appended``), as the text
@@ -27,6 +31,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from common.contract import halt_message
 from common.errors import TokenMismatch
 from workers.pipeline.rebuild import ENDED_FINISH_REASONS, ReasoningEnd, RebuiltRow, RenderedPrompt, rebuild
 from workers.pipeline.target import TargetTokenizer
@@ -55,6 +60,26 @@ def engine_completion(target: TargetTokenizer, answer: Answer) -> tuple[list[int
     if end is None or (ids and ids[-1] in stops):
         return ids, False
     return [*ids, end], True
+
+
+#: The end of a prompt-mismatch halt line: what the user can do about it.
+PROMPT_MISMATCH_FIX = ("serve the model's own chat template on the engine (its tokenizer_config.json), "
+                       'or set [model] engine_prompt_mismatch = "warn"')
+
+
+def prompt_refusal(target: TargetTokenizer, dataset: str, prompt_id: str, where: str,
+                   engine_prompt: Sequence[int], rendered: Sequence[int]) -> str | None:
+    """Why the run is refused for this answer's prompt ids (None when they are the rendered ones):
+    the dataset, the prompt, the first differing token on each side, and the fix."""
+    position = first_difference(engine_prompt, rendered)
+    if position is None:
+        return None
+    engine_text, _ = _token(target, engine_prompt, position)
+    rendered_text, _ = _token(target, rendered, position)
+    # Where they differ first, the file:line last: a long path is what the 300 characters cut.
+    what = (f"dataset {dataset}, prompt {prompt_id}: engine prompt ids differ from the run tokenizer's chat "
+            f"template at token {position} (engine {engine_text!r}, rendered {rendered_text!r}) at {where}")
+    return halt_message(what, PROMPT_MISMATCH_FIX)
 
 
 def rebuild_from_engine(
@@ -118,4 +143,4 @@ def _unchecked(target: TargetTokenizer, answer: Answer, completion: list[int]) -
                       reasoning_end=reasoning_end)
 
 
-__all__ = ["engine_completion", "first_difference", "rebuild_from_engine"]
+__all__ = ["PROMPT_MISMATCH_FIX", "engine_completion", "first_difference", "prompt_refusal", "rebuild_from_engine"]

@@ -12,7 +12,8 @@
   slot, so a stopped dataset makes no further calls, and again right before a send if what is left
   of it (by the worker's clock) would not outlive the attempt: a request never goes out on a lease
   another delivery could take while it is open.
-- **rebuild**: the answer as token-exact ids, self-checked (``workers/pipeline/rebuild.py``).
+- **rebuild**: the answer as token-exact ids, self-checked (``workers/pipeline/rebuild.py``); an
+  engine's prompt ids unlike the rendered prompt halt the run (``engine_prompt_mismatch = "refuse"``).
 - **settle**: count the row and hand it to the collector, exactly once; the answer's cost is
   counted whatever becomes of the row (money spent is spent). While Redis is away, settle (and
   fail) retry within the lease's slack, then go to the local spool, replayed when Redis returns.
@@ -44,9 +45,11 @@ from common.contract import (
     FAIL_PROMPT_TOO_LONG,
     FAIL_PROVIDER_REFUSED,
     FAIL_TOKEN_MISMATCH,
+    HALT_ENGINE,
     ResultRow,
     TaskPayload,
     Usage,
+    halt_message,
 )
 from common.errors import MisconfiguredError, PromptEnded, PromptFailed, TokenMismatch, UpstreamError
 from common.outcomes import SKIPPED, Outcome
@@ -58,7 +61,7 @@ from workers.fleet.answer_room import answer_bytes, answer_room
 from workers.fleet.context import WorkerContext
 from workers.fleet.send_room import process_room
 from workers.fleet.spool import fail_or_spool, settle_or_spool
-from workers.pipeline.engine_ids import rebuild_from_engine
+from workers.pipeline.engine_ids import prompt_refusal, rebuild_from_engine
 from workers.pipeline.rebuild import RebuiltRow, RenderedPrompt, rebuild, render_prompt
 from workers.pipeline.retry import RetryPolicy
 from workers.pipeline.target import TargetTokenizer
@@ -205,6 +208,8 @@ def generate(ctx: WorkerContext, payload: TaskPayload, turn: TurnHook | None = N
             if (why := _refused_provider(job, answer)) is not None:
                 return job.fail(FAIL_PROVIDER_REFUSED, why)
             rebuilt = rebuild_row(job, prepared, answer)
+            if (refusal := _refused_engine_prompt(job, prepared, answer, rebuilt)) is not None:
+                return _halt_run(job, HALT_ENGINE, refusal)
         except TokenMismatch as exc:
             return job.fail(FAIL_TOKEN_MISMATCH, str(exc))
         except PromptFailed as failed:
@@ -420,12 +425,32 @@ def _keep_lease(job: _Job) -> None:
 
 def _halt(job: _Job, reason: str, exc: UpstreamError) -> Outcome:
     """Every prompt would fail alike: marking them all failed would burn the dataset. Halt the
-    fleet instead; this prompt keeps no outcome and the next run asks it again."""
+    fleet instead; this prompt keeps no outcome and the next run asks it again. An error that
+    names the server's own fix (an engine without ids) halts as the engine's, the fix at the end."""
     message = f"{exc.target} answered {exc.reason}: {exc.detail}" if isinstance(exc, MisconfiguredError) else exc.detail
+    if isinstance(exc, MisconfiguredError) and exc.fix is not None:
+        reason, message = HALT_ENGINE, halt_message(message, exc.fix)
+    return _halt_run(job, reason, message)
+
+
+def _halt_run(job: _Job, reason: str, message: str) -> Outcome:
+    """Halt the fleet; the prompt's admission goes back, with what its answer was billed (if one
+    came), so the accounting stays exact."""
     job.budget.halt(reason, message, WORKER_ID)
-    job.budget.release(job.pid, job.lease)
+    usage, job.usage = job.usage, None
+    job.budget.release(job.pid, job.lease, cost_usd=job.billed_usd, usage=usage)
     log.critical("%s/%s: halting the fleet: %s: %s", job.dataset, job.pid, reason, message)
     return Outcome.HALTED
+
+
+def _refused_engine_prompt(job: _Job, prepared: Prepared, answer: Answer, rebuilt: RebuiltRow) -> str | None:
+    """``[model] engine_prompt_mismatch = "refuse"``: why the engine's prompt ids refuse the run
+    (they are not the prompt the run's tokenizer renders: another chat template), or None."""
+    check = rebuilt.engine_check
+    if check is None or check["prompt_match"] or job.view.model.engine_prompt_mismatch != "refuse":
+        return None
+    return prompt_refusal(prepared.target, job.dataset, job.pid, job.where, answer.prompt_ids or [],
+                          prepared.prompt.ids)
 
 
 def _refused_provider(job: _Job, answer: Answer) -> str | None:

@@ -22,7 +22,8 @@ served model name, 5xx/timeouts retryable), plus the ids the engine sampled:
 
 An engine that answers without ids (too old, or a proxy that drops unknown fields) is the run's
 misconfiguration, not the prompt's: every answer would be alike, so it halts like a wrong model,
-naming the engine and what to upgrade (``NO_IDS_FIX``).
+naming the engine and, at the end of its halt line, what to upgrade (``NO_IDS_FIX``, the error's
+``fix``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ ID_FLAGS: dict[str, dict[str, bool]] = {
     "sglang": {"return_token_ids": True, "return_prompt_token_ids": True},
 }
 #: What to do when an engine answers without them: the version that has them, and the way around.
-NO_IDS_FIX = {  # short: the halt line keeps 300 characters, the URL and model come first
+NO_IDS_FIX = {  # short: the halt message keeps 300 characters and always the whole fix (contract.halt_message)
     "vllm": "upgrade vLLM to >= 0.10.2 (return_token_ids), or bypass a proxy that drops fields",
     "sglang": "upgrade SGLang to one whose chat API takes return_prompt_token_ids, or bypass a proxy "
               "that drops fields",
@@ -92,9 +93,10 @@ class EngineClient(OpenRouterClient):
             missing = " and ".join(n for n, v in (("prompt ids", prompt), ("completion ids", completion)) if v is None)
             raise MisconfiguredError(
                 "no_token_ids",
-                f"the {self.kind} server answered without {missing}; {NO_IDS_FIX[self.kind]}",
+                f"the {self.kind} server answered without {missing}",
                 target=f"{self.url} with model {model!r}",
                 status=200,
+                fix=NO_IDS_FIX[self.kind],
             )
         return {"prompt_ids": prompt, "completion_ids": completion, "provider": body.get("provider") or self.kind}
 
