@@ -77,11 +77,11 @@ class AdmissionControl:
         except Exception as exc:
             log.debug("%s broadcast failed (workers follow on their next poll): %s", FOLLOW_COMMAND, exc)
 
-    def start_window(self, run: DatasetRun, *, skip: frozenset[str] = frozenset()) -> QueueWindow:
+    def start_window(self, run: DatasetRun, *, skip: frozenset[str] = frozenset(), sweep: bool = False) -> QueueWindow:
         """A new read of the dataset's file, queued through the window from its start; the first
         read of a dataset is also its count (``run.reading``)."""
         key = self.hold(lambda: ensure_key(self.client, run.name))
-        window = QueueWindow(PromptStream(run.cfg), self.tuning.window, key, skip)
+        window = QueueWindow(PromptStream(run.cfg), self.tuning.window, key, skip, sweep=sweep)
         if run.reading is None:
             run.reading = window.stream
         run.window = window
@@ -103,6 +103,8 @@ class AdmissionControl:
             self.lock.refresh_if_older(LOCK_CHECK_EVERY_S)
             batch = w.stream.take(min(ENQUEUE_BATCH, room))
             todo = self._lacking_outcome(run, [p for p in batch if p.id not in w.skip])
+            if w.sweep and w.pushed < 10 and todo:  # which ones, so a lost message can be traced
+                log.info("%s: sweeping %s", run.name, ", ".join(p.id for p in todo))
             pushed = self._push(run, w, todo)
             w.record(len(batch), pushed.messages, pushed.bytes)
             n += pushed.messages
@@ -169,7 +171,7 @@ class AdmissionControl:
         # A conversation's failure is its failed turn's (row key "<id>#<turn>").
         failed = frozenset(k.decode() if run.cfg.regenerate == "last" else conversation_of(k.decode())
                            for k in self.client.hkeys(run.budget.keys.failed))
-        self.start_window(run, skip=failed)
+        self.start_window(run, skip=failed, sweep=True)
         return self.fill(run)
 
     def end(self, run: DatasetRun, reason: EndReason) -> None:

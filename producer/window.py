@@ -87,6 +87,8 @@ class QueueWindow:
     pushed_bytes: int = 0
     #: Prompts read and not queued (an outcome already, or skipped).
     passed: int = field(default=0)
+    #: A sweep's window names the prompts it queues again (the first ones), so a lost message can be traced.
+    sweep: bool = False
 
     def room(self, queued: int) -> int:
         """How many more prompts the window takes with ``queued`` in the queue."""
