@@ -47,6 +47,9 @@ _VARIABLES = {
     "SPECFLEET_ENGINE_API_KEY": ("engine_api_key", "k", "k"),
     "SPECFLEET_MAX_ANSWER_BYTES": ("max_answer_bytes", "2048", 2048),
     "SPECFLEET_ANSWER_BYTES_IN_FLIGHT": ("answer_bytes_in_flight", "4096", 4096),
+    "SPECFLEET_QUEUE_WINDOW_PROMPTS": ("queue_window_prompts", "500", 500),
+    "SPECFLEET_QUEUE_WINDOW_BYTES": ("queue_window_bytes", "1048576", 1 << 20),
+    "SPECFLEET_BATCH_SUBMIT_TIMEOUT_S": ("batch_submit_timeout_s", "30", 30.0),
 }
 
 
