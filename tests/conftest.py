@@ -84,3 +84,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     outcome = yield
     rep = outcome.get_result()
     setattr(item, "rep_" + rep.when, rep)
+
+
+#: The fault tier: every test of these files is marked ``faults`` and runs under ``make test-faults``,
+#: not ``make test``. They start, kill and refuse real Valkeys, Sentinels and workers, or run property
+#: searches of hundreds of examples: on a 2-core box they are half of the suite's CPU, and ``make
+#: test`` must stay inside CI's 15 minutes. ``make check`` runs both tiers; ``make soak`` drives the
+#: same faults together.
+FAULT_TIER = frozenset({
+    "test_answer_memory.py", "test_attempt_deadline.py", "test_budget_fleet.py", "test_disk_full.py",
+    "test_fencing.py", "test_hub_reconnect.py", "test_lease_before_send.py", "test_property_fleet.py",
+    "test_rebuild_property.py", "test_redis_refuses.py", "test_reliability.py", "test_send_room.py",
+    "test_sentinel.py", "test_settle_replay.py", "test_spool_outage.py", "test_stop_while_away.py",
+    "test_worker_redis_refuses.py", "test_worker_start_refused.py", "test_worker_stop.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in FAULT_TIER:
+            item.add_marker(pytest.mark.faults)
