@@ -48,7 +48,8 @@ TEST_JOBS ?= 4
 # Two tiers: `make test` (CI) is every feature end to end; `make test-faults` is the fault tier
 # (tests/conftest.py FAULT_TIER: killed and refusing Valkeys, Sentinel failover, stopped workers,
 # property searches), half the suite's CPU, kept out so CI stays inside 15 minutes on 2 cores.
-PYTEST := SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal
+# Recursive (=): the tokenizer it names is fetched by the target's own prerequisite, after the Makefile is read.
+PYTEST = SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal
 test: install $(QWEN3)/tokenizer_config.json  ## every feature end to end, on a private Valkey and real celery worker processes
 	-$(BIN)/python -m compileall -q common workers producer simulator harness tests
 	$(PYTEST) -m "not faults" $(PYTEST_ARGS)
