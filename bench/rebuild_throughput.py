@@ -16,8 +16,9 @@ from pathlib import Path
 
 import gevent
 
-from workers.pipeline.rebuild import Answer, RebuiltRow, rebuild
-from workers.pipeline.target import TargetTokenizer
+from common.rebuild import RebuiltRow, rebuild
+from common.target import TargetTokenizer
+from workers.upstreams.upstream import Answer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ come from ``tests/strategies.py``: texts with every special-token string, near-m
 and None, structured tool calls (``tools`` in the row) or the same calls as raw Kimi tool-call text
 in ``content`` (no ``tools``), leaked ``<|im_end|>``, reasoning in each of the three fields.
 
-Each row is checked here, independently of ``workers/pipeline/rebuild.py``, with the demo tokenizer loaded
+Each row is checked here, independently of ``common/rebuild.py``, with the demo tokenizer loaded
 through ``transformers.AutoTokenizer``: the prompt part is the chat template with the generation
 prompt; the completion is exactly the text the Kimi K2.5 turn layout gives for the answer the
 simulator sent, encoded as one piece (so every special-token string is its single id); it ends

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 
 from common.errors import TokenizerError, TokenMismatch
+from common.rebuild import RebuiltRow, rebuild
+from common.target import StrippedEdges, TargetTokenizer
 from tests.tokenizer_factory import CHATML as CHATML_FAMILY
 from tests.tokenizer_factory import (
     FAMILIES,
@@ -28,8 +30,6 @@ from tests.tokenizer_factory import (
     write_remote_tokenizer,
     write_tokenizer,
 )
-from workers.pipeline.rebuild import RebuiltRow, rebuild
-from workers.pipeline.target import StrippedEdges, TargetTokenizer
 from workers.upstreams.openrouter import answer_from_message
 from workers.upstreams.upstream import Answer
 

@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from common.rebuild import rebuild
+from common.target import TargetTokenizer
 from tests.strategies import answers_messages, conversations, texts
 from tests.test_rebuild import CHATML, FAMILY_NAMES, QWEN_PARAMS, QWENS, targets  # noqa: F401  (the session fixture, used by name)
-from workers.pipeline.rebuild import rebuild
-from workers.pipeline.target import TargetTokenizer
 from workers.upstreams.openrouter import answer_from_message
 from workers.upstreams.upstream import Answer
 

@@ -1,6 +1,6 @@
 """The Celery app. ``celery -A workers worker -P gevent -c 1000 -Q specfleet.idle -E``.
 
-Lives in ``workers/celery.py`` so ``-A workers`` finds it, and so importing ``workers.pipeline.rebuild``
+Lives in ``workers/celery.py`` so ``-A workers`` finds it, and so importing ``workers.pipeline.generate``
 (tests, benchmarks) does not need a broker.
 """
 

@@ -18,12 +18,12 @@ from common.config import WorkerView
 from common.errors import ConfigError, TokenizerError
 from common.redis_client import connect
 from common.settings import Settings
+from common.target import TargetTokenizer
 from common.throttle import FleetThrottle
 from common.worker_cmd import pool_size
 from workers.fleet.gate import Gate
 from workers.fleet.group_commit import GroupCommit
 from workers.fleet.heap import settle_long_lived
-from workers.pipeline.target import TargetTokenizer
 from workers.upstreams.openrouter import OpenRouterClient
 from workers.upstreams.upstream import Upstream
 from workers.upstreams.vllm import EngineClient, EngineKind

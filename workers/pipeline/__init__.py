@@ -6,10 +6,9 @@
 | conversation | ``regenerate = "all"``: every assistant turn produced again, turn by turn   |
 | generate     | one prompt in five steps: prepare → reserve → call → rebuild → settle       |
 | retry        | after a failed attempt: retry (when), fail the prompt, or halt the fleet    |
-| rebuild      | an ``Answer`` → the token-exact row, self-checked (code in common/rebuild)  |
 | engine_ids   | rows from an engine's own ids, the text rebuild as their cross-check        |
-| target       | the target's tokenizer, its turn format, start-up check (common/target)     |
 
-Nothing here talks HTTP (``workers/upstreams/``) or knows how the worker process is run
-(``workers/fleet/``).
+The rebuild and the target's tokenizer are in ``common/rebuild.py`` and ``common/target.py``:
+``specfleet validate`` re-checks rows with the same code. Nothing here talks HTTP
+(``workers/upstreams/``) or knows how the worker process is run (``workers/fleet/``).
 """

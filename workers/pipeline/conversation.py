@@ -31,10 +31,10 @@ from common.budget import TurnKeep
 from common.contract import CONTRACT_VERSION, ResultRow, TaskPayload, row_key
 from common.keys import DatasetKeys
 from common.outcomes import Outcome
+from common.rebuild import ENDED_FINISH_REASONS, RebuiltRow
 from workers.batch.submit import submit
 from workers.fleet.context import WorkerContext
 from workers.pipeline.generate import Busy, generate
-from workers.pipeline.rebuild import ENDED_FINISH_REASONS, RebuiltRow
 from workers.upstreams.upstream import Answer
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Rows from an engine's own ids, with the text rebuild as the cross-check.
 
 An engine that returns token ids (``workers/upstreams/vllm.py``) reports what the model really sampled; the
-text rebuild (``workers/pipeline/rebuild.py``) re-encodes the answer's text, which gives the *canonical*
+text rebuild (``common/rebuild.py``) re-encodes the answer's text, which gives the *canonical*
 tokenization. The two differ when the model sampled a non-canonical split (``"hel" + "lo"``), a
 difference no self-check on the text can see. So with ids:
 
@@ -33,8 +33,8 @@ from typing import Any
 
 from common.contract import halt_message
 from common.errors import TokenMismatch
-from workers.pipeline.rebuild import ENDED_FINISH_REASONS, ReasoningEnd, RebuiltRow, RenderedPrompt, rebuild
-from workers.pipeline.target import TargetTokenizer
+from common.rebuild import ENDED_FINISH_REASONS, ReasoningEnd, RebuiltRow, RenderedPrompt, rebuild
+from common.target import TargetTokenizer
 from workers.upstreams.upstream import Answer
 
 

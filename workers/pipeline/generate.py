@@ -12,7 +12,7 @@
   slot, so a stopped dataset makes no further calls, and again right before a send if what is left
   of it (by the worker's clock) would not outlive the attempt: a request never goes out on a lease
   another delivery could take while it is open.
-- **rebuild**: the answer as token-exact ids, self-checked (``workers/pipeline/rebuild.py``); an
+- **rebuild**: the answer as token-exact ids, self-checked (``common/rebuild.py``); an
   engine's prompt ids unlike the rendered prompt halt the run (``engine_prompt_mismatch = "refuse"``).
 - **settle**: count the row and hand it to the collector, exactly once; the answer's cost is
   counted whatever becomes of the row (money spent is spent). While Redis is away, settle (and
@@ -54,17 +54,17 @@ from common.contract import (
 from common.errors import MisconfiguredError, PromptEnded, PromptFailed, TokenMismatch, UpstreamError
 from common.outcomes import SKIPPED, Outcome
 from common.providers import UNKNOWN_QUANTIZATION, quantization_of, same_provider
+from common.rebuild import RebuiltRow, RenderedPrompt, rebuild, render_prompt
 from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
+from common.target import TargetTokenizer
 from workers import WORKER_ID
 from workers.fleet.answer_room import answer_bytes, answer_room
 from workers.fleet.context import WorkerContext
 from workers.fleet.send_room import process_room
 from workers.fleet.spool import fail_or_spool, settle_or_spool
 from workers.pipeline.engine_ids import prompt_refusal, rebuild_from_engine
-from workers.pipeline.rebuild import RebuiltRow, RenderedPrompt, rebuild, render_prompt
 from workers.pipeline.retry import RetryPolicy
-from workers.pipeline.target import TargetTokenizer
 from workers.upstreams.upstream import Answer, Request, Upstream
 
 log = logging.getLogger(__name__)
