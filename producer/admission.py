@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 
 import redis
 from celery import Celery
@@ -223,14 +222,3 @@ class AdmissionControl:
         log.info("%s: %s tokens of budget left once in-flight work landed: top-up round %d",
                  run.name, f"{room:,}", run.top_ups)
         return True
-
-
-def batches(items: Iterator[Prompt], size: int) -> Iterator[list[Prompt]]:
-    batch: list[Prompt] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch

@@ -340,14 +340,6 @@ def count_plan(cfg: RunConfig, base_url: str, info: ModelInfo | None, unavailabl
     )
 
 
-def make_plan(cfg: RunConfig, base_url: str, *, exact_limit: int = EXACT_LIMIT, api_key: str | None = None) -> Plan:
-    """Read the model's entry and the account, count every dataset. ``UnknownModel`` propagates."""
-    info, unavailable = read_model(cfg, base_url)
-    account = fetch_account(base_url, api_key) if api_key else None
-    return count_plan(apply_account(cfg, info, account), base_url, info, unavailable, exact_limit=exact_limit,
-                      account=account)
-
-
 def _usd(value: float | None) -> str:
     return "?" if value is None else f"${value:,.2f}"
 
@@ -448,7 +440,7 @@ def problems(plan: Plan, cfg: RunConfig, *, yes: bool) -> list[str]:
         out += [f"{d.name}: prompt_too_long: {row}" for row in d.too_long[:_MAX_NAMED_ROWS]]
         if len(d.too_long) > _MAX_NAMED_ROWS:
             out.append(f"{d.name}: … and {len(d.too_long) - _MAX_NAMED_ROWS:,} more prompts too long")
-    # A dollar budget without a known price never gets here: make_plan asks RunConfig.require_prices.
+    # A dollar budget without a known price never gets here: read_model asks RunConfig.require_prices first.
     budget, worst = cfg.run.budget_usd, plan.total("worst_usd")
     if budget is not None and worst is not None and worst > budget and not (yes or cfg.run.confirm_over_budget):
         out.append(f"worst case {_usd(worst)} exceeds [run] budget_usd {_usd(budget)}: the run may stop on "

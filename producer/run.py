@@ -299,13 +299,6 @@ class Runner:
         log.info("%s: %s prompts queued of %s in the file, read in %.2f s (%s malformed rows)", run.name,
                  f"{run.enqueued:,}", f"{run.prompts:,}", run.enqueue_s, f"{run.malformed:,}")
 
-    def _admission_over(self, run: DatasetRun) -> bool:
-        if self._interrupted.is_set():
-            raise Interrupted("interrupted")
-        self._settle_plan()
-        self._check_collector()
-        return not run.admitting
-
     # --- watching ---------------------------------------------------------------------------
 
     def _tick(self) -> None:
