@@ -71,9 +71,9 @@ def parse_model(entry: dict[str, Any]) -> ModelInfo:
     return ModelInfo(id=str(entry["id"]), context_length=context_length, pricing=pricing)
 
 
-def fetch_model(base_url: str, model_id: str, *, timeout_s: float = MODELS_TIMEOUT_S) -> ModelInfo:
-    """The model's entry, or ``UnknownModel`` naming the URL and close ids, or ``ModelsUnavailable``."""
-    url = models_url(base_url)
+def _get_json(url: str, timeout_s: float) -> Any:
+    """``GET url``'s JSON body (public endpoints: no key is sent); ``ModelsUnavailable`` naming the URL
+    when it cannot be reached, does not answer 200, or is not JSON."""
     try:
         resp = requests.get(url, timeout=timeout_s, headers={"Accept": "application/json"})
     except requests.RequestException as exc:
@@ -81,7 +81,17 @@ def fetch_model(base_url: str, model_id: str, *, timeout_s: float = MODELS_TIMEO
     if resp.status_code != 200:
         raise ModelsUnavailable(f"GET {url}: HTTP {resp.status_code}")
     try:
-        data = resp.json()["data"]
+        return resp.json()
+    except ValueError:
+        raise ModelsUnavailable(f"GET {url}: not JSON") from None
+
+
+def fetch_model(base_url: str, model_id: str, *, timeout_s: float = MODELS_TIMEOUT_S) -> ModelInfo:
+    """The model's entry, or ``UnknownModel`` naming the URL and close ids, or ``ModelsUnavailable``."""
+    url = models_url(base_url)
+    body = _get_json(url, timeout_s)
+    try:
+        data = body["data"]
         listed = {str(e["id"]): e for e in data if isinstance(e, dict) and "id" in e}
     except (ValueError, KeyError, TypeError):
         raise ModelsUnavailable(f"GET {url}: not a models list") from None
@@ -130,14 +140,9 @@ def fetch_endpoints(base_url: str, model_id: str, *, timeout_s: float = MODELS_T
     """The model's endpoints, in the order listed; ``ModelsUnavailable`` naming the URL when the
     list cannot be read (public on OpenRouter: no key is sent)."""
     url = endpoints_url(base_url, model_id)
+    body = _get_json(url, timeout_s)
     try:
-        resp = requests.get(url, timeout=timeout_s, headers={"Accept": "application/json"})
-    except requests.RequestException as exc:
-        raise ModelsUnavailable(f"GET {url}: {type(exc).__name__}") from None
-    if resp.status_code != 200:
-        raise ModelsUnavailable(f"GET {url}: HTTP {resp.status_code}")
-    try:
-        entries = resp.json()["data"]["endpoints"]
+        entries = body["data"]["endpoints"]
         return [parse_endpoint(e) for e in entries if isinstance(e, dict) and e.get("provider_name")]
     except (ValueError, KeyError, TypeError):
         raise ModelsUnavailable(f"GET {url}: not an endpoints list") from None
