@@ -117,6 +117,29 @@ local function count_window(now, window, started, refused, started_at)
   return win_started + prev_started, win_thr + prev_thr
 end
 
+-- The congestion (or balance) event on record: when it began, the limit and the in-flight count
+-- then, and how many refusals it has had.
+local function event_of()
+  local e = redis.call("HMGET", state, "cut_ms", "event_limit", "event_in_flight", "event_throttled")
+  return tonumber(e[1] or "0"), tonumber(e[2] or "0"), tonumber(e[3] or "0"), tonumber(e[4] or "0")
+end
+
+-- One more refusal of the event that began at cut_ms: what is served is what was in flight when the
+-- event began less what it refused since, and the limit falls to beta x that (never below min_limit,
+-- never up); a Retry-After pauses every new request of the fleet. Returns the limit.
+local function cut_in_event(limit, cut, event_limit, event_in_flight, refused, beta, min_limit, now, retry_after)
+  refused = refused + 1
+  local served = math.min(event_limit, event_in_flight - refused)
+  limit = math.min(limit, math.max(min_limit, math.floor(served * beta)))
+  redis.call("HSET", state, "limit", tostring(limit), "cut_ms", cut, "event_limit", tostring(event_limit),
+             "event_in_flight", event_in_flight, "event_throttled", refused)
+  if retry_after > 0 then
+    local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
+    if now + retry_after > pause then redis.call("HSET", state, "pause_ms", now + retry_after) end
+  end
+  return limit
+end
+
 -- One slot given back with its outcome; the policy is read from ARGV[3..14] (see "release").
 -- Returns the limit after it.
 local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl, drain)
@@ -138,20 +161,10 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl, 
     -- The account's word, not a share: every refusal belongs to an event (a new one after cut_gap)
     -- whose estimate of what the balance carries is what was in flight when it began, less what it
     -- refused since, as for congestion below.
-    local b = redis.call("HMGET", state, "cut_ms", "event_limit", "event_in_flight", "event_throttled")
-    local cut, event_limit = tonumber(b[1] or "0"), tonumber(b[2] or "0")
-    local event_in_flight, refused = tonumber(b[3] or "0"), tonumber(b[4] or "0")
+    local cut, event_limit, event_in_flight, refused = event_of()
     if now - cut >= cut_gap then cut, event_limit, event_in_flight, refused = now, limit, in_flight, 0 end
     redis.call("HSET", state, "balance_bound", "1")
-    refused = refused + 1
-    limit = math.min(limit, math.max(min_limit, math.floor(math.min(event_limit, event_in_flight - refused) * beta)))
-    redis.call("HSET", state, "limit", tostring(limit), "cut_ms", cut, "event_limit", tostring(event_limit),
-               "event_in_flight", event_in_flight, "event_throttled", refused)
-    if retry_after > 0 then
-      local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
-      if now + retry_after > pause then redis.call("HSET", state, "pause_ms", now + retry_after) end
-    end
-    return limit
+    return cut_in_event(limit, cut, event_limit, event_in_flight, refused, beta, min_limit, now, retry_after)
   end
   redis.call("HINCRBY", state, outcome == "ok" and "ok" or "throttled", 1)
   if outcome == "refused" then return limit end  -- adaptive back-off is off
@@ -213,9 +226,7 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl, 
   -- refused: each refusal of the event lowers the estimate by one. A fleet starting unbounded with
   -- 1,500 requests against a capacity of 300 thus lands near beta x 300 in one event, not after
   -- fifteen 10% cuts; at steady state (one request over the capacity) it is the plain beta x cut.
-  local e = redis.call("HMGET", state, "cut_ms", "event_limit", "event_in_flight", "event_throttled")
-  local cut, event_limit = tonumber(e[1] or "0"), tonumber(e[2] or "0")
-  local event_in_flight, refused = tonumber(e[3] or "0"), tonumber(e[4] or "0")
+  local cut, event_limit, event_in_flight, refused = event_of()
   local share = math.min(1, refused_recently / math.max(started, 1))
   if now - cut >= cut_gap then  -- not within an event: does this 429 begin one?
     -- Above the background by more than chance makes of it: z binomial standard deviations of a
@@ -231,16 +242,7 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl, 
   -- The share the check compares with: as the event's refusals come in (judged at its first 429s,
   -- a burst's share is still a few per cent).
   redis.call("HSET", state, "check_share", tostring(share))
-  refused = refused + 1
-  local served = math.min(event_limit, event_in_flight - refused)
-  limit = math.min(limit, math.max(min_limit, math.floor(served * beta)))
-  redis.call("HSET", state, "limit", tostring(limit), "cut_ms", cut, "event_limit", tostring(event_limit),
-             "event_in_flight", event_in_flight, "event_throttled", refused)
-  if retry_after > 0 then
-    local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
-    if now + retry_after > pause then redis.call("HSET", state, "pause_ms", now + retry_after) end
-  end
-  return limit
+  return cut_in_event(limit, cut, event_limit, event_in_flight, refused, beta, min_limit, now, retry_after)
 end
 
 -- How long a share's unanswered want keeps borrowers off: a few of its polls (workers/gate.py POLL_S).
