@@ -227,6 +227,18 @@ class Validator:
         else:
             self._speculators(row, bad)
 
+    # --- both conversation forms ---
+
+    def _turns(self, conversations: Any, bad: Any) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        """The row's prompt messages and its assistant turn, a leaked special token reported; None
+        (reported) when the conversation has no such shape."""
+        split = _split_conversation(conversations)
+        if isinstance(split, str):
+            bad(split)
+            return None
+        self._leaks(split[1], bad)
+        return split
+
     # --- specfleet rows ---
 
     def _specfleet(self, row: _Row, report: DatasetReport, bad: Any) -> None:
@@ -238,14 +250,10 @@ class Validator:
             bad(f"loss_mask is not 0…0 1…1: a 0 at {start + mask[start:].index(0)} "
                 f"after the completion began at {start}")
             return
-        split = _split_conversation(data.get("conversations"))
-        if isinstance(split, str):
-            bad(split)
+        turns = self._turns(data.get("conversations"), bad)
+        if turns is None or self.target is None:
             return
-        messages, assistant = split
-        self._leaks(assistant, bad)
-        if self.target is None:
-            return
+        messages, assistant = turns
         tools = data.get("tools") or None
         try:
             prompt = render_prompt(self.target, messages, tools)
@@ -351,14 +359,10 @@ class Validator:
     # --- other tools' rows ---
 
     def _specforge(self, row: _Row, bad: Any) -> None:
-        split = _split_conversation(row.data["conversations"])
-        if isinstance(split, str):
-            bad(split)
+        turns = self._turns(row.data["conversations"], bad)
+        if turns is None or self.target is None:
             return
-        messages, assistant = split
-        self._leaks(assistant, bad)
-        if self.target is None:
-            return
+        messages, assistant = turns
         try:
             rebuilt = rebuild(self.target, messages, row.data.get("tools") or None, _parts(assistant, row.data))
         except TokenMismatch as exc:
