@@ -47,8 +47,6 @@ class Intent:
                    failed=int(d.get("failed") or 0))
 
 
-
-
 def load(client: redis.Redis, intent_id: str) -> Intent | None:
     raw = client.hgetall(BatchKeys(intent_id).record)
     return Intent.parse(raw) if raw else None
@@ -72,3 +70,28 @@ def open_batches(client: redis.Redis) -> list[dict[str, Any]]:
                     "status": intent.remote_status or intent.state, "completed": intent.completed,
                     "failed": intent.failed})
     return out
+
+
+def summary(batches: list[dict[str, Any]]) -> str:
+    """One line for the open batches (``open_batches``): how many, their requests, the oldest's age
+    and how many are in each state, e.g. ``2 open, 1,500 requests, oldest 42 s (in_progress 1,
+    validating 1)``. Empty: ``none open``."""
+    if not batches:
+        return "none open"
+    tally = ", ".join(f"{s} {n}" for s, n in states(batches).items())
+    return (f"{len(batches)} open, {sum(b['requests'] for b in batches):,} requests, oldest "
+            f"{max(b['age_s'] for b in batches):,.0f} s ({tally})")
+
+
+def states(batches: list[dict[str, Any]]) -> dict[str, int]:
+    """How many open batches are in each state (OpenRouter's word, or ``posting``), by name."""
+    out: dict[str, int] = {}
+    for b in batches:
+        out[b["status"]] = out.get(b["status"], 0) + 1
+    return dict(sorted(out.items()))
+
+
+def line(b: dict[str, Any]) -> str:
+    """One open batch: ``B batch_12ab: in_progress · 1,000 requests (600 done, 0 failed) · 42 s old``."""
+    return (f"{b['dataset']} {b['batch_id'] or '(posting)'}: {b['status']} · {b['requests']:,} requests "
+            f"({b['completed']:,} done, {b['failed']:,} failed) · {b['age_s']:,.0f} s old")

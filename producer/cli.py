@@ -107,12 +107,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         while True:
             states = [read_state(client, n) for n in names]
-            snapshot = throttle.snapshot()
-            view.update(states, snapshot)
+            snapshot, batches = throttle.snapshot(), open_batches(client)
+            view.update(states, snapshot, batches)
             ended = {st.dataset: why for st in states if (why := _end_reason(client, st))}
             for st in states:
                 if st.dataset in ended:
-                    view.finish(st, ended[st.dataset], snapshot)
+                    view.finish(st, ended[st.dataset], snapshot, batches)
             # The run is over once every dataset ended: the last frame is its final state.
             if not args.watch or len(ended) == len(names):
                 break

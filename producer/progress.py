@@ -23,6 +23,8 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
+from common.batches import line, summary
+from common.batches import states as batch_states
 from common.throttle import ThrottleSnapshot
 from producer.state import DatasetState
 
@@ -125,6 +127,8 @@ class ProgressView:
         #: Datasets finished (``finish``): their final state stays, later updates are ignored.
         self._finished: dict[str, str] = {}
         self._logging: _LiveLogging | None = None
+        #: Open batches were shown last time (a row or line says "none open" once they all landed).
+        self._batches_shown = False
         if self.live:
             # force_terminal: live=True on a non-tty stream is a deliberate request for bars.
             console = Console(file=self._stream, force_terminal=True)
@@ -147,9 +151,13 @@ class ProgressView:
 
     # --- public ----------------------------------------------------------------------------
 
-    def update(self, states: list[DatasetState], throttle: ThrottleSnapshot | None = None) -> None:
+    def update(self, states: list[DatasetState], throttle: ThrottleSnapshot | None = None,
+               batches: list[dict[str, Any]] | None = None) -> None:
         """``throttle``: the fleet's upstream throttle (``FleetThrottle.snapshot``), shown as one
-        more row: requests in flight against the current limit, and the share answered 429."""
+        more row: requests in flight against the current limit, and the share answered 429.
+        ``batches``: the open Batch API batches (``common/batches.open_batches``; None in a run
+        with no batch-mode dataset), one more row: how many, their requests, the oldest's age and
+        how many are in each state."""
         if self._closed:
             return
         states = [st for st in states if st.dataset not in self._finished]
@@ -162,13 +170,17 @@ class ProgressView:
                 self._render_bar(st, rates[st.dataset])
             if throttle is not None:
                 self._render_throttle(throttle)
+            if batches is not None:
+                self._render_batches(batches)
         else:
-            self._plain(states, rates, throttle)
+            self._plain(states, rates, throttle, batches)
 
-    def finish(self, state: DatasetState, end_reason: str = "", throttle: ThrottleSnapshot | None = None) -> None:
+    def finish(self, state: DatasetState, end_reason: str = "", throttle: ThrottleSnapshot | None = None,
+               batches: list[dict[str, Any]] | None = None) -> None:
         """The dataset's final state (read once it was finalized): its bar (or a last plain line)
-        shows these figures and "done" from now on, whatever a later, older read says. ``throttle``:
-        the fleet's throttle then, so the last dataset's end leaves that row current too."""
+        shows these figures and "done" from now on, whatever a later, older read says. ``throttle``
+        and ``batches``: the fleet's throttle and open batches then, so the last dataset's end
+        leaves those rows current too."""
         if self._closed:
             return
         self._finished[state.dataset] = end_reason
@@ -178,6 +190,8 @@ class ProgressView:
             self._render_bar(state, rate)
             if throttle is not None:
                 self._render_throttle(throttle)
+            if batches is not None:
+                self._render_batches(batches)
 
     def notice(self, text: str) -> None:
         """A one-off line between the bars (or the plain lines), e.g. "Redis unreachable, retrying"."""
@@ -263,10 +277,27 @@ class ProgressView:
             failed=f"of {t.ok + t.throttled:,}", rate="", eta="", state=_throttle_word(t),
         )
 
+    def _render_batches(self, batches: list[dict[str, Any]]) -> None:
+        assert self._progress is not None
+        if not batches and not self._batches_shown:
+            return  # no batch submitted yet: no row
+        self._batches_shown = True
+        task = self._tasks.get(_BATCHES_ROW)
+        if task is None:
+            task = self._add_task(_BATCHES_ROW)
+        requests = sum(b["requests"] for b in batches)
+        answered = sum(b["completed"] + b["failed"] for b in batches)
+        oldest = max((b["age_s"] for b in batches), default=None)
+        self._progress.update(
+            task, total=max(requests, 1), completed=min(answered, requests),
+            used=f"{len(batches):,} open, {requests:,} requests", rows=f"oldest {fmt_duration(oldest)}",
+            failed=f"answered {answered:,}", rate="", eta="", state=_batch_states(batches) or "none open",
+        )
+
     # --- plain lines -------------------------------------------------------------------------
 
     def _plain(self, states: list[DatasetState], rates: dict[str, float | None],
-               throttle: ThrottleSnapshot | None = None) -> None:
+               throttle: ThrottleSnapshot | None = None, batches: list[dict[str, Any]] | None = None) -> None:
         if not states:
             return
         now = max(st.t_s for st in states)
@@ -280,6 +311,10 @@ class ProgressView:
         lines = [self._line(st, rates[st.dataset]) for st in batch]
         if due and throttle is not None and any(st.state == "active" for st in batch):
             lines.append(throttle_line(throttle, now))
+        if due and batches is not None and (batches or self._batches_shown):
+            # Every due batch while any is open, and once more when the last one landed.
+            self._batches_shown = bool(batches)
+            lines.append(batches_line(batches, now))
         self._write(lines)
 
     def _line(self, st: DatasetState, rate: float | None) -> str:
@@ -303,6 +338,11 @@ class ProgressView:
 
 
 _THROTTLE_ROW = "upstream"
+_BATCHES_ROW = "batches"
+
+
+def _batch_states(batches: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{s} {n}" for s, n in batch_states(batches).items())
 
 
 def _fmt_limit(limit: float | None) -> str:
@@ -317,12 +357,17 @@ def batch_lines(batches: list[dict[str, Any]]) -> list[str]:
     """Open Batch API batches (``common/batches.open_batches``): a summary, then one line each."""
     if not batches:
         return []
-    lines = [f"batches: {len(batches)} open, {sum(b['requests'] for b in batches):,} requests, oldest "
-             f"{max(b['age_s'] for b in batches):,.0f} s"]
-    for b in sorted(batches, key=lambda b: -b["age_s"]):
-        lines.append(f"  {b['dataset']} {b['batch_id'] or '(posting)'}: {b['status']} · {b['requests']:,} requests "
-                     f"({b['completed']:,} done, {b['failed']:,} failed) · {b['age_s']:,.0f} s old")
-    return lines
+    return [f"batches: {summary(batches)}", *(f"  {line(b)}" for b in sorted(batches, key=lambda b: -b["age_s"]))]
+
+
+def batches_line(batches: list[dict[str, Any]], t_s: float) -> str:
+    """One plain line for the open batches (``batches=0`` once the last one landed)."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_s))
+    oldest = max((b["age_s"] for b in batches), default=0.0)
+    states = ",".join(f"{s}:{n}" for s, n in batch_states(batches).items())
+    return (f"{stamp} batches open={len(batches)} requests={sum(b['requests'] for b in batches)} "
+            f"answered={sum(b['completed'] + b['failed'] for b in batches)} oldest_s={oldest:.0f} "
+            f"states={states or '-'}")
 
 
 def throttle_line(t: ThrottleSnapshot, t_s: float) -> str:

@@ -25,6 +25,7 @@ import redis
 from celery import Celery
 
 from common import keys
+from common.batches import open_batches
 from common.budget import Budget, open_run
 from common.config import DatasetConfig, RunConfig
 from common.contract import halt_line
@@ -100,6 +101,7 @@ class Runner:
         self.throttle = FleetThrottle(client)
         self.gate = PlanGate(plan, self.throttle, self.hold)
         self.admission = AdmissionControl(cfg, client, app, self.lock, self.hold, self.tuning)
+        self._batched = cfg.batch_view() is not None
         self._runs: list[DatasetRun] = []
         #: The run manifest (``common/manifest.py``), built when the run starts.
         self.manifest: Manifest | None = None
@@ -349,7 +351,12 @@ class Runner:
             self.gate.observe(sum(st.in_flight for st in states.values()), taken)
             if self.progress is not None and self.gate.passed:  # the plan's table first
                 shown = [states.get(r.name) or r.final_state for r in self._runs]
-                self.progress.update([st for st in shown if st is not None], self.throttle.snapshot())
+                self.progress.update([st for st in shown if st is not None], self.throttle.snapshot(),
+                                     self._open_batches())
+
+    def _open_batches(self) -> list[dict[str, Any]] | None:
+        """The open Batch API batches for the progress view; None (no row) when no dataset is batched."""
+        return open_batches(self.client) if self._batched else None
 
     def _check_drained(self, run: DatasetRun, st: DatasetState, now: float) -> None:
         assert run.admission_ended_s is not None
@@ -378,7 +385,7 @@ class Runner:
         run.transition(DatasetPhase.ENDED)
         if self.progress is not None and hasattr(self.progress, "finish"):
             # The last frame shows how it ended, and the fleet's throttle as it is then.
-            self.progress.finish(final, run.end_reason.value, self.throttle.snapshot())
+            self.progress.finish(final, run.end_reason.value, self.throttle.snapshot(), self._open_batches())
 
 
 def retry_window_s(client: redis.Redis) -> float:

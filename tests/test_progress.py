@@ -299,3 +299,41 @@ def _assert_last_frame_is_final(screen: str, fleet: Any) -> None:
         assert "active" not in last and "ETA" not in last, last
     # The fleet's throttle row as the run ended: nothing in flight.
     assert "in flight 0/" in [line for line in bars if line.startswith("upstream")][-1]
+
+
+def _batch(batch_id: str, status: str, requests: int, age_s: float, completed: int = 0) -> dict[str, Any]:
+    return {"intent": batch_id, "dataset": "short", "batch_id": batch_id, "requests": requests, "age_s": age_s,
+            "state": "submitted", "status": status, "completed": completed, "failed": 0}
+
+
+def test_open_batches_show_in_plain_lines_and_live_bars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch mode: the open batches' count, requests, oldest age and states, as a plain line each
+    due batch (and once more when the last one landed) and as one more live row."""
+    two = [_batch("batch_a", "in_progress", 1_000, 95.0, completed=400), _batch("batch_b", "validating", 500, 3.0)]
+    out = io.StringIO()
+    view = ProgressView(["short"], live=False, stream=out)
+    view.update([_state(t=0)], None, [])  # none yet: no line
+    view.update([_state(t=PLAIN_INTERVAL_S)], None, two)
+    view.update([_state(t=PLAIN_INTERVAL_S + 1)], None, two)  # not due
+    view.update([_state(t=2 * PLAIN_INTERVAL_S)], None, [])  # landed: said once
+    view.update([_state(t=3 * PLAIN_INTERVAL_S)], None, [])
+    lines = [line for line in _lines(out) if " batches " in line]
+    assert len(lines) == 2, _lines(out)
+    assert lines[0].endswith("batches open=2 requests=1500 answered=400 oldest_s=95 states=in_progress:1,validating:1")
+    assert lines[1].endswith("batches open=0 requests=0 answered=0 oldest_s=0 states=-")
+
+    monkeypatch.setenv("COLUMNS", "240")  # a wide terminal: rich cuts nothing
+    out = io.StringIO()
+    view = ProgressView(["short"], live=True, stream=out)
+    view.update([_state(t=0)], None, [])
+    view.update([_state(t=1)], None, two)
+    view.close()
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    final = text[text.rfind("batches") :]
+    assert "2 open, 1,500 requests" in final and "oldest 1m35s" in final and "answered 400" in final, final
+    assert "in_progress 1, validating 1" in final, final
+    out = io.StringIO()
+    view = ProgressView(["short"], live=True, stream=out)
+    view.update([_state(t=0)], None, None)  # a live-mode run: no batches row
+    view.close()
+    assert "batches" not in out.getvalue()

@@ -29,8 +29,9 @@ from typing import Any
 import gevent
 import gevent.pool
 from celery import bootsteps
+from celery.worker.control import inspect_command
 
-from common.batches import DONE, POSTING, SUBMITTED, Intent, load, open_intents
+from common.batches import DONE, POSTING, SUBMITTED, Intent, load, open_batches, open_intents, summary
 from common.budget import Budget
 from common.contract import FAIL_BATCH_INVALID
 from common.errors import BatchRefused, BatchSubmitError, ConfigError, LostPoll
@@ -55,6 +56,8 @@ SETTLE_STEP = 50
 SETTLE_CONCURRENCY = 200
 #: A batch listed this long before the intent's own clock still counts as a candidate (clock skew).
 CLOCK_SLACK_S = 5.0
+#: Open batches a worker's ``stats`` lists one by one (oldest first); the summary counts them all.
+STATS_BATCHES = 100
 
 OWNER = f"{WORKER_ID}:{uuid.uuid4().hex[:8]}"
 
@@ -234,6 +237,12 @@ class PollBatches(bootsteps.StartStopStep):
             self._timer.cancel()
             self._timer = None
 
+    def info(self, c: Any) -> dict[str, Any]:
+        # Celery builds a worker's ``stats`` from every step's info; Flower's worker page shows the
+        # keys it does not know in its "Other" tab and /api/workers returns them: Flower's place
+        # for the fleet's open batches (kept in Redis, so every worker shows all of them).
+        return stats_of(context().redis, STATS_BATCHES)
+
     def tick(self) -> None:
         if writes.refusing() or (self._poll is not None and not self._poll.dead):
             return
@@ -245,3 +254,23 @@ def _poll_quietly() -> None:
         poll_once(context())
     except Exception as exc:  # Redis away: the next tick tries again
         log.warning("batch poll: %s", exc)
+
+
+def stats_of(client: Any, limit: int | None = None) -> dict[str, Any]:
+    """``open_batches``: one line for the fleet's open batches; ``open_batch_list``: each one (the
+    ``limit`` oldest): batch id, dataset, requests, age, state. A Redis that does not answer is
+    said, not raised: a failed stats call would blank the whole worker in Flower."""
+    try:
+        batches = sorted(open_batches(client), key=lambda b: -b["age_s"])
+    except Exception as exc:
+        return {"open_batches": f"unknown (Redis: {exc})", "open_batch_list": []}
+    shown = [{"batch_id": b["batch_id"] or "(posting)", "dataset": b["dataset"], "requests": b["requests"],
+              "age_s": b["age_s"], "state": b["status"], "completed": b["completed"], "failed": b["failed"]}
+             for b in batches[:limit]]
+    return {"open_batches": summary(batches), "open_batch_list": shown}
+
+
+@inspect_command(name="open_batches")
+def _inspect_open_batches(state: Any, **_: Any) -> dict[str, Any]:
+    """``celery -A workers inspect open_batches``: every open batch of the fleet."""
+    return stats_of(context().redis)

@@ -230,6 +230,8 @@ def submit_batch(ctx: WorkerContext, view: WorkerView, run: str, dataset: str,
         return outcomes
     if not records.record_submitted(client, intent, str(remote["id"])):
         log.error("%s batch %s: %s is claimed by another intent", dataset, intent.id, remote["id"])
+    else:
+        records.update_remote(client, intent, remote)  # its state (validating) is shown before the first poll
     # The posting lease gives way to the poll's period: the first poll comes one period after the POST.
     records.hold_poll(client, intent.id, owner, poll_ms(view))
     DatasetStats(client, dataset).record_batch(batch_requests=len(asked))
