@@ -222,7 +222,13 @@ def _throttle_families(t: ThrottleSnapshot) -> Iterator[Metric]:
     throttled.add_metric([], t.throttled)
     answered = CounterMetricFamily("specfleet_upstream_ok", "Upstream attempts answered (whole fleet, this run)")
     answered.add_metric([], t.ok)
-    yield from (limit, in_flight, paused, throttled, answered)
+    refused = CounterMetricFamily(
+        "specfleet_upstream_budget_refused",
+        "Upstream attempts the account refused for its in-flight budget (402 in_flight_budget_exhausted; "
+        "the fleet slows, no attempt spent; whole fleet, this run)",
+    )
+    refused.add_metric([], t.budget_refused)
+    yield from (limit, in_flight, paused, throttled, answered, refused)
 
 
 def _batch_families(batches: list[dict[str, Any]]) -> Iterator[Metric]:

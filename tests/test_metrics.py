@@ -151,6 +151,10 @@ def test_scrape_reports_the_fleet_throttle(midrun: redis.Redis) -> None:
     assert 29 < m[("specfleet_throttle_paused_seconds", ())] <= 30
     assert m[("specfleet_upstream_throttled_total", ())] == 1
     assert m[("specfleet_upstream_ok_total", ())] == 3
+    assert m[("specfleet_upstream_budget_refused_total", ())] == 0
+    throttle.release("s4", "budget", ttl_ms=60_000, retry_after_s=1)  # a 402 in_flight_budget_exhausted
+    m = _parse(generate_latest(make_registry(midrun)).decode())
+    assert m[("specfleet_upstream_budget_refused_total", ())] == 1
 
 
 def test_rate_comes_from_successive_scrapes(midrun: redis.Redis) -> None:
