@@ -129,6 +129,8 @@ class BatchStore:
 
     def __init__(self) -> None:
         self.batches: OrderedDict[str, Batch] = OrderedDict()
+        #: Batches purged by DELETE: gone from the API, still counted by ``stats`` (what was billed).
+        self.deleted: dict[str, Batch] = {}
         self.submitted: Counter[str] = Counter()
         self.billed_cost = 0.0
 
@@ -158,18 +160,19 @@ class BatchStore:
                 return reply(start_response, 409, error_body(
                     409, f"batch {batch.id} is {batch.status}: only a finished batch can be deleted "
                          "(there is no cancel)"))
-            del self.batches[batch.id]
+            self.deleted[batch.id] = self.batches.pop(batch.id)
             return reply(start_response, 200, {"id": batch.id, "object": "batch", "deleted": True})
         return reply(start_response, 405, error_body(405, f"{method} {path}: no route"))
 
     def stats(self, settings: SimSettings, counter: TokenCounter, ledger: Ledger) -> dict[str, Any]:
         self._advance_all(time.time(), settings, counter, ledger)
         return {
-            "batches": len(self.batches),
-            "by_status": dict(Counter(b.status for b in self.batches.values())),
+            "batches": len(self.batches) + len(self.deleted),
+            "deleted": len(self.deleted),
+            "by_status": dict(Counter(b.status for b in [*self.batches.values(), *self.deleted.values()])),
             "submitted_custom_ids": sum(self.submitted.values()),
             "repeated_custom_ids": {k: n for k, n in self.submitted.items() if n > 1},
-            "results": sum(b.completed + b.failed for b in self.batches.values()),
+            "results": sum(b.completed + b.failed for b in [*self.batches.values(), *self.deleted.values()]),
             "billed_cost_usd": round(self.billed_cost, 9),
         }
 

@@ -60,6 +60,8 @@ def test_a_batch_run_keeps_every_prompt_once_at_half_the_price(fleet: Fleet, red
     assert s["batch_cost_usd"] == pytest.approx(batches["billed_cost_usd"], abs=1e-5)
     assert s["cost_usd"] == pytest.approx(s["batch_rows_cost_usd"], abs=1e-5)
     assert not open_batches(redis_client) and not redis_client.hlen(keys.DatasetKeys("B").batched)
+    # Every settled batch was deleted at OpenRouter: nothing of the run left stored there.
+    assert batches["deleted"] == batches["batches"] and _listed(fleet) == [], (batches, _listed(fleet))
     assert all(r["generation_id"].startswith("gen-batch-") for r in rows)
 
 
@@ -83,7 +85,7 @@ def test_a_crash_between_post_and_record_finds_the_batch_instead_of_posting_agai
     producer.wait(timeout=240)
     assert producer.returncode == 0, fleet.all_logs()
     fleet.assert_exactly_once(redis_client, "C", 30)
-    assert len(_listed(fleet)) == 1 and _batches(fleet)["repeated_custom_ids"] == {}
+    assert _batches(fleet)["batches"] == 1 and _batches(fleet)["repeated_custom_ids"] == {}
     assert "found it as batch_" in fleet.log("w2"), fleet.log("w2")
 
 

@@ -100,6 +100,13 @@ def test_no_cancel_and_no_delete_while_running(sim: SimHandle) -> None:
     assert requests.delete(f"{sim.api_base}/batches/{batch_id}", headers=KEY, timeout=5).status_code == 409
     assert _wait_terminal(sim, batch_id)["status"] == "completed"  # it ran anyway, and was billed
     assert sim.stats()["billed_requests"] == 3
+    # Once terminal it can be purged: gone from the API, still counted by the simulator's stats.
+    assert requests.delete(f"{sim.api_base}/batches/{batch_id}", headers=KEY, timeout=5).json()["deleted"] is True
+    assert requests.get(f"{sim.api_base}/batches/{batch_id}", headers=KEY, timeout=5).status_code == 404
+    assert batch_id not in {b["id"] for b in requests.get(f"{sim.api_base}/batches", headers=KEY,
+                                                           timeout=5).json()["data"]}
+    stats = requests.get(f"{sim.url}/_sim/batches", timeout=5).json()
+    assert stats["deleted"] == 1 and stats["batches"] == 1 and stats["by_status"] == {"completed": 1}
 
 
 def test_one_invalid_request_fails_the_whole_batch_naming_it_and_nothing_is_billed(sim: SimHandle) -> None:

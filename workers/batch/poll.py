@@ -17,6 +17,7 @@ batch where the record (and the ``handled`` set) says it stood.
   released (their holds freed, the prompts asked again by the producer's sweep); the request the
   validation named fails ``batch_invalid``. The batch's ``usage.cost`` is counted beside the rows'
   tokens × batch price (``batch_cost_usd`` vs ``batch_rows_cost_usd``: the difference is reported).
+  Once closed, the batch is deleted at OpenRouter (its stored requests and results purged).
 """
 
 from __future__ import annotations
@@ -213,6 +214,18 @@ def _settle(ctx: WorkerContext, intent: Intent, remote: dict[str, Any]) -> None:
     records.close(client, intent, [i.payload["id"] for i in items.values()], summary)
     log.info("%s batch %s (%s) %s: %s; cost $%.6f, rows $%.6f (difference $%.6f)", intent.dataset, intent.id,
              intent.batch_id, status, outcomes, cost, rows_cost, cost - rows_cost)
+    _purge(ctx, intent)
+
+
+def _purge(ctx: WorkerContext, intent: Intent) -> None:
+    """A settled batch's requests and answers are not left stored at OpenRouter (the rows and the
+    record's summary keep what the run needs). Only after the close: a DELETE never races a settle,
+    and one that fails (or a worker that dies first) costs storage there, not a row here."""
+    try:
+        batch_client(ctx).delete(intent.batch_id)
+    except Exception as exc:
+        log.warning("%s batch %s (%s): not deleted at OpenRouter: %s", intent.dataset, intent.id, intent.batch_id,
+                    exc)
 
 
 def api_results(ctx: WorkerContext, intent: Intent) -> Any:

@@ -3,8 +3,8 @@
 ``submit`` posts one batch (``endpoint`` and ``model`` before ``requests`` in the JSON text: the
 server parses it as a stream); ``get`` reads its status; ``results`` pages its results; ``listed``
 finds batches created after a time (the recovery of a POST whose answer was lost: never post again
-before looking). A result's body is a chat completion, read by the live client's own parser, so a
-batch answer and a live one become the same ``Answer``.
+before looking); ``delete`` purges a settled batch. A result's body is a chat completion, read by
+the live client's own parser, so a batch answer and a live one become the same ``Answer``.
 
 Submission is not idempotent: a 4xx means no batch (``BatchRefused``); any other failure may have
 created one (``BatchSubmitError``), and the caller must look before posting again.
@@ -67,6 +67,11 @@ class BatchClient:
         resp.raise_for_status()
         batch: dict[str, Any] = resp.json()
         return batch
+
+    def delete(self, batch_id: str) -> None:
+        """Purge a terminal batch (its stored requests and results) at OpenRouter; 409 while it runs."""
+        resp = self._session.delete(f"{self.url}/{batch_id}", timeout=READ_TIMEOUT_S)
+        resp.raise_for_status()
 
     def results(self, batch_id: str) -> Iterator[dict[str, Any]]:
         cursor = ""
