@@ -195,6 +195,10 @@ class RetryConfig(_Strict):
     max_attempts: int = Field(default=6, ge=1)
     backoff_base_s: float = Field(default=1.0, gt=0)
     backoff_max_s: float = Field(default=60.0, gt=0)
+    #: A prompt the account keeps refusing for its in-flight budget (402 in_flight_budget_exhausted,
+    #: no attempt spent) fails as ``in_flight_budget_exhausted`` once it has waited this long since
+    #: the first refusal (another spender holding the balance): the next run asks it again.
+    in_flight_wait_max_s: float = Field(default=1800.0, gt=0)
 
 
 class OutputConfig(_Strict):

@@ -118,6 +118,9 @@ FAIL_PROVIDER_REFUSED = "provider_refused"
 #: One request's worst case (prompt + max_tokens at the model's price) is over the account's whole
 #: balance (402 weight_exceeds_budget): no retry can help; lower max_tokens or add credits.
 FAIL_WEIGHT_EXCEEDS_BUDGET = "weight_exceeds_budget"
+#: The account refused the prompt for its in-flight budget (402 in_flight_budget_exhausted) again and
+#: again for ``[retry] in_flight_wait_max_s``: the balance stayed held (the next run asks it again).
+FAIL_IN_FLIGHT_BUDGET = "in_flight_budget_exhausted"
 
 # The per-dataset stats hash's fields are named in common/stats.py only.
 

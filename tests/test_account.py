@@ -40,6 +40,14 @@ def test_an_in_flight_budget_402_is_retried_after_its_retry_after_without_spendi
     assert 3.0 <= decision.delay_s <= 4.5
 
 
+def test_an_in_flight_budget_402_fails_the_prompt_once_its_wait_would_pass_the_cap() -> None:
+    policy = RetryPolicy(max_attempts=6, in_flight_wait_max_s=60.0)
+    error = InFlightBudgetError("in_flight_budget_exhausted", "busy", status=402, retry_after_s=3.0)
+    assert policy.decide(error, attempt=1, in_flight_waited_s=50.0).action == "retry"  # 53-54.5 s < 60
+    fail = policy.decide(error, attempt=1, in_flight_waited_s=57.0)  # the next wait would end past 60 s
+    assert (fail.action, fail.reason, fail.spends_attempt) == ("fail", "in_flight_budget_exhausted", False)
+
+
 def test_weight_exceeds_budget_fails_the_prompt_at_once_and_other_402s_halt() -> None:
     policy = RetryPolicy(max_attempts=6)
     fail = policy.decide(WeightExceedsBudgetError("weight_exceeds_budget", "x", status=402), attempt=1)

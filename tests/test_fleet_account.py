@@ -80,3 +80,27 @@ def test_a_request_whose_worst_case_exceeds_the_whole_balance_fails_at_once_nami
     assert all('"weight_exceeds_budget"' in line and "max_tokens 8,192" in line for line in failed), failed
     sim = fleet.sim_stats()
     assert sim["account"]["refused"]["weight_exceeds_budget"] == n  # once each: never retried
+
+
+def test_a_prompt_the_in_flight_budget_keeps_refusing_fails_after_in_flight_wait_max_s(
+        fleet: Fleet, redis_client: redis.Redis) -> None:
+    """A balance that covers ~2.5 worst cases in flight, 2 s answers and 10 prompts at once, no plan:
+    two at a time run, the others are refused again and again. With ``[retry] in_flight_wait_max_s
+    = 3`` the ones still refused 3 s after their first 402 fail ``in_flight_budget_exhausted``,
+    naming the setting (without the cap all ten wait their turn and are kept)."""
+    n = 10
+    fleet.start_simulator("--latency-median-ms", "2000", "--balance-usd", str(_estimate_usd() * 2.5),
+                          "--in-flight-retry-after-s", "1")
+    config = fleet.one_dataset("Q", n, max_attempts=2, timeout_s=60)
+    text = config.read_text().replace("max_tokens = 1024", f"max_tokens = {MAX_TOKENS}")
+    config.write_text(text.replace("max_attempts = 2", "max_attempts = 2\nin_flight_wait_max_s = 3", 1))
+    fleet.start_worker("w1", concurrency=40)
+    producer = fleet.start_producer(config, "producer", "--no-plan")
+    assert producer.wait(timeout=300) == 0, fleet.all_logs()
+    summary = read_summary(fleet.out, "Q")
+    failed = [line for line in (fleet.out / "Q" / "failed.jsonl").read_text().splitlines() if line]
+    print(f"capped wait: {summary['results']} kept, {summary['failed']} failed in_flight_budget_exhausted")
+    assert summary["results"] + summary["failed"] == n, summary
+    assert summary["failed"] >= 3 and len(failed) == summary["failed"], summary
+    assert all('"in_flight_budget_exhausted"' in line and "in_flight_wait_max_s = 3" in line for line in failed), \
+        failed[:3]

@@ -41,6 +41,7 @@ from common.budget import POLICY, Admission, Budget, Price, TurnKeep
 from common.config import LengthClass, WorkerView
 from common.contract import (
     CONTRACT_VERSION,
+    FAIL_IN_FLIGHT_BUDGET,
     FAIL_INTERNAL,
     FAIL_PROMPT_TOO_LONG,
     FAIL_PROVIDER_REFUSED,
@@ -51,7 +52,14 @@ from common.contract import (
     Usage,
     halt_message,
 )
-from common.errors import MisconfiguredError, PromptEnded, PromptFailed, TokenMismatch, UpstreamError
+from common.errors import (
+    InFlightBudgetError,
+    MisconfiguredError,
+    PromptEnded,
+    PromptFailed,
+    TokenMismatch,
+    UpstreamError,
+)
 from common.outcomes import SKIPPED, Outcome
 from common.providers import UNKNOWN_QUANTIZATION, quantization_of, same_provider
 from common.rebuild import RebuiltRow, RenderedPrompt, rebuild, render_prompt
@@ -310,6 +318,7 @@ def call(job: _Job, prepared: Prepared) -> Answer | Outcome:
     # The request as the account's in-flight budget weighs it: its prompt and max_tokens at the price.
     worst_usd = (prepared.prompt_tokens * pricing.prompt + job.length.max_tokens * pricing.completion
                  + pricing.request) if pricing is not None else None
+    refused_since: float | None = None  # the first in-flight budget 402 (its wait is capped)
     while True:
         t0 = time.monotonic()
         try:
@@ -325,13 +334,20 @@ def call(job: _Job, prepared: Prepared) -> Answer | Outcome:
             log.info("%s/%s call %d: %s (%.1fs, after %.1fs waiting to send)", job.dataset, job.pid, job.attempts,
                      exc.reason, time.monotonic() - job.sent_at, job.sent_at - t0)
             streak = job.stats.record_misconfigured(job.pid) if isinstance(exc, MisconfiguredError) else 0
-            decision = job.policy.decide(exc, job.attempts, misconfigured_prompts=streak)
+            if isinstance(exc, InFlightBudgetError) and refused_since is None:
+                refused_since = time.monotonic()
+            waited_s = time.monotonic() - refused_since if refused_since is not None else 0.0
+            decision = job.policy.decide(exc, job.attempts, misconfigured_prompts=streak, in_flight_waited_s=waited_s)
             if not decision.spends_attempt:
                 job.attempts -= 1  # refused before it ran: not one of the prompt's attempts
             if decision.action == "halt":
                 return _halt(job, decision.reason, exc)
             if decision.action == "fail":
-                raise PromptFailed(decision.reason, str(exc)) from None
+                detail = str(exc)
+                if decision.reason == FAIL_IN_FLIGHT_BUDGET:
+                    detail = (f"refused for the account's in-flight budget for {waited_s:.0f} s ([retry] "
+                              f"in_flight_wait_max_s = {job.policy.in_flight_wait_max_s:g}): {exc}")
+                raise PromptFailed(decision.reason, detail) from None
             gevent.sleep(decision.delay_s)
             if (outcome := _renew(job)) is not None:
                 return outcome

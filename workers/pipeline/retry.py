@@ -6,10 +6,12 @@ run out (``UpstreamTimeoutError``, an attempt past its ``timeout_s``, is one); `
 fails the prompt (``AnswerTooLargeError`` as ``answer_too_large``, ``WeightExceedsBudgetError`` as
 ``weight_exceeds_budget``); ``InFlightBudgetError`` retries after its ``Retry-After`` without spending
 one of the prompt's attempts (the account refused it before it ran; the fleet's throttle has cut
-the in-flight limit and paused every worker meanwhile); ``AccountRefusedError`` halts the fleet at once
-(every prompt would fail alike); ``MisconfiguredError`` halts the fleet once it has been met on
-``misconfig_prompts`` distinct prompts with no answer in between (``DatasetStats`` keeps that
-streak), and until then is retried, since one such answer may be a prompt's own.
+the in-flight limit and paused every worker meanwhile), until the prompt has waited
+``in_flight_wait_max_s`` since its first such refusal (then it fails ``in_flight_budget_exhausted``);
+``AccountRefusedError`` halts the fleet at once (every prompt would fail alike);
+``MisconfiguredError`` halts the fleet once it has been met on ``misconfig_prompts`` distinct
+prompts with no answer in between (``DatasetStats`` keeps that streak), and until then is retried,
+since one such answer may be a prompt's own.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Literal
 from common.config import RetryConfig
 from common.contract import (
     FAIL_ANSWER_TOO_LARGE,
+    FAIL_IN_FLIGHT_BUDGET,
     FAIL_MISCONFIGURED,
     FAIL_RETRIES_EXHAUSTED,
     FAIL_UPSTREAM_FATAL,
@@ -43,6 +46,8 @@ DEFAULT_MAX_ATTEMPTS = RetryConfig.model_fields["max_attempts"].default
 DEFAULT_BACKOFF_BASE_S = RetryConfig.model_fields["backoff_base_s"].default
 #: Longest backoff between two attempts (``[retry] backoff_max_s``); a ``Retry-After`` can exceed it.
 DEFAULT_BACKOFF_MAX_S = RetryConfig.model_fields["backoff_max_s"].default
+#: Longest a prompt waits on repeated in-flight budget 402s (``[retry] in_flight_wait_max_s``).
+DEFAULT_IN_FLIGHT_WAIT_MAX_S = RetryConfig.model_fields["in_flight_wait_max_s"].default
 #: Distinct prompts that must meet a "wrong URL or model" answer, with no answer anywhere in
 #: between, before the fleet halts: one is possibly the prompt's own (no provider serves its
 #: tools), three in a row with nothing succeeding is the configuration.
@@ -85,25 +90,32 @@ class RetryPolicy:
     backoff_base_s: float = DEFAULT_BACKOFF_BASE_S
     backoff_max_s: float = DEFAULT_BACKOFF_MAX_S
     misconfig_prompts: int = DEFAULT_MISCONFIG_PROMPTS
+    in_flight_wait_max_s: float = DEFAULT_IN_FLIGHT_WAIT_MAX_S
 
     @classmethod
     def from_config(cls, retry: RetryConfig) -> RetryPolicy:
-        return cls(retry.max_attempts, retry.backoff_base_s, retry.backoff_max_s)
+        return cls(retry.max_attempts, retry.backoff_base_s, retry.backoff_max_s,
+                   in_flight_wait_max_s=retry.in_flight_wait_max_s)
 
     def decide(
-        self, error: UpstreamError, attempt: int, *, misconfigured_prompts: int = 0, rng: random.Random | None = None
+        self, error: UpstreamError, attempt: int, *, misconfigured_prompts: int = 0, in_flight_waited_s: float = 0.0,
+        rng: random.Random | None = None
     ) -> Decision:
         """After attempt number ``attempt`` (1-based) failed with ``error``.
 
         ``misconfigured_prompts``: distinct prompts in the fleet's misconfiguration streak,
-        this one included (only read for a ``MisconfiguredError``)."""
+        this one included (only read for a ``MisconfiguredError``). ``in_flight_waited_s``: seconds
+        since the prompt's first in-flight budget 402 (only read for an ``InFlightBudgetError``)."""
         if isinstance(error, AccountRefusedError):
             return Decision("halt", error.reason)
         if isinstance(error, InFlightBudgetError):
             # Its Retry-After, jittered a little so the refused requests do not come back at once.
             wait_s = error.retry_after_s or self.backoff_base_s
             uniform = rng.uniform if rng is not None else random.uniform
-            return Decision("retry", delay_s=wait_s + uniform(0, wait_s / 2), spends_attempt=False)
+            delay = wait_s + uniform(0, wait_s / 2)
+            if in_flight_waited_s + delay > self.in_flight_wait_max_s:
+                return Decision("fail", FAIL_IN_FLIGHT_BUDGET, spends_attempt=False)
+            return Decision("retry", delay_s=delay, spends_attempt=False)
         if isinstance(error, MisconfiguredError):
             if misconfigured_prompts >= self.misconfig_prompts:
                 return Decision("halt", HALT_MISCONFIGURED)
