@@ -1,4 +1,12 @@
-"""Reading prompt datasets: JSONL in OpenAI form or ShareGPT form, one prompt per line.
+"""Reading prompt datasets, streamed, in OpenAI form or ShareGPT form, one prompt per row.
+
+A dataset's ``path`` is JSONL (one row per line), gzip or zstd JSONL (``.jsonl.gz``, ``.jsonl.zst``),
+a Parquet file, a folder or glob of Parquet shards (or of JSONL files), or a folder written by
+``datasets``' ``save_to_disk`` (its arrow files, memory-mapped). Every format is read a batch at a
+time, never whole; every reader goes through ``read_prompts`` (``dataset_sources`` lists the files).
+A bad JSONL row is named ``file:line``; a bad Parquet or arrow row ``file:row N`` (N from 0, as
+``ds[N]`` counts). A columnar file gives every row every column, so a null field there is read as an
+absent one: the same data in JSONL and in Parquet give the same prompts and the same content ids.
 
 OpenAI form:   {"id"?, "messages": [{"role", "content", ...}], "tools"?: [...]}
 ShareGPT form: {"id"?, "conversations": [{"from", "value"}], "tools"?: [...]}
@@ -19,12 +27,18 @@ longer than ``max_line_bytes`` is refused as ``line_too_long`` without being rea
 
 from __future__ import annotations
 
+import glob
+import gzip
 import hashlib
+import io
 import json
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import orjson
 
 from common.errors import DatasetRowError
 
@@ -153,6 +167,11 @@ def parse_row(line: str, where: str) -> Prompt:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DatasetRowError(where, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    return parse_object(row, where)
+
+
+def parse_object(row: Any, where: str) -> Prompt:
+    """A row already decoded (a JSON line's object, a Parquet or arrow row) as a prompt."""
     if not isinstance(row, dict):
         raise DatasetRowError(where, "a row must be a JSON object")
     try:
@@ -181,6 +200,127 @@ class ReadStats:
     duplicates: int = 0
 
 
+class SeenIds:
+    """The ids read so far, for refusing a second row with the same id, as 64-bit fingerprints in
+    one open-addressed ``array('Q')``: 11-23 bytes per id (load 0.35-0.7), against ~120 for a dict
+    of the id strings. Exactly-once needs it: two rows under one id would be one prompt to the
+    done-set, so the second must be refused as the file is read (the window reads it as a stream,
+    and a sweep or top-up round reads it again: each read refuses the same rows). Two different ids
+    share a fingerprint with odds ~n²/2⁶⁵ (3e-6 at 10M ids): that row would be refused as a
+    duplicate, never written twice."""
+
+    _MAX_LOAD = 0.7
+
+    def __init__(self) -> None:
+        self._slots = array("Q", bytes(8 * 1024))
+        self._used = 0
+
+    @staticmethod
+    def _fingerprint(prompt_id: str) -> int:
+        return int.from_bytes(hashlib.blake2b(prompt_id.encode(), digest_size=8).digest(), "little") or 1
+
+    def add(self, prompt_id: str) -> bool:
+        """Record ``prompt_id``; False when it was already there."""
+        fp = self._fingerprint(prompt_id)
+        slots = self._slots
+        mask = len(slots) - 1
+        i = fp & mask
+        while True:
+            held = slots[i]
+            if held == fp:
+                return False
+            if not held:
+                break
+            i = (i + 1) & mask
+        slots[i] = fp
+        self._used += 1
+        if self._used > self._MAX_LOAD * len(slots):
+            self._grow()
+        return True
+
+    def _grow(self) -> None:
+        old = self._slots
+        slots = self._slots = array("Q", bytes(16 * len(old)))
+        mask = len(slots) - 1
+        for fp in old:
+            if fp:
+                i = fp & mask
+                while slots[i]:
+                    i = (i + 1) & mask
+                slots[i] = fp
+
+    @property
+    def bytes(self) -> int:
+        return self._slots.itemsize * len(self._slots)
+
+
+#: What a ``path`` is read as: one kind per file (``dataset_sources``).
+JSONL, PARQUET, ARROW = "jsonl", "parquet", "arrow"
+_GLOB_CHARS = set("*?[")
+#: Rows decoded from a columnar file at once: the memory of one batch, whatever the file's size.
+_COLUMNAR_BATCH_ROWS = 256
+
+
+class DatasetPathError(ValueError):
+    """A dataset's ``path`` names nothing this reader can read (the message says why)."""
+
+
+def _kind_of(file: Path) -> str:
+    return PARQUET if file.name.endswith(".parquet") else JSONL
+
+
+def _arrow_files(folder: Path) -> list[Path]:
+    """A ``save_to_disk`` folder's arrow files in their order (its ``state.json``)."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        if len(splits) != 1:
+            raise DatasetPathError(f"{folder}: a saved DatasetDict with splits {splits}: set path to one "
+                                   f"split's folder (e.g. {folder / (splits[0] if splits else 'train')})")
+        folder = folder / splits[0]
+    state = json.loads((folder / "state.json").read_text())
+    return [folder / f["filename"] for f in state.get("_data_files", [])]
+
+
+def dataset_sources(path: Path) -> list[tuple[str, Path]]:
+    """The files ``path`` names, each with its kind, in reading order; ``DatasetPathError`` when none."""
+    if _GLOB_CHARS & set(path.name):
+        files = [Path(f) for f in sorted(glob.glob(str(path))) if Path(f).is_file()]
+        if not files:
+            raise DatasetPathError(f"{path}: no file matches")
+        return [(_kind_of(f), f) for f in files]
+    if path.is_dir():
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return [(ARROW, f) for f in _arrow_files(path)]
+        shards = sorted(path.rglob("*.parquet"))
+        if not shards:
+            raise DatasetPathError(f"{path}: a folder with no .parquet files and no save_to_disk state.json")
+        return [(PARQUET, f) for f in shards]
+    if not path.is_file():
+        raise DatasetPathError(f"{path}: no such file")
+    return [(_kind_of(path), path)]
+
+
+def dataset_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a dataset, or None."""
+    try:
+        dataset_sources(path)
+    except (DatasetPathError, OSError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def open_jsonl(path: Path) -> BinaryIO:
+    """A JSONL file's bytes, decompressed as it is read for ``.gz`` and ``.zst``."""
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        raw = path.open("rb")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    return path.open("rb")
+
+
 def _lines(fh: BinaryIO, max_line_bytes: int) -> Iterator[tuple[bytes | None, int]]:
     """Each line as (bytes, size), or (None, size) when it is over the limit: an over-limit line is
     skipped in chunks, so a 5 GB line costs one chunk of memory, not 5 GB."""
@@ -200,6 +340,70 @@ def _lines(fh: BinaryIO, max_line_bytes: int) -> Iterator[tuple[bytes | None, in
         yield None, size
 
 
+def _without_nulls(value: Any) -> Any:
+    """A columnar row as its JSON line would be: a struct column gives every row every key of every
+    row, null where the row had none (a tool's schema properties, a message's ``tool_calls``)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _columnar_rows(kind: str, file: Path, first_row: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A Parquet file's or an arrow file's rows, a batch at a time (``file:row N``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if kind == PARQUET:
+        batches: Iterator[Any] = pq.ParquetFile(file).iter_batches(batch_size=_COLUMNAR_BATCH_ROWS)
+    else:  # datasets writes the arrow stream format; memory-mapped, so a batch costs only its rows
+        batches = iter(pa.ipc.open_stream(pa.memory_map(str(file))))
+    n = first_row
+    for batch in batches:
+        for start in range(0, batch.num_rows, _COLUMNAR_BATCH_ROWS):
+            for row in batch.slice(start, _COLUMNAR_BATCH_ROWS).to_pylist():
+                yield f"{file}:row {n}", _without_nulls(row)
+                n += 1
+
+
+def _items(path: Path, max_line_bytes: int) -> Iterator[tuple[str, int, Any]]:
+    """Every row of the dataset as (where, size in bytes, row), the row a JSON line's bytes, a decoded
+    columnar row, or a ``DatasetRowError`` (blank lines left out). A save_to_disk folder counts its
+    rows across its files, as ``ds[N]`` does; Parquet shards each from 0."""
+    arrow_rows = 0  # a saved folder's rows count on across its files
+    for kind, file in dataset_sources(path):
+        if kind == JSONL:
+            with open_jsonl(file) as fh:
+                for lineno, (raw, size) in enumerate(_lines(fh, max_line_bytes), start=1):
+                    where = f"{file}:{lineno}"
+                    if raw is None:
+                        yield where, size, DatasetRowError(
+                            where, f"line_too_long ({size:,} bytes > {max_line_bytes:,})")
+                    elif raw.strip():
+                        yield where, size, raw
+            continue
+        for where, row in _columnar_rows(kind, file, arrow_rows if kind == ARROW else 0):
+            arrow_rows += kind == ARROW
+            size = len(orjson.dumps(row))
+            if size > max_line_bytes:
+                yield where, size, DatasetRowError(where, f"row_too_long ({size:,} bytes as JSON > {max_line_bytes:,})")
+            else:
+                yield where, size, row
+
+
+def row_sizes(path: Path, max_line_bytes: int) -> Iterator[int]:
+    """Each row's size in bytes, as a JSON line (what the plan's byte bounds read), without parsing
+    JSONL; over-limit rows included (their size is past ``max_line_bytes``)."""
+    for _, size, _ in _items(path, max_line_bytes):
+        yield size
+
+
+def is_plain_jsonl(path: Path) -> bool:
+    """One uncompressed JSONL file: the plan's fast byte scan reads it as raw bytes."""
+    return path.is_file() and _kind_of(path) == JSONL and not path.name.endswith((".gz", ".zst"))
+
+
 def read_prompts(
     path: Path,
     errors: list[DatasetRowError],
@@ -208,30 +412,22 @@ def read_prompts(
     limit: int | None = None,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> Iterator[Prompt]:
-    """Yield the file's good prompts in order; bad rows are appended to ``errors``."""
-    seen: dict[str, int] = {}
-    with path.open("rb") as fh:
-        for lineno, (raw, size) in enumerate(_lines(fh, max_line_bytes), start=1):
-            if limit is not None and stats.prompts >= limit:
-                return
-            where = f"{path}:{lineno}"
-            if raw is None:
-                stats.malformed += 1
-                errors.append(DatasetRowError(where, f"line_too_long ({size:,} bytes > {max_line_bytes:,})"))
-                continue
-            if not raw.strip():
-                continue
-            try:
-                prompt = parse_row(_decode(raw, where), where)
-            except DatasetRowError as err:
-                stats.malformed += 1
-                errors.append(err)
-                continue
-            first = seen.get(prompt.id)
-            if first is not None:
-                stats.duplicates += 1
-                errors.append(DatasetRowError(where, f"duplicate id {prompt.id!r} (first at line {first})"))
-                continue
-            seen[prompt.id] = lineno
-            stats.prompts += 1
-            yield prompt
+    """Yield the dataset's good prompts in order; bad rows are appended to ``errors``."""
+    seen = SeenIds()
+    for where, _, item in _items(path, max_line_bytes):
+        if limit is not None and stats.prompts >= limit:
+            return
+        try:
+            if isinstance(item, DatasetRowError):
+                raise item
+            prompt = parse_row(_decode(item, where), where) if isinstance(item, bytes) else parse_object(item, where)
+        except DatasetRowError as err:
+            stats.malformed += 1
+            errors.append(err)
+            continue
+        if not seen.add(prompt.id):
+            stats.duplicates += 1
+            errors.append(DatasetRowError(where, f"duplicate id {prompt.id!r} (an earlier row has it)"))
+            continue
+        stats.prompts += 1
+        yield prompt

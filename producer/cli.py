@@ -27,7 +27,7 @@ import redis
 
 from common import keys, logs
 from common.config import load_config
-from common.datasets import ReadStats, read_prompts
+from common.datasets import ReadStats, dataset_problem, read_prompts
 from common.errors import DatasetRowError, SpecfleetError
 from common.fd_limit import raise_open_files
 from common.redis_client import connect
@@ -167,8 +167,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     for ds in cfg.datasets:
         errors: list[DatasetRowError] = []
         stats = ReadStats()
-        if not ds.path.exists():
-            print(f"{ds.path}: dataset {ds.name!r}: file not found")
+        why = dataset_problem(ds.path)
+        if why:
+            print(f"dataset {ds.name!r}: {why}")
             bad += 1
             continue
         for _ in read_prompts(ds.path, errors, stats, limit=ds.max_prompts, max_line_bytes=ds.max_line_bytes):

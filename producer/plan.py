@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from common.config import DatasetConfig, LengthClass, Pricing, RunConfig
-from common.datasets import Prompt, ReadStats, read_prompts
+from common.datasets import Prompt, ReadStats, dataset_problem, is_plain_jsonl, read_prompts, row_sizes
 from common.errors import DatasetRowError, ModelsUnavailable, PlanRefused, SpecfleetError
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer, tokens_bound
 from producer.account import Account, fetch_account, fit_in_flight, worst_request_usd
@@ -116,13 +116,13 @@ class Plan:
         return None if any(v is None for v in values) else sum(values)
 
 
-def _sample(prompts: list[Prompt], seen: int, prompt: Prompt, rng: random.Random, k: int) -> None:
+def _sample(prompts: list[tuple[int, Prompt]], seen: int, prompt: Prompt, rng: random.Random, k: int) -> None:
     if len(prompts) < k:
-        prompts.append(prompt)
+        prompts.append((seen, prompt))
         return
     j = rng.randrange(seen)
     if j < k:
-        prompts[j] = prompt
+        prompts[j] = (seen, prompt)
 
 
 def _count(tokenizer: object, prompts: list[Prompt]) -> list[int]:
@@ -130,10 +130,6 @@ def _count(tokenizer: object, prompts: list[Prompt]) -> list[int]:
     for start in range(0, len(prompts), _COUNT_BATCH):
         counts += count_prompt_tokens(tokenizer, prompts[start:start + _COUNT_BATCH])
     return counts
-
-
-def _line_no(prompt: Prompt) -> int:
-    return int(prompt.where.rsplit(":", 1)[1])
 
 
 def _payload_bytes(prompt: Prompt) -> int:
@@ -154,24 +150,36 @@ def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: Mod
     errors: list[DatasetRowError] = []
     stats = ReadStats()
     rng = random.Random(_SAMPLE_SEED)
-    sample: list[Prompt] = []
+    sample: list[tuple[int, Prompt]] = []
     # Outside the sample, a prompt is counted too when it might not fit: a byte-level token is at
-    # least one byte, so a prompt far shorter in bytes than the room left cannot overflow it.
-    suspects: list[Prompt] = []
+    # least one byte, so a prompt far shorter in bytes than the room left cannot overflow it. The
+    # suspects are counted a batch at a time and only those over the room kept (their place, the
+    # count): a file of long prompts costs one batch of memory, not the file.
+    suspects: list[tuple[int, Prompt]] = []
+    over: dict[int, tuple[str, int]] = {}
+
+    def count_suspects() -> None:
+        for (seq, p), n in zip(suspects, _count(tokenizer, [p for _, p in suspects]), strict=True):
+            if room is not None and n > room:
+                over[seq] = (p.where, n)
+        suspects.clear()
+
     for seen, prompt in enumerate(read_prompts(ds.path, errors, stats, limit=ds.max_prompts,
                                                max_line_bytes=ds.max_line_bytes), start=1):
         _sample(sample, seen, prompt, rng, exact_limit)
         if room is not None and tokens_bound(_payload_bytes(prompt)) > room:
-            suspects.append(prompt)
-    counts = _count(tokenizer, sample)
+            suspects.append((seen, prompt))
+            if len(suspects) >= _COUNT_BATCH:
+                count_suspects()
+    count_suspects()
+    counts = _count(tokenizer, [p for _, p in sample])
     too_long: list[str] = []
     if context is not None and room is not None:
-        in_sample = {p.where for p in sample}
-        extra = [p for p in suspects if p.where not in in_sample]
-        checked = sorted([*zip(sample, counts, strict=True), *zip(extra, _count(tokenizer, extra), strict=True)],
-                         key=lambda pn: _line_no(pn[0]))
-        too_long = [f"{p.where} ({n:,} prompt tokens + max_tokens {length.max_tokens:,} > context {context:,})"
-                    for p, n in checked if n > room]
+        for (seq, p), n in zip(sample, counts, strict=True):
+            if n > room:
+                over[seq] = (p.where, n)
+        too_long = [f"{where} ({n:,} prompt tokens + max_tokens {length.max_tokens:,} > context {context:,})"
+                    for _, (where, n) in sorted(over.items())]
     prompt_tokens = round(sum(counts) * stats.prompts / len(counts)) if counts else 0
     expected, rows = _rows_to_budget(ds, length, stats.prompts)
     plan = DatasetPlan(
@@ -212,7 +220,15 @@ class ByteShape:
 
 
 def byte_shape(path: Path, max_line_bytes: int) -> ByteShape:
-    """One pass over raw bytes, no JSON parsed: ~1 s per GB, against minutes for the counts."""
+    """One pass over raw bytes, no JSON parsed: ~1 s per GB, against minutes for the counts. A
+    compressed, Parquet or arrow dataset is measured row by row as its JSON lines would be."""
+    if not is_plain_jsonl(path):
+        rows = total = longest = 0
+        for size in row_sizes(path, max_line_bytes):
+            rows, total = rows + 1, total + size + 1
+            if size <= max_line_bytes:
+                longest = max(longest, size)
+        return ByteShape(rows, total, longest)
     lines = total = longest = 0
     current = 0  # bytes of the line under way, across chunks
     with path.open("rb") as fh:
@@ -308,8 +324,8 @@ def apply_account(cfg: RunConfig, info: ModelInfo | None, account: Account | Non
 def read_model(cfg: RunConfig, base_url: str) -> tuple[ModelInfo | None, str | None]:
     """The plan's quick part: the model's entry (or why it is unknown). ``UnknownModel`` and a
     dollar budget with no price known propagate: nothing to plan, and no need for the tokenizer."""
-    missing = [f"datasets[{i}] ({d.name}).path: {d.path}: no such file"
-               for i, d in enumerate(cfg.datasets) if not d.path.is_file()]
+    missing = [f"datasets[{i}] ({d.name}).path: {why}"
+               for i, d in enumerate(cfg.datasets) if (why := dataset_problem(d.path))]
     if missing:
         raise PlanRefused("dataset files missing\n  " + "\n  ".join(missing))
     info: ModelInfo | None = None

@@ -130,7 +130,7 @@ def test_reader_counts_bad_rows_and_keeps_going(tmp_path: Path) -> None:
     assert ids == ["a", "b"]
     assert (stats.prompts, stats.malformed, stats.duplicates) == (2, 1, 1)
     assert [e.where for e in errors] == [f"{path}:3", f"{path}:4"]
-    assert "first at line 1" in errors[1].reason
+    assert "an earlier row has it" in errors[1].reason
 
 
 def test_check_command_reports_every_bad_row_and_sends_nothing(tmp_path: Path) -> None:
