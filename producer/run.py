@@ -254,7 +254,6 @@ class Runner:
     # --- one dataset -----------------------------------------------------------------------
 
     def _run_dataset(self, ds: DatasetConfig) -> None:
-        _t = [time.time()]
         budget = Budget(self.client, ds.name)
         run = DatasetRun(cfg=ds, budget=budget)
         self._runs.append(run)
@@ -266,22 +265,16 @@ class Runner:
             run.admission_ended_s = run.first_stop_s = time.time()
             log.warning("%s: skipped, the run's dollar budget is spent", ds.name)
             return
-        _t.append(time.time())
         self.admission.open(run, sink.writer,
                             DatasetPhase.ADMITTING if self.gate.cleared() else DatasetPhase.PLANNING)
-        _t.append(time.time())
         previous = self._runs[-2] if len(self._runs) > 1 else None
         self.admission.start_window(run)
-        _t.append(time.time())
         self.admission.fill(run, batches=1)  # the first prompts at once; the ticks fill the rest of the window
-        _t.append(time.time())
-        log.info("TIMING %s %s", ds.name, [round(b - a, 4) for a, b in zip(_t, _t[1:])])
         if previous is not None and previous.admission_ended_s is not None and previous.switch_s is None:
             previous.switch_s = time.time() - previous.admission_ended_s
         # The window is refilled on each tick (``_fill``), until the file's end or admission's.
         while run.admitting:
             self._tick()
-            log.info("TIMING tick end %s", run.admitting)
             time.sleep(TICK_S)
 
     def _fill(self) -> None:
