@@ -22,14 +22,15 @@ Routes (``SimApp`` hands every ``/api/v1/batches…`` path here):
     (``POST …/cancel`` is a 404): a submitted batch runs and is billed.
 
 ``batch_submit_delay_s`` holds the 202 that long after the batch is stored: a client that gives up
-first has a batch it does not know of. Timing (``/_sim/config``): validating for ``batch_validate_s``,
-in progress for ``batch_run_s``
-(answers come in evenly over it), finalizing for ``batch_finalize_s``, then completed. A share
-``batch_expire_rate`` of batches (seeded per batch) expires instead, at ``batch_expire_done`` of its
-requests answered: those results are returned and billed, the rest are not. ``batch_error_rate``
-(seeded per request) fails single requests with ``error: {type, message}``; a completed batch holds
-them and they are not billed. A ``#sim`` script's ``fail_attempts`` naming a status fails the request
-the same way (its first entry).
+first has a batch it does not know of. ``batch_submit_drop`` drops the next N POSTs unstored (their
+answers held as long): a client that gives up has no batch to find. Timing (``/_sim/config``):
+validating for ``batch_validate_s``, in progress for ``batch_run_s`` (answers come in evenly over
+it), finalizing for ``batch_finalize_s``, then completed. A share ``batch_expire_rate`` of batches
+(seeded per batch) expires instead, at ``batch_expire_done`` of its requests answered: those results
+are returned and billed, the rest are not. ``batch_error_rate`` (seeded per request) fails single
+requests with ``error: {type, message}``; a completed batch holds them and they are not billed. A
+``#sim`` script's ``fail_attempts`` naming a status fails the request the same way (its first
+entry).
 
 One result: ``{id, custom_id, response: {status_code, request_id, body: <chat.completion, id
 "gen-batch-…", usage without cost>} | null, error: {type, message} | null}``. The per-result cost is
@@ -133,6 +134,8 @@ class BatchStore:
         self.deleted: dict[str, Batch] = {}
         self.submitted: Counter[str] = Counter()
         self.billed_cost = 0.0
+        #: POSTs dropped unstored so far (``batch_submit_drop``).
+        self.dropped_posts = 0
 
     # --- routes -----------------------------------------------------------------------------
 
@@ -169,6 +172,7 @@ class BatchStore:
         return {
             "batches": len(self.batches) + len(self.deleted),
             "deleted": len(self.deleted),
+            "dropped_posts": self.dropped_posts,
             "by_status": dict(Counter(b.status for b in [*self.batches.values(), *self.deleted.values()])),
             "submitted_custom_ids": sum(self.submitted.values()),
             "repeated_custom_ids": {k: n for k, n in self.submitted.items() if n > 1},
@@ -193,6 +197,10 @@ class BatchStore:
             model, requests = _check_envelope(body, order, s)
         except BadRequest as exc:
             return reply(start_response, 400, error_body(400, str(exc)))
+        if self.dropped_posts < s.batch_submit_drop:
+            self.dropped_posts += 1
+            gevent.sleep(s.batch_submit_delay_s)  # lost before it was stored: its client's wait ends first
+            return reply(start_response, 502, error_body(502, "the batch was not stored"))
         batch_id = f"batch_{secrets.token_hex(12)}"
         expires = rng_for(s.seed, batch_id, "batch_expire").random() < s.batch_expire_rate
         batch = Batch(id=batch_id, model=model, requests=requests, created_at=round(now, 3),

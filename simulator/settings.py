@@ -168,6 +168,9 @@ class SimSettings:
         "share of an expiring batch's requests answered before it expires", lo=0, hi=1))
     batch_submit_delay_s: float = field(default=0.0, metadata=_meta(
         "hold the answer to POST /api/v1/batches this long after the batch is stored (a lost answer)", lo=0))
+    batch_submit_drop: int = field(default=0, metadata=_meta(
+        "the next N POSTs /api/v1/batches are read and never stored, their answers held as "
+        "batch_submit_delay_s (a POST lost on its way: nothing to find, nothing billed)", lo=0))
     batch_error_rate: float = field(default=0.0, metadata=_meta(
         "share of batch requests (seeded per request) that fail with an error result", lo=0, hi=1))
     # --- streaming ---

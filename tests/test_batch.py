@@ -89,6 +89,36 @@ def test_a_crash_between_post_and_record_finds_the_batch_instead_of_posting_agai
     assert "found it as batch_" in fleet.log("w2"), fleet.log("w2")
 
 
+def test_lost_posts_of_one_size_each_find_their_own_batch_by_custom_id(
+        fleet: Fleet, redis_client: redis.Redis) -> None:
+    """Four batches of the same model and size lose their POST's answer: the first two POSTs never
+    reached the store, the other two did. Model and size alone would hand a stored batch to an intent
+    whose POST was dropped (whichever is recovered first claims the oldest) and post the stored one's
+    requests again, billing them twice; the custom_ids tell them apart, so the two dropped ones are
+    posted once each and the two stored ones find their batches."""
+    fleet.start_simulator(*FAST, "--batch-submit-delay-s", "60", "--batch-submit-drop", "2")
+    config = fleet.one_dataset("T", 60, request=BATCH_REQUEST.replace("batch_size = 40", "batch_size = 15"))
+    fleet.start_worker("w1", concurrency=80, SPECFLEET_BATCH_SUBMIT_TIMEOUT_S="4")
+    producer = fleet.start_producer(config)
+    fleet.wait_for(lambda: _batches(fleet)["batches"] == 2 and _batches(fleet)["dropped_posts"] == 2, 120,
+                   "two POSTs dropped and two stored, every answer held")
+    fleet.procs["w1"].send_signal(signal.SIGKILL)
+    fleet.procs["w1"].wait()
+    states = [redis_client.hget(keys.BatchKeys(i.decode()).record, "state")
+              for i in redis_client.zrange(keys.BATCHES_OPEN, 0, -1)]
+    assert states == [b"posting"] * 4, states
+    fleet.sim_config(batch_submit_delay_s=0)
+    fleet.start_worker("w2", concurrency=40, SPECFLEET_BATCH_SUBMIT_TIMEOUT_S="4")
+    producer.wait(timeout=240)
+    assert producer.returncode == 0, fleet.all_logs()
+    fleet.assert_exactly_once(redis_client, "T", 60)
+    stats = _batches(fleet)
+    assert stats["repeated_custom_ids"] == {}, stats  # no request submitted (and billed) twice
+    assert stats["batches"] == 4 and stats["submitted_custom_ids"] == 60, stats
+    log = fleet.log("w2")
+    assert log.count("found it as batch_") == 2 and log.count("not found at OpenRouter") == 2, log
+
+
 def test_an_invalid_request_fails_alone_and_the_rest_are_asked_again(fleet: Fleet, redis_client: redis.Redis) -> None:
     """One request the Batch API's validation refuses fails its whole batch: that prompt fails
     (batch_invalid, named by custom_id), the others are given back and kept in a later batch."""

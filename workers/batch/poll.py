@@ -43,7 +43,7 @@ from workers.batch.results import settle_result
 from workers.batch.submit import batch_client, body_of, poll_ms, posting_lease_ms
 from workers.fleet import writes
 from workers.fleet.context import WorkerContext, context
-from workers.upstreams.openrouter_batch import TERMINAL
+from workers.upstreams.openrouter_batch import TERMINAL, BatchClient
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,16 @@ def _recover(ctx: WorkerContext, intent: Intent) -> None:
     candidates = sorted((b for b in listed if str(b["id"]) not in taken and b.get("model") == intent.model
                          and int((b.get("request_counts") or {}).get("total") or -1) == intent.n),
                         key=lambda b: float(b.get("created_at") or 0))
+    items = records.items(ctx.redis, intent.id)
+    if _rivals(ctx, intent) or len(candidates) > 1:
+        # Model and size no longer tell whose batch is whose: only the custom_ids do, and they are
+        # readable once a batch is terminal. Until then nothing is claimed and nothing is posted.
+        waiting = [b for b in candidates if str(b.get("status")) not in TERMINAL]
+        candidates = [b for b in candidates if b not in waiting and _names_ours(api, b, items)]
+        if waiting and not candidates:
+            log.info("%s batch %s: %d unclaimed batches of its model and size still run; it waits for their "
+                     "custom_ids before claiming or posting", intent.dataset, intent.id, len(waiting))
+            return
     for b in candidates:
         if records.record_submitted(ctx.redis, intent, str(b["id"])):
             records.hold_poll(ctx.redis, intent.id, OWNER, poll_ms(ctx.run(intent.run)))
@@ -105,7 +115,6 @@ def _recover(ctx: WorkerContext, intent: Intent) -> None:
                         intent.dataset, intent.id, b["id"])
             return
     view = ctx.run(intent.run)
-    items = records.items(ctx.redis, intent.id)
     if not items:
         records.close(ctx.redis, intent, [], {"asked": 0})
         return
@@ -129,6 +138,26 @@ def _recover(ctx: WorkerContext, intent: Intent) -> None:
     DatasetStats(ctx.redis, intent.dataset).record_batch(batch_requests=len(requests_))
     log.warning("%s batch %s: not found at OpenRouter after its worker stopped; posted as %s",
                 intent.dataset, intent.id, remote["id"])
+
+
+def _rivals(ctx: WorkerContext, intent: Intent) -> bool:
+    """Another intent lost its POST's answer too, with the same model and size: a batch found by
+    model and size may be the other's (claiming it would post ours never, or post the other's twice)."""
+    for other_id in open_intents(ctx.redis):
+        other = load(ctx.redis, other_id) if other_id != intent.id else None
+        if other is not None and other.state == POSTING and (other.model, other.n) == (intent.model, intent.n):
+            return True
+    return False
+
+
+def _names_ours(api: BatchClient, batch: dict[str, Any], items: dict[str, records.Item]) -> bool:
+    """A terminal batch holds our requests: a result's custom_id is one of ours, or its validation
+    failure names one. A batch that answered nothing cannot be told, and costs nothing: not ours."""
+    if str(batch.get("status")) == "failed":
+        message = str((batch.get("error") or {}).get("message") or "")
+        return any(cid in message for cid in items)
+    first = next(iter(api.results(str(batch["id"]))), None)
+    return first is not None and str(first.get("custom_id")) in items
 
 
 def _poll(ctx: WorkerContext, intent: Intent) -> None:
