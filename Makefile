@@ -90,6 +90,7 @@ bench: install  ## benchmark scripts that print figures
 	$(BIN)/python -m bench.throttle_run --prompts 12000 --workers 3 --greenlets 500 --capacity 300
 	$(BIN)/python -m bench.inflight_budget_run --prompts 3000 --in-flight 1000 --max-tokens 16384 --balance-usd 30
 	$(BIN)/python -m bench.batch_run --prompts 20000
+	$(BIN)/python -m bench.cross_host_run --prompts 6000 --in-flight 2000 --delay-ms 0,1
 	$(BIN)/python -m bench.budget_fill --prompts 10000 --with-projected
 	$(BIN)/python -m bench.engine_ids_run --prompts 10000 --noncanonical-rate 0.02
 	$(BIN)/python -m bench.conversations_run --conversations 1000
