@@ -275,7 +275,8 @@ class Runner:
         # The window is refilled on each tick (``_fill``), until the file's end or admission's.
         while run.admitting:
             self._tick()
-            time.sleep(TICK_S)
+            if run.admitting:  # ended in this tick: the next dataset starts now, not a tick later (the switch)
+                time.sleep(TICK_S)
 
     def _fill(self) -> None:
         """Each admitting dataset's queue refilled to its window; a first read at its file's end counted."""
