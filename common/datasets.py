@@ -40,7 +40,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from common.errors import DatasetRowError
+from common.errors import DatasetPathError, DatasetRowError
 
 _ROLES = {"system", "user", "assistant", "tool"}
 #: The default byte limit of one dataset line (``max_line_bytes`` of a dataset in the run file).
@@ -259,10 +259,6 @@ JSONL, PARQUET, ARROW = "jsonl", "parquet", "arrow"
 _GLOB_CHARS = set("*?[")
 #: Rows decoded from a columnar file at once: the memory of one batch, whatever the file's size.
 _COLUMNAR_BATCH_ROWS = 256
-
-
-class DatasetPathError(ValueError):
-    """A dataset's ``path`` names nothing this reader can read (the message says why)."""
 
 
 def _kind_of(file: Path) -> str:

@@ -9,6 +9,7 @@ a library's exception or a message string. The tree (httpx's ``_exceptions.py`` 
     │   ├── PlanRefused                the plan says the run must not start
     │   └── UnknownModel               the models endpoint does not list the run file's model
     ├── DatasetRowError                one dataset row is unusable (file:line); the rest runs
+    ├── DatasetPathError               a dataset's path names nothing readable (also a ValueError)
     ├── ModelsUnavailable              the models endpoint could not be read
     ├── UpstreamError                  no usable answer (workers/pipeline/retry.py decides on the class)
     │   ├── RetryableUpstreamError     try again: 408, 429, 5xx, resets, bad JSON
@@ -73,6 +74,10 @@ class PlanRefused(ConfigError):
 
 class UnknownModel(ConfigError):
     """The models endpoint answered, and the run file's model is not in its list."""
+
+
+class DatasetPathError(SpecfleetError, ValueError):
+    """A dataset's ``path`` names nothing the reader can read (the message says why)."""
 
 
 class DatasetRowError(SpecfleetError):
