@@ -49,7 +49,9 @@ TEST_JOBS ?= 4
 # (tests/conftest.py FAULT_TIER: killed and refusing Valkeys, Sentinel failover, stopped workers,
 # property searches), half the suite's CPU, kept out so CI stays inside 15 minutes on 2 cores.
 # Recursive (=): the tokenizer it names is fetched by the target's own prerequisite, after the Makefile is read.
-PYTEST = SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal
+# PYTHONDONTWRITEBYTECODE emptied for pytest: where the box sets it, pytest could not keep its
+# assertion-rewritten test modules either, and each test process rewrote all of them again (~5 s of CPU).
+PYTEST = PYTHONDONTWRITEBYTECODE= SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal
 test: install $(QWEN3)/tokenizer_config.json  ## every feature end to end, on a private Valkey and real celery worker processes
 	-$(BIN)/python -m compileall -q common workers producer simulator harness tests
 	$(PYTEST) -m "not faults" $(PYTEST_ARGS)

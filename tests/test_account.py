@@ -25,6 +25,9 @@ from workers.pipeline.retry import RetryPolicy
 from workers.upstreams.openrouter import OpenRouterClient
 from workers.upstreams.upstream import Request
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 TTL_MS = 60_000
 #: The simulator's default price, USD per token.
 PRICE_IN, PRICE_OUT = 0.6e-6, 2.5e-6

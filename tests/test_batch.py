@@ -18,6 +18,8 @@ from common.budget import POLICY
 from tests.fleet import REPO, TEST_KEY, Fleet, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
 
 BATCH_REQUEST = "\n".join(['temperature = 1.0', 'mode = "batch"', "batch_size = 40", "batch_gather_s = 1.0",
                            "batch_poll_s = 1.0"])

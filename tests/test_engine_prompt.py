@@ -21,6 +21,9 @@ from common.budget import Budget
 from tests.fleet import DEMO_TOKENIZER, TEST_KEY, Fleet, read_summary
 from workers.pipeline.engine_ids import PROMPT_MISMATCH_FIX
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 N_PROMPTS = 120
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 #: The harness' prompts end "explain {i} ✓": the character before " ✓" is i's last digit.

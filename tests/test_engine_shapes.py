@@ -17,6 +17,9 @@ from tests.fleet import TEST_KEY, Fleet, read_summary, write_jsonl
 from workers.upstreams.upstream import Request
 from workers.upstreams.vllm import NO_IDS_FIX, EngineClient
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 
 def _request() -> Request:
     return Request(model="m", messages=[{"role": "user", "content": "hi"}], tools=None, max_tokens=8,

@@ -23,6 +23,8 @@ from tests.fleet import REPO, Fleet
 from tests.run_output import demo_like_run
 
 pytestmark = pytest.mark.fleet
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:

@@ -15,6 +15,8 @@ from common.budget import POLICY
 from tests.fleet import TEST_KEY, Fleet, prompts, read_rows, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
 
 
 def test_budget_stop_then_next_dataset_runs_to_its_end(fleet: Fleet, redis_client: redis.Redis) -> None:

@@ -13,6 +13,8 @@ from common.throttle import FleetThrottle
 from tests.fleet import Fleet, read_rows, read_summary
 
 pytestmark = pytest.mark.fleet
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
 
 #: max_tokens of the run's short class: large beside what the simulator's short answers use
 #: (~650 tokens), so the estimates, not the spending, bind, as on a modest balance at 16k or 32k.

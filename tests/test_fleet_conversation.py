@@ -17,6 +17,8 @@ from tests.conversation_data import billed_twice, check_rows, conversations
 from tests.fleet import DEMO_TOKENIZER, Fleet, read_rows, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
 
 N = 150
 

@@ -13,6 +13,9 @@ from tokenizers import Tokenizer
 
 from tests.fleet import DEMO_TOKENIZER, TEST_KEY, Fleet, read_summary
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 N_PROMPTS = 150
 NONCANONICAL_RATE = 0.15
 

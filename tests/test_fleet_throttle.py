@@ -18,6 +18,8 @@ from common.throttle import FleetThrottle
 from tests.fleet import Fleet, read_summary
 
 pytestmark = pytest.mark.fleet
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
 
 SERIES_S = 0.1
 

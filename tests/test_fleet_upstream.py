@@ -8,6 +8,9 @@ import redis
 
 from tests.fleet import Fleet, read_summary
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 MODEL = "moonshotai/kimi-k2.5"
 N_PROMPTS = 60
 CONCURRENCY = 10

@@ -12,6 +12,8 @@ import requests
 from tests.fleet import Fleet, free_port
 
 pytestmark = pytest.mark.fleet
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
 
 
 def _start_flower(fleet: Fleet) -> str:

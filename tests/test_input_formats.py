@@ -22,6 +22,9 @@ from common.datasets import ReadStats, dataset_problem, read_prompts
 from common.errors import DatasetRowError
 from tests.fleet import REPO, Fleet, read_rows, read_summary
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 DEMO = REPO / "demo" / "data"
 
 

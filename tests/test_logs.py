@@ -11,6 +11,9 @@ import pytest
 from common.logs import REDACTED, RedactSecrets
 from tests.fleet import Fleet, prompts, write_jsonl
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 KEY = "sk-or-v1-" + "ab12" * 16
 
 

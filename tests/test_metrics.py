@@ -22,6 +22,9 @@ from common.keys import CURRENT_RUN, DatasetKeys
 from common.throttle import POLICY, FleetThrottle
 from producer.metrics import SpecfleetCollector, make_registry, run_datasets, start_metrics_server
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

@@ -16,6 +16,8 @@ from common.config import load_config
 from tests.fleet import Fleet, prompts, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
 
 
 def test_sigterm_worker_finishes_in_flight_and_requeues_the_rest(fleet: Fleet, redis_client: redis.Redis) -> None:

@@ -26,6 +26,8 @@ from producer.enqueue import MessageTemplate
 from tests.fleet import REPO, Fleet, read_summary
 
 pytestmark = pytest.mark.fleet
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
 
 N = 300
 

@@ -12,6 +12,9 @@ import pytest
 from producer.progress import PLAIN_INTERVAL_S, ProgressView, TokenRate, eta_s, fmt_duration, fmt_tokens
 from producer.state import DatasetState
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 T0 = 1_700_000_000.0
 
 

@@ -16,6 +16,9 @@ import requests
 from common.budget import Budget
 from tests.fleet import DEMO_TOKENIZER, Fleet, read_rows, read_summary, write_jsonl
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 MODEL = "moonshotai/kimi-k2.5"
 #: Two providers of the model at different quantizations (the simulator's endpoints list).
 TWO_PROVIDERS = ("--providers", "Alpha Cloud,Beta", "--provider-quantizations", "fp8,bf16")

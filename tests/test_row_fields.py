@@ -13,6 +13,9 @@ import redis
 
 from tests.fleet import REPO, Fleet, prompts, write_jsonl
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 _FIELD_ROW = re.compile(r"^\| (?P<fields>`[^|]+`) \| (?P<where>[^|]+) \|")
 
 

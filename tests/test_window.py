@@ -22,6 +22,8 @@ from tests.chaos import RestartableValkey
 from tests.fleet import Fleet, prompts, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
 
 
 @contextmanager

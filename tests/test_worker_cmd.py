@@ -16,6 +16,9 @@ from common.worker_cmd import worker_argv
 from producer.celery_app import make_app
 from tests.fleet import Fleet
 
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
+
 
 def _node(argv: list[str]) -> str:
     return argv[argv.index("-n") + 1]
