@@ -79,7 +79,7 @@ compose-smoke: install  ## the README's compose quick start on a real Docker eng
 	$(BIN)/python ops/compose-smoke
 
 lint: install  ## ruff and mypy on the packages
-	$(BIN)/ruff check common workers producer simulator tests bench demo ops
+	$(BIN)/ruff check common workers producer simulator harness tests bench demo ops
 	$(BIN)/mypy
 
 check: lint test test-faults  ## every check: CI's (lint, test) and the fault tier

@@ -14,6 +14,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from common import keys
 from common.budget import Budget
 from common.worker_cmd import worker_argv
 from harness.warm import Warm, WarmPool, kill_group, sim_settings
+from harness.zygote import Process, Zygotes
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TOKENIZER = REPO / "demo" / "tokenizer"
@@ -62,20 +64,35 @@ def read_summary(out_dir: Path, dataset: str) -> dict[str, Any]:
     return json.loads((out_dir / dataset / "summary.json").read_text())
 
 
+@dataclass
+class Shared:
+    """A simulator or worker of this test's that may go to the pool, or came from it."""
+
+    key: tuple[object, ...]
+    warm: Warm
+    #: where its log began for this test (a pooled process's log holds the tests before)
+    log_start: int = 0
+    #: taken running from the pool rather than started by this test
+    reused: bool = False
+
+
 class Fleet:
-    def __init__(self, tmp_path: Path, redis_url: str, pool: WarmPool | None = None) -> None:
+    def __init__(self, tmp_path: Path, redis_url: str, pool: WarmPool | None = None,
+                 zygotes: Zygotes | None = None) -> None:
         self.tmp = tmp_path
         self.redis_url = redis_url
         self.logs = tmp_path / "logs"
         self.logs.mkdir(exist_ok=True)
         self.out = tmp_path / "out"
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, Process] = {}
         #: pids of the processes _spawn started, each the leader of a process group of its own.
         self._leaders: set[int] = set()
         self.sim_url = ""
         self.pool = pool
-        #: name -> (pool key, process, where its log began for this test, taken running from the pool)
-        self._warm: dict[str, tuple[tuple[object, ...], Warm, int, bool]] = {}
+        #: producers and workers are forked from these where they suit (harness/zygote.py)
+        self.zygotes = zygotes
+        #: the simulator and workers this test may hand on to the pool, by name
+        self._warm: dict[str, Shared] = {}
         #: names a test signalled: a stopped or stopping process is handed on to nobody
         self._signalled: set[str] = set()
 
@@ -97,11 +114,15 @@ class Fleet:
         env.update(extra)
         return env
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> Process:
         log = (self.logs / f"{name}.log").open("ab")
         # A session of its own, so stop_all can end what it started too (the producer's forked plan
         # count outlived its SIGKILLed parent by 10 s or more, using a core the next tests needed).
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        proc = self.zygotes.launch(cmd, env, log.fileno()) if self.zygotes is not None else None
+        if proc is None:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                    start_new_session=True)
+        log.close()
         self.procs[name] = proc
         self._leaders.add(proc.pid)
         return proc
@@ -111,13 +132,14 @@ class Fleet:
         if warm is not None:
             self.procs[name] = warm.proc
             self._leaders.add(warm.proc.pid)
-            self._warm[name] = (key, warm, warm.log.stat().st_size, True)
+            self._warm[name] = Shared(key, warm, log_start=warm.log.stat().st_size, reused=True)
         return warm
 
     def _mark_warm(self, name: str, key: tuple[object, ...], url: str = "",
-                   settings: dict[str, Any] | None = None) -> None:
+                   settings: dict[str, Any] | None = None, node: str = "") -> None:
         if self.pool is not None:
-            self._warm[name] = (key, Warm(self.procs[name], self.logs / f"{name}.log", url, settings), 0, False)
+            warm = Warm(self.procs[name], self.logs / f"{name}.log", url, settings, node)
+            self._warm[name] = Shared(key, warm)
 
     def start_simulator(self, *args: str) -> str:
         """A simulator started with ``args``; from the pool, one started with other latencies,
@@ -160,7 +182,7 @@ class Fleet:
         return requests.get(self.sim_url + "/_sim/requests", timeout=30).json()["requests"]
 
     def start_worker(self, name: str, *, concurrency: int = 50, celery_args: tuple[str, ...] | None = None,
-                     **env: str) -> subprocess.Popen[bytes]:
+                     **env: str) -> Process:
         """A worker as ``specfleet worker`` starts it, named ``<name>@%h`` unless ``celery_args`` names it."""
         extra = ("-n", f"{name}@%h") if celery_args is None else celery_args
         key = ("worker", name, self.redis_url, self.sim_url, concurrency, extra, tuple(sorted(env.items())))
@@ -169,7 +191,7 @@ class Fleet:
             return warm.proc
         cmd = worker_argv(concurrency, extra=extra)
         proc = self._spawn(name, cmd, self.env(SPECFLEET_CONCURRENCY=str(concurrency), **env))
-        self._mark_warm(name, key)
+        self._mark_warm(name, key, node=cmd[cmd.index("-n") + 1].replace("%h", "") if "-n" in cmd else "")
         return proc
 
     def producer_cmd(self, config: Path, *extra: str) -> list[str]:
@@ -179,7 +201,7 @@ class Fleet:
                 *extra]
 
     def start_producer(self, config: Path, name: str = "producer", *extra: str,
-                       env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+                       env: dict[str, str] | None = None) -> Process:
         """``env``: variables for this producer only (e.g. ``SPECFLEET_QUEUE_WINDOW_PROMPTS``)."""
         return self._spawn(name, self.producer_cmd(config, *extra), self.env(**(env or {})))
 
@@ -197,7 +219,7 @@ class Fleet:
 
     def wait_ready(self, name: str, timeout_s: float = 90) -> None:
         """Until worker ``name`` has started consuming (Celery logs "ready.")."""
-        if name in self._warm and self._warm[name][3]:
+        if name in self._warm and self._warm[name].reused:
             return  # taken running from the pool: it was ready for the test before
         deadline = time.monotonic() + timeout_s
         while "ready." not in self.log(name):
@@ -242,9 +264,9 @@ class Fleet:
         ~5 s each; graceful stops have tests of their own in test_operations.py). ``hand_on`` (the
         test passed): its simulator and workers go back to the pool, if it has one, when the rest
         is stopped and they are idle (``_idle``)."""
-        warm = {name: entry for name, entry in self._warm.items()
-                if name not in self._signalled and entry[1].proc.poll() is None}
-        keep = set(warm) if hand_on and warm else set()
+        warm = {name: shared for name, shared in self._warm.items()
+                if name not in self._signalled and shared.warm.proc.poll() is None}
+        keep = set(warm) if hand_on and warm and self.pool is not None else set()
         for name, proc in self.procs.items():
             if name not in keep:
                 self._kill(proc)
@@ -255,12 +277,11 @@ class Fleet:
         for name, proc in self.procs.items():
             if name not in keep:
                 proc.wait()
-        assert self.pool is not None or not keep
         for name in keep:
-            key, entry, _, _ = warm[name]
-            self.pool.give(key, entry)  # type: ignore[union-attr]
+            assert self.pool is not None
+            self.pool.give(warm[name].key, warm[name].warm)
 
-    def _kill(self, proc: subprocess.Popen[bytes]) -> None:
+    def _kill(self, proc: Process) -> None:
         if proc.pid in self._leaders:
             kill_group(proc)
         elif proc.poll() is None:
@@ -292,21 +313,15 @@ class Fleet:
         """Whether each worker to hand on still has its broadcast binding (the producer's ping,
         follow and cancel commands reach a worker through it): a test that flushed Redis took it."""
         bound = {m.rsplit(b"\x06\x16", 1)[-1].decode() for m in client.smembers("_kombu.binding.celery.pidbox")}
-        for key, _, _, _ in self._warm.values():
-            if key[0] == "worker":
-                extra = key[5]
-                assert isinstance(extra, tuple)
-                node = extra[extra.index("-n") + 1] if "-n" in extra else ""
-                if not any(b.startswith(node.replace("%h", "")) for b in bound) or not node:
-                    return False
-        return True
+        workers = [shared for shared in self._warm.values() if shared.key[0] == "worker"]
+        return all(shared.warm.node and any(b.startswith(shared.warm.node) for b in bound) for shared in workers)
 
     def log(self, name: str) -> str:
         """``name``'s log: for a process taken from the pool, what it wrote since this test took it."""
-        if name in self._warm and self._warm[name][3]:
-            _, warm, start, _ = self._warm[name]
-            with warm.log.open("rb") as fh:
-                fh.seek(start)
+        if name in self._warm and self._warm[name].reused:
+            shared = self._warm[name]
+            with shared.warm.log.open("rb") as fh:
+                fh.seek(shared.log_start)
                 return fh.read().decode(errors="replace")
         path = self.logs / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,20 +20,23 @@ from typing import Any
 import redis
 
 from common import keys
+from harness.zygote import Process
 
 
 @dataclass
 class Warm:
     """A simulator or worker that one test may hand on to the next: its process, its log, its URL."""
 
-    proc: subprocess.Popen[bytes]
+    proc: Process
     log: Path
     url: str = ""
     #: a simulator's settings at its start (``sim_settings``), which ``/_sim/reset`` brings back
     settings: dict[str, Any] | None = None
+    #: a worker's node name up to its ``@``: its pidbox binding must hold before it is handed on
+    node: str = ""
 
 
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
+def kill_group(proc: Process) -> None:
     # Its group: the children too, even once it has ended (Linux hands out no pid still in use as a
     # group's id, so a group whose members are all gone is the only miss).
     with contextlib.suppress(ProcessLookupError):

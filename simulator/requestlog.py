@@ -3,8 +3,9 @@
 A WSGI middleware around the app, so the chat flow itself stays untouched: it reads the prompt
 hash from the request body, the asking client from ``X-Title`` (OpenRouter's app attribution
 header; a soak gives every worker process its own), and status and generation id from the reply.
-``GET /_sim/requests`` returns the records; the ledger's ``/_sim/stats?detail=1`` says, per
-generation id, which fault it met and whether its client was gone when it was ready.
+``GET /_sim/requests`` returns the records (``POST /_sim/reset`` empties them); the ledger's
+``/_sim/stats?detail=1`` says, per generation id, which fault it met and whether its client was
+gone when it was ready.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from simulator.seeding import prompt_hash
 
 CHAT_PATH = "/api/v1/chat/completions"
 REQUESTS_PATH = "/_sim/requests"
+RESET_PATH = "/_sim/reset"
 MAX_RECORDS = 1_000_000
 
 StartResponse = Callable[..., Any]
@@ -36,6 +38,8 @@ class RequestLog:
             body = json.dumps({"requests": list(self.records)}).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
+        if path == RESET_PATH and environ["REQUEST_METHOD"] == "POST":
+            self.records.clear()  # a reset simulator is as if just started: no request seen yet
         if path != CHAT_PATH or environ["REQUEST_METHOD"] != "POST":
             return self.app(environ, start_response)
         raw = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))

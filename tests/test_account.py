@@ -5,7 +5,6 @@ reading of them, the simulator's account (balance, estimates, the three 402s, /a
 from __future__ import annotations
 
 import io
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +16,7 @@ import requests
 from common.config import load_config
 from common.errors import AccountRefusedError, InFlightBudgetError, WeightExceedsBudgetError
 from common.throttle import POLICY, FleetThrottle
+from harness import zygote
 from producer.account import fetch_account
 from producer.plan import check_plan
 from tests.fleet import REPO, TEST_KEY, Fleet
@@ -194,11 +194,10 @@ def test_the_plan_refuses_a_worst_case_over_what_the_key_can_spend_unless_yes(fl
     fleet.start_simulator("--balance-usd", "30", "--credit-limit-usd", "1")
     config = _config(fleet, 40, max_tokens=16_384)  # 40 worst cases: ~$1.64, over the key's $1 left
     env = fleet.env()
-    refused = subprocess.run([sys.executable, "-m", "producer.cli", "plan", str(config)], capture_output=True,
-                             text=True, env=env, cwd=REPO, timeout=120)
+    refused = zygote.run([sys.executable, "-m", "producer.cli", "plan", str(config)], env=env, cwd=REPO, timeout=120)
     assert refused.returncode == 2, refused.stderr
     assert "exceeds what the key can spend ($1.00" in refused.stderr and "--yes" in refused.stderr
     assert "the key can spend $1.00" in refused.stdout
-    accepted = subprocess.run([sys.executable, "-m", "producer.cli", "plan", str(config), "--yes"],
-                              capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    accepted = zygote.run([sys.executable, "-m", "producer.cli", "plan", str(config), "--yes"],
+                              env=env, cwd=REPO, timeout=120)
     assert accepted.returncode == 0, accepted.stderr

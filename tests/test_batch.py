@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 from typing import Any
 
@@ -15,6 +14,7 @@ import requests
 from common import keys
 from common.batches import open_batches
 from common.budget import POLICY
+from harness import zygote
 from tests.fleet import REPO, TEST_KEY, Fleet, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
@@ -197,8 +197,8 @@ def test_the_plan_shows_both_prices_the_saving_and_which_datasets_use_batch(flee
                                            for i in range(20)])
     config = fleet.write_config([{"name": "Auto", "path": a, "length": "short", "mode": "auto"},
                                  {"name": "Live", "path": a, "length": "short"}])
-    proc = subprocess.run([sys.executable, "-m", "producer.cli", "plan", str(config)], capture_output=True, text=True,
-                          env=fleet.env(), cwd=REPO, timeout=180)
+    proc = zygote.run([sys.executable, "-m", "producer.cli", "plan", str(config)], env=fleet.env(), cwd=REPO,
+                      timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "Auto: batch mode" in out and "batch saves" in out and "(50%)" in out, out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 from common.budget import Price
 from common.config import WorkerView, load_config
 from common.errors import ConfigError
+from harness import zygote
 
 GOOD = """
 [model]
@@ -72,6 +72,6 @@ def test_a_dollar_budget_without_a_price_is_refused_before_any_request(tmp_path:
     # `specfleet run` says so in one line and stops before touching Redis (nothing listens there).
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
            "REDIS_URL": "redis://127.0.0.1:1/0", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress"],
-                         capture_output=True, text=True, env=env, timeout=60)
+    out = zygote.run([sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress"],
+                         env=env, timeout=60)
     assert out.returncode == 2 and "[model.pricing]" in out.stderr, out.stderr

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import zygote
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "demo" / "fleet.toml"
 NO_REDIS = "redis://127.0.0.1:1/0"  # nothing listens on port 1
@@ -27,8 +29,8 @@ def busy_port() -> Iterator[int]:
 
 def specfleet(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "OPENROUTER_", "SPECFLEET_"))}
-    return subprocess.run([sys.executable, "-m", "producer.cli", *args], env={**base, **env}, cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    return zygote.run([sys.executable, "-m", "producer.cli", *args], env={**base, **env}, cwd=REPO,
+                          timeout=60)
 
 
 def assert_one_line(proc: subprocess.CompletedProcess[str], *needles: str) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from harness import zygote
 from producer.export import export, push_to_hub
 from tests.fleet import REPO, Fleet
 from tests.run_output import demo_like_run
@@ -96,8 +96,8 @@ def test_an_export_loads_with_datasets_and_its_card_lists_the_provenance(fleet: 
 
     out = demo_like_run(fleet)
     dest = tmp_path / "export"
-    done = subprocess.run([sys.executable, "-m", "producer.cli", "export", str(out), str(dest)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    done = zygote.run([sys.executable, "-m", "producer.cli", "export", str(out), str(dest)],
+                          cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     kept = [r for shard in sorted((out / "V").glob("shard-*.jsonl")) for r in _rows(shard)]
     cut = _rows(out / "V" / "truncated.jsonl")
@@ -144,8 +144,8 @@ def test_push_to_hub_uploads_the_parquet_files_and_the_card(fleet: Fleet, tmp_pa
 
     # The CLI against a Hub it cannot reach: exit 2, one line naming the repo, the token never shown.
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_secret_x"}
-    done = subprocess.run([sys.executable, "-m", "producer.cli", "export", str(out), str(tmp_path / "e"),
-                           "--push-to-hub", "someone/rows"], capture_output=True, text=True, cwd=REPO,
+    done = zygote.run([sys.executable, "-m", "producer.cli", "export", str(out), str(tmp_path / "e"),
+                           "--push-to-hub", "someone/rows"], cwd=REPO,
                           timeout=300, env=env)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "specfleet: cannot push to the hub dataset 'someone/rows'" in done.stderr, done.stderr[-2000:]

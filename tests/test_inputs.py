@@ -11,6 +11,7 @@ from common.config import load_config
 from common.datasets import ReadStats, parse_row, read_prompts
 from common.errors import ConfigError, DatasetRowError
 from common.settings import Settings
+from harness import zygote
 
 GOOD = """
 [model]
@@ -134,7 +135,6 @@ def test_reader_counts_bad_rows_and_keeps_going(tmp_path: Path) -> None:
 
 
 def test_check_command_reports_every_bad_row_and_sends_nothing(tmp_path: Path) -> None:
-    import subprocess
     import sys
 
     (tmp_path / "data").mkdir()
@@ -143,34 +143,31 @@ def test_check_command_reports_every_bad_row_and_sends_nothing(tmp_path: Path) -
     )
     config = _write(tmp_path, GOOD.replace('tokenizer = "tok"', 'tokenizer = "some/hub-id"'))
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no REDIS_URL, no key: nothing to reach
-    out = subprocess.run([sys.executable, "-m", "producer.cli", "check", str(config)], capture_output=True,
-                         text=True, env=env, timeout=60)
+    out = zygote.run([sys.executable, "-m", "producer.cli", "check", str(config)], env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"{tmp_path / 'data' / 'b1.jsonl'}:2: not valid JSON" in out.stdout
     assert "B1_glaive: 1 prompts, 1 malformed, 0 duplicate ids" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "producer.cli", "check", str(tmp_path / "missing.toml")],
-                         capture_output=True, text=True, env=env, timeout=60)
+    bad = zygote.run([sys.executable, "-m", "producer.cli", "check", str(tmp_path / "missing.toml")],
+                         env=env, timeout=60)
     assert bad.returncode == 2 and "missing.toml: cannot read run file" in bad.stderr
 
 
 def test_passthrough_subcommands_keep_their_options() -> None:
     """``specfleet simulate --host …`` reaches the simulator's own parser (argparse alone drops it)."""
-    import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "producer.cli", "simulate", "--host", "127.0.0.1", "--help"],
-                         capture_output=True, text=True, timeout=60)
+    out = zygote.run([sys.executable, "-m", "producer.cli", "simulate", "--host", "127.0.0.1", "--help"],
+                         timeout=60)
     assert out.returncode == 0 and "python -m simulator" in out.stdout, out.stderr
 
 
 def test_run_refuses_missing_dataset_files_before_enqueueing_anything(tmp_path: Path) -> None:
-    import subprocess
     import sys
 
     config = _write(tmp_path, GOOD)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "REDIS_URL": "redis://127.0.0.1:1/0"}
-    out = subprocess.run([sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress"],
-                         capture_output=True, text=True, env=env, timeout=60)
+    out = zygote.run([sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress"],
+                         env=env, timeout=60)
     assert out.returncode == 2
     assert f"datasets[0] (B1_glaive).path: {tmp_path / 'data' / 'b1.jsonl'}: no such file" in out.stderr
 

@@ -22,11 +22,14 @@ from common import keys
 from common.config import load_config
 from common.datasets import ReadStats, read_prompts
 from common.errors import ConfigError
+from harness import zygote
 from harness.warm import kept_between_tests
 from producer.plan import ByteShape, PendingPlan, byte_shape, start_plan
 from tests.fleet import DEMO_TOKENIZER, REPO, TEST_KEY, Fleet, free_port, prompts, write_jsonl
 
 DEMO_CONFIG = REPO / "demo" / "fleet.toml"
+#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
+WARM_FLEET = True
 
 
 #: A plan's answer (its table, or why it refuses) comes a few seconds after the CLI starts here (the
@@ -43,16 +46,11 @@ def _cli(fleet: Fleet, *args: str, base_url: str | None = None, pythonpath: Path
     env = fleet.env(OPENROUTER_BASE_URL=base_url or fleet.sim_url)
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
-    proc = subprocess.Popen([sys.executable, "-m", "producer.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
-        out, err = proc.communicate(timeout=within_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
+        return zygote.run([sys.executable, "-m", "producer.cli", *args], env=env, cwd=REPO, timeout=within_s)
+    except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"specfleet {args[0]} did not end within {within_s:.0f} s: the plan's answer never "
-                             f"reached it\n--- stdout\n{out}\n--- stderr\n{err[-6000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+                             f"reached it\n--- stdout\n{exc.stdout}\n--- stderr\n{str(exc.stderr)[-6000:]}") from None
 
 
 def _answered(pending: PendingPlan, within_s: float = ANSWER_S) -> PendingPlan:
@@ -181,7 +179,8 @@ def test_a_refused_plan_sends_nothing_though_workers_took_and_prepared_its_promp
         fix = ""
     fleet.start_worker("w1", concurrency=10)
     fleet.wait_ready("w1")
-    out = _cli(fleet, "run", str(config), "--no-progress")
+    # Counts as slow as a first tokenizer download: the worker takes prompts before the refusal.
+    out = _cli(fleet, "run", str(config), "--no-progress", pythonpath=_plan_load_hook(fleet.tmp, slow_s=3.0))
     assert out.returncode == 2, out.stdout + out.stderr
     assert re.search(r"^total ", out.stdout, re.M)
     if refusal == "over_budget":
@@ -210,9 +209,6 @@ import time
 
 sys.path.insert(0, REPO)  # this checkout's producer, as `python -m` from it would import
 import producer.plan
-
-#: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
-WARM_FLEET = True
 
 _load = producer.plan.load_tokenizer
 

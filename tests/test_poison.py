@@ -21,6 +21,7 @@ import redis
 from common import keys
 from common.contract import CONTRACT_VERSION, TaskPayload
 from common.settings import Settings
+from harness import zygote
 from producer.celery_app import make_app
 from producer.enqueue import MessageTemplate
 from tests.fleet import REPO, Fleet, read_summary
@@ -111,7 +112,7 @@ def test_poison_messages_are_dead_lettered_and_never_stop_a_worker(fleet: Fleet,
     assert redis_client.hlen(keys.DatasetKeys("P").failed) == 0
     assert not redis_client.sismember(keys.DatasetKeys("P").done, "not-in-the-file")
 
-    status = subprocess.run([sys.executable, "-m", "producer.cli", "status"], env=fleet.env(), cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    status = zygote.run([sys.executable, "-m", "producer.cli", "status"], env=fleet.env(), cwd=REPO,
+                            timeout=60)
     assert status.returncode == 0, status.stdout + status.stderr
     assert f"dead letters: {len(poison)}" in status.stdout + status.stderr, status.stdout + status.stderr

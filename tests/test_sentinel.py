@@ -7,7 +7,6 @@ the producer, every one given the same ``sentinel://`` REDIS_URL), and SIGKILL t
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from common.errors import ConfigError
 from common.redis_client import ReplicaFence, connect, fence_command, fence_failed
 from common.redis_url import parse
 from common.settings import Settings
+from harness import zygote
 from tests.fleet import Fleet, free_port, read_summary
 from tests.sentinel_cluster import MASTER_NAME, SentinelCluster
 
@@ -233,8 +233,8 @@ def test_flower_the_exporter_and_status_read_the_same_sentinel_url(tmp_path: Pat
                 return ""
 
         cluster.wait_until(lambda: "specfleet_redis_up 1.0" in metrics(), 60, "the exporter reads Redis")
-        status = subprocess.run([sys.executable, "-m", "producer.cli", "status"], env=fleet.env(),
-                                capture_output=True, text=True, timeout=60)
+        status = zygote.run([sys.executable, "-m", "producer.cli", "status"], env=fleet.env(),
+                                timeout=60)
         assert status.returncode == 1 and "no run in this Redis" in status.stdout, status  # it asked the master
     except BaseException:
         print(fleet.all_logs())

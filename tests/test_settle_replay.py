@@ -27,6 +27,7 @@ from common.budget import Ask, Budget, open_run
 from common.contract import Usage
 from common.redis_client import connect
 from common.stats import DatasetStats
+from harness.zygote import Zygotes
 from tests.chaos import RestartableValkey
 from tests.fleet import Fleet, read_summary
 from workers.fleet.spool import replay, settle_or_spool
@@ -177,10 +178,11 @@ PROMPTS = 3_000
 
 
 @pytest.fixture
-def frozen_fleet(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Fleet, RestartableValkey]]:
+def frozen_fleet(tmp_path: Path, zygotes: Zygotes | None,
+                 request: pytest.FixtureRequest) -> Iterator[tuple[Fleet, RestartableValkey]]:
     valkey = RestartableValkey(tmp_path / "valkey")
     valkey.start()
-    fleet = Fleet(tmp_path, valkey.url)
+    fleet = Fleet(tmp_path, valkey.url, zygotes=zygotes)
     pid = valkey._server._process.pid  # type: ignore[union-attr]
     try:
         yield fleet, valkey

@@ -975,3 +975,15 @@ def test_a_plain_answer_is_generated_when_it_is_due_not_when_its_request_arrives
     expected = predict(body("due later"), latency)
     assert plain.json()["choices"][0]["message"]["content"] == expected["message"]["content"]
     assert plain.json()["usage"] == expected["usage"]
+
+
+def test_a_reset_forgets_every_request_seen(sim: SimHandle) -> None:
+    """A reset simulator is a fresh one: a test handed a pooled simulator (harness/warm.py) counts
+    only its own requests in ``/_sim/requests``, as in ``/_sim/stats``."""
+    for text in ("one", "two"):
+        assert chat(sim, body(text)).status_code == 200
+    assert len(requests.get(sim.url + "/_sim/requests", timeout=10).json()["requests"]) == 2
+    sim.reset()
+    assert requests.get(sim.url + "/_sim/requests", timeout=10).json()["requests"] == []
+    assert chat(sim, body("three")).status_code == 200
+    assert len(requests.get(sim.url + "/_sim/requests", timeout=10).json()["requests"]) == 1

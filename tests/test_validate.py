@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 
 from common.manifest import identity, manifest_id
+from harness import zygote
 from producer.validate import Defect, validate
 from tests.fleet import DEMO_TOKENIZER, REPO, Fleet
 from tests.run_output import demo_like_run
@@ -125,8 +125,8 @@ def _rewrite_manifest(out: Path, **changes: Any) -> dict[str, Any]:
 
 def test_a_run_passes_and_eight_corruptions_are_each_named_by_file_and_line(run_out: Path, tmp_path: Path) -> None:
     # The CLI on the run's folder as it is: exit 0, a table per dataset.
-    done = subprocess.run([sys.executable, "-m", "producer.cli", "validate", str(run_out)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    done = zygote.run([sys.executable, "-m", "producer.cli", "validate", str(run_out)],
+                          cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "OK: 24 rows, 0 defects" in done.stdout, done.stdout[-3000:]
     shards = sorted((run_out / "V").glob("shard-*.jsonl"))

@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from common import keys
+from harness.zygote import Zygotes
 from tests.chaos import RestartableValkey
 from tests.fleet import Fleet, prompts, read_summary, write_jsonl
 
@@ -73,11 +74,11 @@ def small_redis(tmp_path: Path) -> Iterator[RestartableValkey]:
 
 @pytest.mark.timeout(1500)
 def test_a_dataset_twice_the_size_of_redis_runs_to_its_end_with_every_prompt_once(
-        tmp_path: Path, small_redis: RestartableValkey) -> None:
+        tmp_path: Path, small_redis: RestartableValkey, zygotes: Zygotes | None) -> None:
     n = 4500  # of 8 KB: the file is twice the size of Redis in half the rows (each row costs CPU)
     data = big_prompts(tmp_path / "big.jsonl", n, 8_000)
     assert data.stat().st_size > 2 * (16 << 20)
-    fleet = Fleet(tmp_path, small_redis.url)
+    fleet = Fleet(tmp_path, small_redis.url, zygotes=zygotes)
     client = redis.Redis.from_url(small_redis.url)
     try:
         fleet.start_simulator("--latency-median-ms", "50")

@@ -1,0 +1,421 @@
+"""A fork server for the tests' producers and workers: a process that has imported the heavy
+libraries once and forks a child per launch, which runs ``python -m <module> <args>`` as a fresh
+interpreter would (``runpy``, its own session, environment, cwd and log).
+
+On the 2-core test box CPU is what ``make test`` waits on, and most of a short producer run or a
+worker start is imports: transformers alone is ~1.2 CPU-s (its package scan ~0.5 more on the first
+``AutoTokenizer``), celery with gevent ~0.6, matplotlib ~0.5 — paid again by each of the ~100
+producers and ~85 workers a run starts. Only libraries are imported ahead, never the project's
+modules, so a child reads its settings, its environment and (in ``make mutants``) the code under
+test as a process started by hand does.
+
+A child differs from a fresh interpreter in what a fork shares, so a launch the zygote cannot make
+alike is started the plain way (``Zygote.suits``): its hash seed is the zygote's, so a launch
+that sets ``PYTHONHASHSEED`` is not forked, nor one whose environment differs in what the
+libraries read at import (``HF_*``, ``TRANSFORMERS_*``, ``MPL*``…).
+
+Run as ``python -m harness.zygote KIND FD``: serves launches on the unix socket ``FD``
+(SOCK_SEQPACKET: one JSON request and the child's log fd per message; replies ``{"pid"}`` per
+launch and ``{"exit", "code", "cpu_s"}`` per child that ended, ``code`` as ``Popen.returncode``
+gives it, ``cpu_s`` its CPU and its reaped children's).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: What each kind imports ahead: the libraries its module imports, never the project's own modules.
+PRELOAD: dict[str, tuple[str, ...]] = {
+    "producer": ("redis", "requests", "msgpack", "jinja2", "transformers", "transformers.models.auto",
+                 "transformers.models.auto.tokenization_auto", "tokenizers", "matplotlib.figure",
+                 "matplotlib.backends.backend_agg", "matplotlib.ticker", "pyarrow", "pyarrow.parquet",
+                 "zstandard", "celery", "kombu", "kombu.transport.redis"),
+    "worker": ("celery.bin.celery", "celery.apps.worker", "celery.worker", "celery.concurrency.gevent",
+               "kombu.transport.redis", "redis", "requests", "msgpack", "jinja2", "transformers",
+               "transformers.models.auto", "transformers.models.auto.tokenization_auto", "tokenizers"),
+}
+#: The module each kind runs (``python -m``).
+MODULE = {"producer": "producer.cli", "worker": "celery"}
+#: Environment the preloaded libraries read at import; a launch must agree with the zygote on it.
+IMPORT_ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "MPL", "GEVENT", "PYTHON",
+                       "CELERY_", "FORKED_BY_MULTIPROCESSING")
+
+
+def import_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV_PREFIXES)}
+
+
+# --- the zygote ---------------------------------------------------------------------------------
+
+
+def _preload(kind: str) -> Callable[[], int]:
+    """Import ``kind``'s libraries; returns the fork the zygote must call."""
+    fork = os.fork
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # as common/hf.py does
+    if kind == "worker":
+        # As celery's own ``python -m celery ... -P gevent`` does before importing anything else.
+        import celery
+
+        celery.maybe_patch_concurrency(["celery", "-P", "gevent"])
+        from gevent import monkey
+
+        # The zygote's own loop must not run a gevent hub it would hand to every child.
+        fork = monkey.get_original("os", "fork")
+    for name in PRELOAD[kind]:
+        # An optional library not installed: the child imports it (or not) itself.
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    return fork
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _child(kind: str, request: dict[str, Any], stdio: list[int], sock: socket.socket) -> None:
+    """The forked child: becomes ``python -m MODULE args`` on ``stdio`` (stdin, stdout, stderr
+    fds) and never returns."""
+    code = 1
+    try:
+        sock.close()
+        os.setsid()
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+        for fd in set(stdio) - {0, 1, 2}:
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        if kind == "worker":
+            import gevent
+
+            gevent.reinit()
+        sys.argv = [MODULE[kind], *request["args"]]
+        try:
+            runpy.run_module(MODULE[kind], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc)
+    except BaseException:  # as the interpreter would: the traceback, exit 1
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            # What the interpreter's own exit does: join non-daemon threads, then run atexit.
+            threading._shutdown()  # type: ignore[attr-defined]
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(kind: str, sock: socket.socket) -> None:
+    fork = _preload(kind)
+    original_select = select.select
+    if kind == "worker":
+        from gevent import monkey
+
+        original_select = monkey.get_original("select", "select")
+    children: set[int] = set()
+    while True:
+        readable, _, _ = original_select([sock], [], [], 0.05)
+        if readable:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+            if not msg:
+                return  # the test process is gone
+            pid = fork()
+            if pid == 0:
+                _child(kind, json.loads(msg), fds, sock)
+            for fd in fds:
+                os.close(fd)
+            children.add(pid)
+            sock.send(json.dumps({"pid": pid}).encode())
+        while children:
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)  # gevent patches waitpid, not wait4
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status),
+                                  "cpu_s": usage.ru_utime + usage.ru_stime}).encode())
+
+
+# --- the test process's side --------------------------------------------------------------------
+
+
+class Process(Protocol):
+    """What the harness uses of a process it started: a ``subprocess.Popen`` or a ``Forked``."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie has ended (a container's init may never reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+class Forked:
+    """A zygote's child, with the part of ``subprocess.Popen`` the harness and tests use."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.zygote.drain(0)
+            self.returncode = self.zygote.codes.get(self.pid)
+        if self.returncode is None and not self.zygote.running and not _exists(self.pid):
+            # Ended after its zygote, which can no longer say how: init reaped it.
+            self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            if self.zygote.running:
+                self.zygote.drain(0.2 if left is None else min(left, 0.2))
+            else:
+                time.sleep(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(15)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+
+class Zygote:
+    """One zygote of ``kind`` for this test process, started on first use (``launch``)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.codes: dict[int, int] = {}
+        #: CPU seconds of each ended child and its own children (``bench``-style accounting)
+        self.cpu_s: dict[int, float] = {}
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._env: dict[str, str] = {}
+
+    def suits(self, cmd: Sequence[str], env: dict[str, str]) -> bool:
+        """Whether ``cmd`` (``python -m MODULE …``) can be forked here alike (module docstring)."""
+        if list(cmd[:3]) != [sys.executable, "-m", MODULE[self.kind]] or "PYTHONHASHSEED" in env:
+            return False
+        return self._sock is None or import_env(env) == self._env
+
+    def launch(self, cmd: Sequence[str], env: dict[str, str], log_fd: int, cwd: Path = REPO,
+               stdio: tuple[int, int, int] | None = None) -> Forked:
+        """``cmd`` forked, its output and errors to ``log_fd`` (stdin empty), or to ``stdio``."""
+        if self._sock is None:
+            self._start(env)
+        assert self._sock is not None
+        request = {"args": list(cmd[3:]), "env": env, "cwd": str(cwd)}
+        if stdio is None:
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            try:
+                socket.send_fds(self._sock, [json.dumps(request).encode()], [devnull, log_fd, log_fd])
+            finally:
+                os.close(devnull)
+        else:
+            socket.send_fds(self._sock, [json.dumps(request).encode()], list(stdio))
+        while True:
+            reply = self._recv(timeout_s=60)
+            if "pid" in reply:
+                return Forked(self, reply["pid"], list(cmd))
+
+    @property
+    def running(self) -> bool:
+        return self._sock is not None
+
+    def drain(self, timeout_s: float) -> None:
+        """Read the zygote's exit reports for up to ``timeout_s`` (0: what has arrived)."""
+        if self._sock is None:
+            return
+        if select.select([self._sock], [], [], timeout_s)[0]:
+            while select.select([self._sock], [], [], 0)[0]:
+                self._recv(timeout_s=0)
+
+    def _recv(self, timeout_s: float) -> dict[str, Any]:
+        assert self._sock is not None and self._proc is not None
+        if not select.select([self._sock], [], [], timeout_s)[0] and timeout_s:
+            raise AssertionError(f"the {self.kind} zygote did not answer in {timeout_s} s")
+        msg = self._sock.recv(1 << 16)
+        if not msg:
+            raise AssertionError(f"the {self.kind} zygote ended (exit {self._proc.poll()})")
+        reply: dict[str, Any] = json.loads(msg)
+        if "exit" in reply:
+            self.codes[reply["exit"]] = reply["code"]
+            self.cpu_s[reply["exit"]] = reply["cpu_s"]
+        return reply
+
+    def _start(self, env: dict[str, str]) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._env = import_env(env)
+        zygote_env = {**{k: v for k, v in os.environ.items() if not k.startswith(IMPORT_ENV_PREFIXES)},
+                      **self._env}
+        self._proc = subprocess.Popen([sys.executable, "-m", "harness.zygote", self.kind, str(theirs.fileno())],
+                                      pass_fds=[theirs.fileno()], env=zygote_env, cwd=REPO,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        theirs.close()
+        self._sock = mine
+
+    def close(self) -> None:
+        """Ends the zygote (its children are the tests' to end: each in a session of its own)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+
+
+class Zygotes:
+    """This test process's zygotes (tests/conftest.py ``zygotes``): per kind, one for each
+    environment the libraries see at import (``import_env``), at most ``per_kind`` of them."""
+
+    def __init__(self, per_kind: int = 2) -> None:
+        self.per_kind = per_kind
+        self._zygotes: dict[tuple[str, frozenset[tuple[str, str]]], Zygote] = {}
+
+    def suiting(self, cmd: Sequence[str], env: dict[str, str]) -> Zygote | None:
+        kind = next((k for k, module in MODULE.items() if list(cmd[1:3]) == ["-m", module]), None)
+        if kind is None:
+            return None
+        key = (kind, frozenset(import_env(env).items()))
+        if key not in self._zygotes:
+            if sum(k == kind for k, _ in self._zygotes) >= self.per_kind:
+                return None
+            self._zygotes[key] = Zygote(kind)
+        zygote = self._zygotes[key]
+        return zygote if zygote.suits(cmd, env) else None
+
+    def launch(self, cmd: Sequence[str], env: dict[str, str], log_fd: int) -> Forked | None:
+        """``cmd`` forked from its kind's zygote, or None where none suits it (start it plainly)."""
+        zygote = self.suiting(cmd, env)
+        return zygote.launch(cmd, env, log_fd) if zygote is not None else None
+
+    def run(self, cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
+            timeout: float | None = None, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        """``subprocess.run(cmd, capture_output=True, text=True, …)``, forked where a zygote suits."""
+        env = dict(os.environ if env is None else env)
+        where = Path.cwd() if cwd is None else Path(cwd)
+        zygote = self.suiting(cmd, env)
+        if zygote is None:
+            return subprocess.run(list(cmd), env=env, cwd=where, capture_output=True, text=True, timeout=timeout,
+                                  input=input, stdin=None if input is not None else subprocess.DEVNULL)
+        return _communicate(zygote, list(cmd), env, where, timeout, input)
+
+    def close(self) -> None:
+        for zygote in self._zygotes.values():
+            zygote.close()
+
+
+#: the test session's zygotes (tests/conftest.py sets it), for ``run``; None: plain processes
+shared: Zygotes | None = None
+
+
+def run(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
+        timeout: float | None = None, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, …)`` for the tests' CLI calls: forked
+    from the session's zygote where one suits (``shared``), else a plain process."""
+    if shared is None:
+        return subprocess.run(list(cmd), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                              input=input, stdin=None if input is not None else subprocess.DEVNULL)
+    return shared.run(cmd, env=env, cwd=cwd, timeout=timeout, input=input)
+
+
+def _communicate(zygote: Zygote, cmd: list[str], env: dict[str, str], cwd: Path, timeout: float | None,
+                 input: str | None) -> subprocess.CompletedProcess[str]:
+    stdin_r, stdin_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        proc = zygote.launch(cmd, env, -1, cwd, stdio=(stdin_r, out_w, err_w))
+    finally:
+        for fd in (stdin_r, out_w, err_w):
+            os.close(fd)
+    with os.fdopen(stdin_w, "wb") as stdin:
+        if input:
+            stdin.write(input.encode())  # a CLI reads its answer at once; no test sends more than a pipe holds
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    open_fds = [out_r, err_r]
+    try:
+        while open_fds:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(cmd, timeout or 0, _text(chunks[out_r]), _text(chunks[err_r]))
+            for fd in select.select(open_fds, [], [], left)[0]:
+                data = os.read(fd, 1 << 16)
+                if data:
+                    chunks[fd].append(data)
+                else:
+                    open_fds.remove(fd)
+    finally:
+        os.close(out_r)
+        os.close(err_r)
+    left = None if deadline is None else max(deadline - time.monotonic(), 1)
+    code = proc.wait(timeout=left)
+    return subprocess.CompletedProcess(cmd, code, _text(chunks[out_r]), _text(chunks[err_r]))
+
+
+def _text(chunks: list[bytes]) -> str:
+    return b"".join(chunks).decode(errors="replace")
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], socket.socket(fileno=int(sys.argv[2])))
