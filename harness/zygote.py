@@ -11,8 +11,9 @@ test as a process started by hand does.
 
 A child differs from a fresh interpreter in what a fork shares, so a launch the zygote cannot make
 alike is started the plain way (``Zygote.suits``): its hash seed is the zygote's, so a launch
-that sets ``PYTHONHASHSEED`` is not forked, nor one whose environment differs in what the
-libraries read at import (``HF_*``, ``TRANSFORMERS_*``, ``MPL*``…).
+that sets ``PYTHONHASHSEED`` is not forked. What the libraries and the interpreter read at start
+(``HF_*``, ``TRANSFORMERS_*``, ``MPL*``, ``PYTHON*``…) is the zygote's too, so each such
+environment gets a zygote of its own (``Zygotes.per_kind`` at most; past that, plain processes).
 
 Run as ``python -m harness.zygote KIND FD``: serves launches on the unix socket ``FD``
 (SOCK_SEQPACKET: one JSON request and the child's log fd per message; replies ``{"pid"}`` per
@@ -55,8 +56,9 @@ PRELOAD: dict[str, tuple[str, ...]] = {
 #: The module each kind runs (``python -m``).
 MODULE = {"producer": "producer.cli", "worker": "celery"}
 #: Environment the preloaded libraries read at import; a launch must agree with the zygote on it.
-IMPORT_ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "MPL", "GEVENT", "PYTHON",
-                       "CELERY_", "FORKED_BY_MULTIPROCESSING")
+#: (Not ``TOKENIZERS_PARALLELISM``: the Rust library reads it on each parallel call, never at import.)
+IMPORT_ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "MPL", "GEVENT", "PYTHON", "CELERY_",
+                       "FORKED_BY_MULTIPROCESSING")
 
 
 def import_env(env: dict[str, str]) -> dict[str, str]:
@@ -325,7 +327,7 @@ class Zygotes:
     """This test process's zygotes (tests/conftest.py ``zygotes``): per kind, one for each
     environment the libraries see at import (``import_env``), at most ``per_kind`` of them."""
 
-    def __init__(self, per_kind: int = 2) -> None:
+    def __init__(self, per_kind: int = 3) -> None:
         self.per_kind = per_kind
         self._zygotes: dict[tuple[str, frozenset[tuple[str, str]]], Zygote] = {}
 
