@@ -16,9 +16,9 @@ that sets ``PYTHONHASHSEED`` is not forked. What the libraries and the interpret
 environment gets a zygote of its own (``Zygotes.per_kind`` at most; past that, plain processes).
 
 Run as ``python -m harness.zygote KIND FD``: serves launches on the unix socket ``FD``
-(SOCK_SEQPACKET: one JSON request and the child's log fd per message; replies ``{"pid"}`` per
-launch and ``{"exit", "code", "cpu_s"}`` per child that ended, ``code`` as ``Popen.returncode``
-gives it, ``cpu_s`` its CPU and its reaped children's).
+(SOCK_SEQPACKET: one JSON request and the child's stdin, stdout and stderr fds per message;
+replies ``{"pid"}`` per launch and ``{"exit", "code"}`` per child that ended, ``code`` as
+``Popen.returncode`` gives it).
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: What each kind imports ahead: the libraries its module imports, never the project's own modules.
 PRELOAD: dict[str, tuple[str, ...]] = {
-    "producer": ("redis", "requests", "msgpack", "jinja2", "transformers", "transformers.models.auto",
-                 "transformers.models.auto.tokenization_auto", "tokenizers", "matplotlib.figure",
+    "producer": ("redis", "requests", "msgpack", "jinja2", "transformers.models.auto.tokenization_auto",
+                 "tokenizers", "matplotlib.figure",
                  "matplotlib.backends.backend_agg", "matplotlib.ticker", "pyarrow", "pyarrow.parquet",
                  "zstandard", "celery", "kombu", "kombu.transport.redis"),
-    "worker": ("celery.bin.celery", "celery.apps.worker", "celery.worker", "celery.concurrency.gevent",
-               "kombu.transport.redis", "redis", "requests", "msgpack", "jinja2", "transformers",
-               "transformers.models.auto", "transformers.models.auto.tokenization_auto", "tokenizers"),
+    "worker": ("celery.bin.celery", "celery.apps.worker", "celery.concurrency.gevent", "kombu.transport.redis",
+               "redis", "requests", "msgpack", "jinja2", "transformers.models.auto.tokenization_auto",
+               "tokenizers"),
 }
 #: The module each kind runs (``python -m``).
 MODULE = {"producer": "producer.cli", "worker": "celery"}
@@ -158,14 +158,13 @@ def serve(kind: str, sock: socket.socket) -> None:
             sock.send(json.dumps({"pid": pid}).encode())
         while children:
             try:
-                pid, status, usage = os.wait4(-1, os.WNOHANG)  # gevent patches waitpid, not wait4
+                pid, status, _ = os.wait4(-1, os.WNOHANG)  # gevent patches waitpid in a worker zygote
             except ChildProcessError:
                 break
             if pid == 0:
                 break
             children.discard(pid)
-            sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status),
-                                  "cpu_s": usage.ru_utime + usage.ru_stime}).encode())
+            sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
 
 
 # --- the test process's side --------------------------------------------------------------------
@@ -229,10 +228,10 @@ class Forked:
             os.kill(self.pid, sig)
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 class Zygote:
@@ -241,8 +240,6 @@ class Zygote:
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.codes: dict[int, int] = {}
-        #: CPU seconds of each ended child and its own children (``bench``-style accounting)
-        self.cpu_s: dict[int, float] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._env: dict[str, str] = {}
@@ -253,21 +250,22 @@ class Zygote:
             return False
         return self._sock is None or import_env(env) == self._env
 
-    def launch(self, cmd: Sequence[str], env: dict[str, str], log_fd: int, cwd: Path = REPO,
-               stdio: tuple[int, int, int] | None = None) -> Forked:
-        """``cmd`` forked, its output and errors to ``log_fd`` (stdin empty), or to ``stdio``."""
+    def launch(self, cmd: Sequence[str], env: dict[str, str], log_fd: int, cwd: Path = REPO) -> Forked:
+        """``cmd`` forked, its output and errors to ``log_fd``, its stdin empty."""
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        try:
+            return self.launch_stdio(cmd, env, (devnull, log_fd, log_fd), cwd)
+        finally:
+            os.close(devnull)
+
+    def launch_stdio(self, cmd: Sequence[str], env: dict[str, str], stdio: tuple[int, int, int],
+                     cwd: Path = REPO) -> Forked:
+        """``cmd`` forked on ``stdio`` (its stdin, stdout and stderr fds, which the child dups)."""
         if self._sock is None:
             self._start(env)
         assert self._sock is not None
         request = {"args": list(cmd[3:]), "env": env, "cwd": str(cwd)}
-        if stdio is None:
-            devnull = os.open(os.devnull, os.O_RDONLY)
-            try:
-                socket.send_fds(self._sock, [json.dumps(request).encode()], [devnull, log_fd, log_fd])
-            finally:
-                os.close(devnull)
-        else:
-            socket.send_fds(self._sock, [json.dumps(request).encode()], list(stdio))
+        socket.send_fds(self._sock, [json.dumps(request).encode()], list(stdio))
         while True:
             reply = self._recv(timeout_s=60)
             if "pid" in reply:
@@ -295,7 +293,6 @@ class Zygote:
         reply: dict[str, Any] = json.loads(msg)
         if "exit" in reply:
             self.codes[reply["exit"]] = reply["code"]
-            self.cpu_s[reply["exit"]] = reply["cpu_s"]
         return reply
 
     def _start(self, env: dict[str, str]) -> None:
@@ -355,8 +352,7 @@ class Zygotes:
         where = Path.cwd() if cwd is None else Path(cwd)
         zygote = self.suiting(cmd, env)
         if zygote is None:
-            return subprocess.run(list(cmd), env=env, cwd=where, capture_output=True, text=True, timeout=timeout,
-                                  input=input, stdin=None if input is not None else subprocess.DEVNULL)
+            return _plain_run(cmd, env, where, timeout, input)
         return _communicate(zygote, list(cmd), env, where, timeout, input)
 
     def close(self) -> None:
@@ -373,9 +369,14 @@ def run(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | Pat
     """``subprocess.run(cmd, capture_output=True, text=True, …)`` for the tests' CLI calls: forked
     from the session's zygote where one suits (``shared``), else a plain process."""
     if shared is None:
-        return subprocess.run(list(cmd), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                              input=input, stdin=None if input is not None else subprocess.DEVNULL)
+        return _plain_run(cmd, env, cwd, timeout, input)
     return shared.run(cmd, env=env, cwd=cwd, timeout=timeout, input=input)
+
+
+def _plain_run(cmd: Sequence[str], env: dict[str, str] | None, cwd: str | Path | None, timeout: float | None,
+               input: str | None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          input=input, stdin=None if input is not None else subprocess.DEVNULL)
 
 
 def _communicate(zygote: Zygote, cmd: list[str], env: dict[str, str], cwd: Path, timeout: float | None,
@@ -384,7 +385,7 @@ def _communicate(zygote: Zygote, cmd: list[str], env: dict[str, str], cwd: Path,
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        proc = zygote.launch(cmd, env, -1, cwd, stdio=(stdin_r, out_w, err_w))
+        proc = zygote.launch_stdio(cmd, env, (stdin_r, out_w, err_w), cwd)
     finally:
         for fd in (stdin_r, out_w, err_w):
             os.close(fd)

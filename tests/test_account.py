@@ -199,5 +199,5 @@ def test_the_plan_refuses_a_worst_case_over_what_the_key_can_spend_unless_yes(fl
     assert "exceeds what the key can spend ($1.00" in refused.stderr and "--yes" in refused.stderr
     assert "the key can spend $1.00" in refused.stdout
     accepted = zygote.run([sys.executable, "-m", "producer.cli", "plan", str(config), "--yes"],
-                              env=env, cwd=REPO, timeout=120)
+                          env=env, cwd=REPO, timeout=120)
     assert accepted.returncode == 0, accepted.stderr

@@ -73,5 +73,5 @@ def test_a_dollar_budget_without_a_price_is_refused_before_any_request(tmp_path:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
            "REDIS_URL": "redis://127.0.0.1:1/0", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     out = zygote.run([sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress"],
-                         env=env, timeout=60)
+                     env=env, timeout=60)
     assert out.returncode == 2 and "[model.pricing]" in out.stderr, out.stderr

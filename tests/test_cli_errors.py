@@ -30,7 +30,7 @@ def busy_port() -> Iterator[int]:
 def specfleet(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "OPENROUTER_", "SPECFLEET_"))}
     return zygote.run([sys.executable, "-m", "producer.cli", *args], env={**base, **env}, cwd=REPO,
-                          timeout=60)
+                      timeout=60)
 
 
 def assert_one_line(proc: subprocess.CompletedProcess[str], *needles: str) -> None:

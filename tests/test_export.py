@@ -97,7 +97,7 @@ def test_an_export_loads_with_datasets_and_its_card_lists_the_provenance(fleet: 
     out = demo_like_run(fleet)
     dest = tmp_path / "export"
     done = zygote.run([sys.executable, "-m", "producer.cli", "export", str(out), str(dest)],
-                          cwd=REPO, timeout=300)
+                      cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     kept = [r for shard in sorted((out / "V").glob("shard-*.jsonl")) for r in _rows(shard)]
     cut = _rows(out / "V" / "truncated.jsonl")
@@ -145,8 +145,7 @@ def test_push_to_hub_uploads_the_parquet_files_and_the_card(fleet: Fleet, tmp_pa
     # The CLI against a Hub it cannot reach: exit 2, one line naming the repo, the token never shown.
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_secret_x"}
     done = zygote.run([sys.executable, "-m", "producer.cli", "export", str(out), str(tmp_path / "e"),
-                           "--push-to-hub", "someone/rows"], cwd=REPO,
-                          timeout=300, env=env)
+                       "--push-to-hub", "someone/rows"], cwd=REPO, timeout=300, env=env)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "specfleet: cannot push to the hub dataset 'someone/rows'" in done.stderr, done.stderr[-2000:]
     assert "hf_secret_x" not in done.stdout + done.stderr

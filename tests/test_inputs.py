@@ -148,7 +148,7 @@ def test_check_command_reports_every_bad_row_and_sends_nothing(tmp_path: Path) -
     assert f"{tmp_path / 'data' / 'b1.jsonl'}:2: not valid JSON" in out.stdout
     assert "B1_glaive: 1 prompts, 1 malformed, 0 duplicate ids" in out.stdout
     bad = zygote.run([sys.executable, "-m", "producer.cli", "check", str(tmp_path / "missing.toml")],
-                         env=env, timeout=60)
+                     env=env, timeout=60)
     assert bad.returncode == 2 and "missing.toml: cannot read run file" in bad.stderr
 
 
@@ -157,7 +157,7 @@ def test_passthrough_subcommands_keep_their_options() -> None:
     import sys
 
     out = zygote.run([sys.executable, "-m", "producer.cli", "simulate", "--host", "127.0.0.1", "--help"],
-                         timeout=60)
+                     timeout=60)
     assert out.returncode == 0 and "python -m simulator" in out.stdout, out.stderr
 
 
@@ -167,7 +167,7 @@ def test_run_refuses_missing_dataset_files_before_enqueueing_anything(tmp_path: 
     config = _write(tmp_path, GOOD)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "REDIS_URL": "redis://127.0.0.1:1/0"}
     out = zygote.run([sys.executable, "-m", "producer.cli", "run", str(config), "--no-progress"],
-                         env=env, timeout=60)
+                     env=env, timeout=60)
     assert out.returncode == 2
     assert f"datasets[0] (B1_glaive).path: {tmp_path / 'data' / 'b1.jsonl'}: no such file" in out.stderr
 

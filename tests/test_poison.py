@@ -113,6 +113,6 @@ def test_poison_messages_are_dead_lettered_and_never_stop_a_worker(fleet: Fleet,
     assert not redis_client.sismember(keys.DatasetKeys("P").done, "not-in-the-file")
 
     status = zygote.run([sys.executable, "-m", "producer.cli", "status"], env=fleet.env(), cwd=REPO,
-                            timeout=60)
+                        timeout=60)
     assert status.returncode == 0, status.stdout + status.stderr
     assert f"dead letters: {len(poison)}" in status.stdout + status.stderr, status.stdout + status.stderr

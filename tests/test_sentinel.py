@@ -234,7 +234,7 @@ def test_flower_the_exporter_and_status_read_the_same_sentinel_url(tmp_path: Pat
 
         cluster.wait_until(lambda: "specfleet_redis_up 1.0" in metrics(), 60, "the exporter reads Redis")
         status = zygote.run([sys.executable, "-m", "producer.cli", "status"], env=fleet.env(),
-                                timeout=60)
+                            timeout=60)
         assert status.returncode == 1 and "no run in this Redis" in status.stdout, status  # it asked the master
     except BaseException:
         print(fleet.all_logs())

@@ -126,7 +126,7 @@ def _rewrite_manifest(out: Path, **changes: Any) -> dict[str, Any]:
 def test_a_run_passes_and_eight_corruptions_are_each_named_by_file_and_line(run_out: Path, tmp_path: Path) -> None:
     # The CLI on the run's folder as it is: exit 0, a table per dataset.
     done = zygote.run([sys.executable, "-m", "producer.cli", "validate", str(run_out)],
-                          cwd=REPO, timeout=300)
+                      cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "OK: 24 rows, 0 defects" in done.stdout, done.stdout[-3000:]
     shards = sorted((run_out / "V").glob("shard-*.jsonl"))
