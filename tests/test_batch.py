@@ -67,6 +67,7 @@ def test_a_batch_run_keeps_every_prompt_once_at_half_the_price(fleet: Fleet, red
     assert all(r["generation_id"].startswith("gen-batch-") for r in rows)
 
 
+@pytest.mark.long
 def test_a_crash_between_post_and_record_finds_the_batch_instead_of_posting_again(
         fleet: Fleet, redis_client: redis.Redis) -> None:
     """The simulator stores the batch and holds its answer; the worker is SIGKILLed while it waits, so
@@ -91,6 +92,7 @@ def test_a_crash_between_post_and_record_finds_the_batch_instead_of_posting_agai
     assert "found it as batch_" in fleet.log("w2"), fleet.log("w2")
 
 
+@pytest.mark.long
 def test_lost_posts_of_one_size_each_find_their_own_batch_by_custom_id(
         fleet: Fleet, redis_client: redis.Redis) -> None:
     """Four batches of the same model and size lose their POST's answer: the first two POSTs never
@@ -166,6 +168,7 @@ def test_an_expired_batch_settles_what_it_returned_and_gives_the_rest_back(
     assert 0 < len(repeated) <= s["batch_returned"]
 
 
+@pytest.mark.long
 def test_a_hard_budget_stops_inside_a_batch_never_over(fleet: Fleet, redis_client: redis.Redis) -> None:
     fleet.start_simulator(*FAST)
     budget = 30_000

@@ -738,6 +738,7 @@ budget_tokens = 10000000
 
 
 @pytest.mark.fleet
+@pytest.mark.long
 def test_every_compose_service_runs_from_its_rendered_command_line(local_compose: LocalCompose) -> None:
     lc = local_compose
     services = lc.services

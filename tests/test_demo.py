@@ -15,6 +15,7 @@ from tests.fleet import REPO, read_rows
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_the_demo_runs_both_datasets_and_sees_its_workers_from_the_start(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENROUTER_", "SPECFLEET_", "REDIS_URL"))}
     out_dir = tmp_path / "demo-out"

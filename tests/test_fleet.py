@@ -52,8 +52,9 @@ def test_budget_stop_then_next_dataset_runs_to_its_end(fleet: Fleet, redis_clien
     assert redis_client.llen("specfleet.q.A_small") == 0
     assert not redis_client.hexists("specfleet:active", "specfleet.q.A_small")
     # Each worker took its long-lived heap out of the collector once up and once its run's
-    # tokenizer was loaded (workers/fleet/heap.py: the collector's passes were ~15% of a worker's CPU).
-    logs = [fleet.log("w1"), fleet.log("w2")]
+    # tokenizer was loaded (workers/fleet/heap.py: the collector's passes were ~15% of a worker's CPU),
+    # in this test or before it, for a worker an earlier test handed on.
+    logs = [fleet.log("w1", whole=True), fleet.log("w2", whole=True)]
     assert all("frozen out of the collector (worker ready)" in log for log in logs), fleet.all_logs()
     assert any(re.search(r"frozen out of the collector \(tokenizer .+ loaded\)", log) for log in logs), fleet.all_logs()
 
@@ -92,6 +93,7 @@ def test_rows_load_with_datasets_and_carry_both_trainer_forms(fleet: Fleet, redi
     assert 0 < summary["wall_s"] < 120
 
 
+@pytest.mark.long
 def test_sigkilled_worker_loses_and_duplicates_nothing(fleet: Fleet, redis_client: redis.Redis) -> None:
     fleet.start_simulator("--latency-median-ms", "1500")
     config = fleet.one_dataset("K", 150, timeout_s=5)

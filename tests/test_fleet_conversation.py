@@ -23,6 +23,7 @@ WARM_FLEET = True
 N = 150
 
 
+@pytest.mark.long
 def test_conversations_survive_a_killed_worker_and_no_turn_is_paid_twice(fleet: Fleet,
                                                                          redis_client: redis.Redis) -> None:
     fleet.start_simulator("--latency-median-ms", "150")

@@ -42,6 +42,7 @@ def _run(fleet: Fleet, n: int, *, workers: int = 2, greenlets: int = 40, request
     return read_summary(fleet.out, "T")
 
 
+@pytest.mark.long
 def test_a_fleet_over_a_providers_capacity_keeps_its_429s_few_and_its_limit_near_it(
         fleet: Fleet, redis_client: redis.Redis) -> None:
     """80 greenlets against a capacity of 30: without the shared limit each greenlet learns alone,

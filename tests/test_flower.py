@@ -62,6 +62,7 @@ BATCH_REQUEST = "\n".join(['temperature = 1.0', 'mode = "batch"', "batch_size = 
                            "batch_poll_s = 1.0"])
 
 
+@pytest.mark.long
 def test_open_batches_show_in_flower_celery_inspect_and_the_run_progress(
         fleet: Fleet, redis_client: redis.Redis) -> None:
     """A batch-mode run with its batches in_progress for 25 s: Flower's /api/workers (each worker's

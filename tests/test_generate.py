@@ -397,6 +397,7 @@ def test_the_throttle_caps_reach_workers_and_never_the_request_body() -> None:
         _config(request={"max_in_flight": 0})
 
 
+@pytest.mark.long
 def test_without_adaptive_backoff_a_429_is_counted_but_neither_cuts_nor_pauses(world: World) -> None:
     def handler(request: Request) -> Answer:
         return replies(request)

@@ -173,6 +173,7 @@ def stable(row: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.fleet
 @pytest.mark.timeout(900)
+@pytest.mark.long
 def test_the_fleet_writes_the_same_rows_from_every_format(fleet: Fleet, redis_client: redis.Redis) -> None:
     paths = write_formats(fleet.tmp / "data")
     forms = ["jsonl", "gz", "zst", "parquet", "glob", "saved"]

@@ -387,6 +387,7 @@ def test_a_sampled_dataset_still_names_every_prompt_that_cannot_fit(tmp_path: Pa
     assert exact.too_long == plan.too_long and not exact.sampled
 
 
+@pytest.mark.long
 def test_the_plan_reads_the_same_counted_in_a_forked_process_or_in_a_thread(fleet: Fleet) -> None:
     """`specfleet` counts in a forked process (its only thread at the start); a process with threads
     (this test's) counts in a thread: one plan either way, and a count's error reaches the caller."""

@@ -105,6 +105,7 @@ def _truncated_rows(out: Path, dataset: str) -> list[dict[str, Any]]:
 # --- providers by choice ----------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_the_simulator_lists_two_providers_and_honours_only_without_fallbacks(fleet: Fleet) -> None:
     url = fleet.start_simulator(*TWO_PROVIDERS)
     listed = requests.get(f"{url}/api/v1/models/{MODEL}/endpoints", timeout=5).json()["data"]["endpoints"]
