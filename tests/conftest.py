@@ -183,6 +183,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if hasattr(config, "workerinput"):  # an xdist worker: every one sorts alike, as xdist requires
         # Longest first (make test: --dist load hands them out in this order, two at a time): the
         # `long` tests, then the other fleet tests, and the in-process ones last to fill the gaps.
-        # In file order, test_window's 60 s started at minute 2 and the run ended on tests that
-        # waited on their simulators while the other processes sat idle.
+        # In file order, test_window's minute-long test started at 301 s of a 390 s run, and the
+        # run ended on it while the other processes sat idle.
         items.sort(key=lambda item: (item.get_closest_marker("long") is None, item.get_closest_marker("fleet") is None))
