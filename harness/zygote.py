@@ -206,11 +206,14 @@ def serve(kind: str, listener: socket.socket, lock: Path) -> None:
             if launcher in clients:
                 launcher.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
         if not clients and (reached or time.monotonic() - started > FIRST_CLIENT_S):
-            with _locked(lock):  # what a client connects under: none is on its way once we hold it
-                if original_select([listener], [], [], 0)[0]:
-                    continue
-                Path(path).unlink(missing_ok=True)
-                return
+            try:
+                with _locked(lock):  # what a client connects under: none is on its way once we hold it
+                    if original_select([listener], [], [], 0)[0]:
+                        continue
+                    Path(path).unlink(missing_ok=True)
+                    return
+            except FileNotFoundError:
+                return  # the run is over: its directory went with it
 
 
 # --- the test process's side --------------------------------------------------------------------
