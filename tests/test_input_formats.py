@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -48,6 +47,7 @@ def columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
 
 def write_formats(folder: Path) -> dict[str, Path]:
     """The demo's data as JSONL and in every other format the reader takes."""
+    import datasets  # ~0.8 s to import: only in the tests that write a saved folder
     folder.mkdir(parents=True, exist_ok=True)
     lines, rows = demo_rows()
     raw = ("\n".join(lines) + "\n").encode()
@@ -106,6 +106,7 @@ BAD_ROWS = [
 
 @pytest.mark.parametrize("form", ["gz", "zst", "parquet", "saved"])
 def test_a_bad_row_is_named_by_file_and_line_or_row_and_field(tmp_path: Path, form: str) -> None:
+    import datasets
     raw = "".join(json.dumps(r) + "\n" for r in BAD_ROWS).encode()
     if form == "gz":
         path = tmp_path / "d.jsonl.gz"
@@ -134,6 +135,7 @@ def test_a_bad_row_is_named_by_file_and_line_or_row_and_field(tmp_path: Path, fo
 
 
 def test_a_saved_folder_counts_rows_across_its_files_and_a_dataset_dict_names_its_split(tmp_path: Path) -> None:
+    import datasets
     rows = [*BAD_ROWS[:1], *({"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(9)),
             BAD_ROWS[1]]
     saved = tmp_path / "saved"
