@@ -72,14 +72,18 @@ IMPORT_ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "MPL", "GEVENT", 
                        "FORKED_BY_MULTIPROCESSING")
 
 
-#: On which launch of an import environment its zygote starts (``Zygotes``).
-AFTER = {"producer": 2, "worker": 1}
-
-
 def import_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV_PREFIXES)}
 
 
+def forks_alike(env: dict[str, str]) -> bool:
+    """Whether a child launched with ``env`` can be forked at all: not with a hash seed of its
+    own, which a fork would leave the zygote's."""
+    return "PYTHONHASHSEED" not in env
+
+
+#: On which launch of an import environment its zygote starts (``Zygotes``).
+AFTER = {"producer": 2, "worker": 1}
 #: The run's directory of zygote sockets, shared by its test processes (tests/conftest.py sets it).
 RUN_DIR_ENV = "HARNESS_ZYGOTE_DIR"
 #: A zygote no client ever reached (its starter died before connecting) ends after this long.
@@ -299,7 +303,7 @@ class Zygote:
 
     def suits(self, cmd: Sequence[str], env: dict[str, str]) -> bool:
         """Whether ``cmd`` (``python -m MODULE …``) can be forked here alike (module docstring)."""
-        if list(cmd[:3]) != [sys.executable, "-m", MODULE[self.kind]] or "PYTHONHASHSEED" in env:
+        if list(cmd[:3]) != [sys.executable, "-m", MODULE[self.kind]] or not forks_alike(env):
             return False
         return self._sock is None or import_env(env) == self._env
 
@@ -390,15 +394,16 @@ class Zygote:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        if self._proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                # The last one out: reaped here, not left a zombie; a directory of its own only
-                # once the zygote is done with its lock.
-                self._proc.wait(timeout=5 if self._own_dir else 0.5)
-            self._proc = None
         if self._own_dir is not None:
+            # Its only client has gone: it ends now, and its directory may go once its lock has.
+            if self._proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(timeout=5)
             shutil.rmtree(self._own_dir, ignore_errors=True)
             self._own_dir = self.run_dir = None
+        # A run's zygote serves the run's other test processes on: not waited for at each one's
+        # teardown (subprocess reaps a dropped Popen later, or init once this process is gone).
+        self._proc = None
 
 
 class Zygotes:
@@ -421,8 +426,8 @@ class Zygotes:
 
     def suiting(self, cmd: Sequence[str], env: dict[str, str]) -> Zygote | None:
         kind = next((k for k, module in MODULE.items() if list(cmd[1:3]) == ["-m", module]), None)
-        if kind is None or "PYTHONHASHSEED" in env:
-            return None
+        if kind is None or not forks_alike(env):
+            return None  # counted towards no environment's zygote
         key = (kind, frozenset(import_env(env).items()))
         if key not in self._zygotes:
             self._seen[key] += 1

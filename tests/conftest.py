@@ -49,8 +49,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if not hasattr(config, "workerinput"):
-        shutil.rmtree(os.environ.pop(zygote.RUN_DIR_ENV, ""), ignore_errors=True)
+    run_dir = os.environ.pop(zygote.RUN_DIR_ENV, None)
+    if run_dir is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
