@@ -27,12 +27,13 @@ WARM_FLEET = True
 DEMO = REPO / "demo" / "data"
 
 
-def demo_rows(b1: int = 150) -> tuple[list[str], list[dict[str, Any]]]:
-    """The demo's lines: the first ``b1`` of B1 (OpenAI form, tools) and all of B4 (ShareGPT, a row
-    without an id, a duplicate, a bad speaker), one file mixing both forms. Returns the lines and
-    the rows that are JSON (a columnar file cannot hold a line that is not)."""
+def demo_rows(b1: int = 150, b4: int | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+    """The demo's lines: the first ``b1`` of B1 (OpenAI form, tools; its 8th line is not JSON) and
+    the first ``b4`` of B4 (ShareGPT: rows without an id, a bad speaker at 13, a duplicate at 148;
+    None: all 301), one file mixing both forms. Returns the lines and the rows that are JSON (a
+    columnar file cannot hold a line that is not)."""
     lines = (DEMO / "b1_glaive.jsonl").read_text().splitlines()[:b1]
-    lines += (DEMO / "b4_mixturethoughts.jsonl").read_text().splitlines()
+    lines += (DEMO / "b4_mixturethoughts.jsonl").read_text().splitlines()[:b4]
     rows = []
     for line in lines:
         with contextlib.suppress(ValueError):  # the demo's lines that are not JSON stay JSONL's alone
@@ -45,11 +46,11 @@ def columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
 
 
-def write_formats(folder: Path) -> dict[str, Path]:
-    """The demo's data as JSONL and in every other format the reader takes."""
+def write_formats(folder: Path, b1: int = 150, b4: int | None = None) -> dict[str, Path]:
+    """The demo's data (``demo_rows``) as JSONL and in every other format the reader takes."""
     import datasets  # ~0.8 s to import: only in the tests that write a saved folder
     folder.mkdir(parents=True, exist_ok=True)
-    lines, rows = demo_rows()
+    lines, rows = demo_rows(b1, b4)
     raw = ("\n".join(lines) + "\n").encode()
     jsonl = folder / "demo.jsonl"
     jsonl.write_bytes(raw)
@@ -177,7 +178,12 @@ def stable(row: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.timeout(900)
 @pytest.mark.long
 def test_the_fleet_writes_the_same_rows_from_every_format(fleet: Fleet, redis_client: redis.Redis) -> None:
-    paths = write_formats(fleet.tmp / "data")
+    # Fewer rows than the reader's test (each form is a run of its own: 6 x 447 rows cost 12 CPU-s),
+    # still every kind of line: OpenAI and ShareGPT rows, a line that is not JSON, rows without an
+    # id (content-hash ids), a bad speaker and a duplicate.
+    paths = write_formats(fleet.tmp / "data", b1=40, b4=150)
+    _, read_stats, _ = read(paths["jsonl"])
+    assert read_stats.duplicates == 1 and read_stats.malformed == 3, read_stats
     forms = ["jsonl", "gz", "zst", "parquet", "glob", "saved"]
     fleet.start_simulator("--latency-median-ms", "20")
     config = fleet.write_config([{"name": f"D_{form}", "path": paths[form], "length": "short",
@@ -186,7 +192,7 @@ def test_the_fleet_writes_the_same_rows_from_every_format(fleet: Fleet, redis_cl
     fleet.start_worker("w2", concurrency=40)
     fleet.run_producer(config, timeout_s=800)
     want = {r["id"]: stable(r) for r in read_rows(fleet.out, "D_jsonl")}
-    assert len(want) == 150 - 2 + 299, len(want)
+    assert len(want) == read_stats.prompts, (len(want), read_stats)
     assert all(r["conversations"] and r["input_ids"] and r["loss_mask"] for r in want.values())
     for form in forms:
         summary = read_summary(fleet.out, f"D_{form}")
