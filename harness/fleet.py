@@ -38,6 +38,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def base_env() -> dict[str, str]:
+    """What every process a fleet starts inherits, before its test's own settings: this process's
+    environment without OpenRouter's or specfleet's variables. Most launches of a run share its
+    import environment, so the run's zygotes serve it from the first (tests/conftest.py)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENROUTER_", "SPECFLEET_"))}
+    env.update(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return env
+
+
 def write_jsonl(path: Path, rows: Sequence[dict[str, Any] | str]) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows))
     return path
@@ -99,7 +108,7 @@ class Fleet:
     # --- processes --------------------------------------------------------------------------
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENROUTER_", "SPECFLEET_"))}
+        env = base_env()
         env.update(
             REDIS_URL=self.redis_url,
             OPENROUTER_BASE_URL=self.sim_url,
@@ -108,8 +117,6 @@ class Fleet:
             SPECFLEET_VISIBILITY_TIMEOUT_S="20",
             # Each test's own: fleets of parallel tests run the same datasets (workers/fleet/spool.py).
             SPECFLEET_SPOOL_DIR=str(self.tmp / "spool"),
-            TOKENIZERS_PARALLELISM="false",
-            PYTHONUNBUFFERED="1",
         )
         env.update(extra)
         return env

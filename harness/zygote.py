@@ -414,13 +414,18 @@ class Zygotes:
     would have cost more than the zygote's imports. A producer's plain start (~1.9 CPU-s) is cheaper
     than its zygote (~3), so a test's one-off environment (a ``PYTHONPATH`` of its own, test_plan's
     hooks) starts plainly and leaves the slot to the environments most launches share; a worker's
-    (~3.6) costs more than its zygote (~2.7) from the first.
+    (~3.6) costs more than its zygote (~2.7) from the first. ``common``: environments known to be
+    launched many times (the fleet's own, ``harness.fleet.base_env``) get theirs on the first
+    launch of any kind: each of the six test processes started its first producer plainly while
+    the run's zygote for it was not up yet, ~10 CPU-s a run.
     """
 
-    def __init__(self, per_kind: int = 3, after: Mapping[str, int] = AFTER, run_dir: Path | None = None) -> None:
+    def __init__(self, per_kind: int = 3, after: Mapping[str, int] = AFTER, run_dir: Path | None = None,
+                 common: Sequence[dict[str, str]] = ()) -> None:
         self.per_kind = per_kind
         self.run_dir = run_dir
         self.after = after
+        self._common = {frozenset(import_env(env).items()) for env in common}
         self._zygotes: dict[tuple[str, frozenset[tuple[str, str]]], Zygote] = {}
         self._seen: collections.Counter[tuple[str, frozenset[tuple[str, str]]]] = collections.Counter()
 
@@ -433,7 +438,7 @@ class Zygotes:
             self._seen[key] += 1
             zygote = Zygote(kind, self.run_dir)
             # One another test process of the run started costs nothing to use.
-            if self._seen[key] < self.after[kind] and not zygote.serving(env):
+            if self._seen[key] < self.after[kind] and key[1] not in self._common and not zygote.serving(env):
                 return None
             if sum(k == kind for k, _ in self._zygotes) >= self.per_kind:
                 return None

