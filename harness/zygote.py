@@ -415,8 +415,8 @@ class Zygotes:
     than its zygote (~3), so a test's one-off environment (a ``PYTHONPATH`` of its own, test_plan's
     hooks) starts plainly and leaves the slot to the environments most launches share; a worker's
     (~3.6) costs more than its zygote (~2.7) from the first. ``common``: environments known to be
-    launched many times (the fleet's own, ``harness.fleet.base_env``) get theirs on the first
-    launch of any kind: each of the six test processes started its first producer plainly while
+    launched many times (the fleet's own, ``harness.fleet.base_env``) get theirs, of both kinds, on
+    their first launch: each of the six test processes started its first producer plainly while
     the run's zygote for it was not up yet, ~10 CPU-s a run.
     """
 
