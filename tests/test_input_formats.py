@@ -25,9 +25,11 @@ from tests.fleet import REPO, Fleet, read_rows, read_summary
 WARM_FLEET = True
 
 DEMO = REPO / "demo" / "data"
+#: The demo's lines and the rows among them that are JSON (``demo_rows``).
+DemoRows = tuple[list[str], list[dict[str, Any]]]
 
 
-def demo_rows(b1: int = 150, b4: int | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+def demo_rows(b1: int = 150, b4: int | None = None) -> DemoRows:
     """The demo's lines: the first ``b1`` of B1 (OpenAI form, tools; its 8th line is not JSON) and
     the first ``b4`` of B4 (ShareGPT: rows without an id, a bad speaker at 13, a duplicate at 148;
     None: all 301), one file mixing both forms. Returns the lines and the rows that are JSON (a
@@ -46,11 +48,11 @@ def columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
 
 
-def write_formats(folder: Path, b1: int = 150, b4: int | None = None) -> dict[str, Path]:
-    """The demo's data (``demo_rows``) as JSONL and in every other format the reader takes."""
+def write_formats(folder: Path, demo: DemoRows | None = None) -> dict[str, Path]:
+    """``demo`` (``demo_rows()`` unless given) as JSONL and in every other format the reader takes."""
     import datasets  # ~0.8 s to import: only in the tests that write a saved folder
     folder.mkdir(parents=True, exist_ok=True)
-    lines, rows = demo_rows(b1, b4)
+    lines, rows = demo if demo is not None else demo_rows()
     raw = ("\n".join(lines) + "\n").encode()
     jsonl = folder / "demo.jsonl"
     jsonl.write_bytes(raw)
@@ -181,9 +183,11 @@ def test_the_fleet_writes_the_same_rows_from_every_format(fleet: Fleet, redis_cl
     # Fewer rows than the reader's test (each form is a run of its own: 6 x 447 rows cost 12 CPU-s),
     # still every kind of line: OpenAI and ShareGPT rows, a line that is not JSON, rows without an
     # id (content-hash ids), a bad speaker and a duplicate.
-    paths = write_formats(fleet.tmp / "data", b1=40, b4=150)
+    paths = write_formats(fleet.tmp / "data", demo_rows(b1=40, b4=150))
     _, read_stats, _ = read(paths["jsonl"])
     assert read_stats.duplicates == 1 and read_stats.malformed == 3, read_stats
+    # B1: its 8th line is not JSON, its 32nd has no user message; B4: a bad speaker, a duplicate.
+    n_prompts = 40 - 2 + 150 - 2
     forms = ["jsonl", "gz", "zst", "parquet", "glob", "saved"]
     fleet.start_simulator("--latency-median-ms", "20")
     config = fleet.write_config([{"name": f"D_{form}", "path": paths[form], "length": "short",
@@ -192,7 +196,7 @@ def test_the_fleet_writes_the_same_rows_from_every_format(fleet: Fleet, redis_cl
     fleet.start_worker("w2", concurrency=40)
     fleet.run_producer(config, timeout_s=800)
     want = {r["id"]: stable(r) for r in read_rows(fleet.out, "D_jsonl")}
-    assert len(want) == read_stats.prompts, (len(want), read_stats)
+    assert len(want) == read_stats.prompts == n_prompts, (len(want), read_stats)
     assert all(r["conversations"] and r["input_ids"] and r["loss_mask"] for r in want.values())
     for form in forms:
         summary = read_summary(fleet.out, f"D_{form}")

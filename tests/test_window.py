@@ -148,7 +148,7 @@ def test_a_resume_mid_dataset_with_the_window_keeps_every_prompt_once(fleet: Fle
     fleet.start_worker("w1", concurrency=30)
     with longest_queue(redis_client, "R") as longest:
         first = fleet.start_producer(config, "producer1", env=window)
-        fleet.wait_rows(redis_client, "R", 250, timeout_s=400)  # 450 left: still over a window
+        fleet.wait_rows(redis_client, "R", 250, timeout_s=400)  # 450 left: over two windows
         first.send_signal(signal.SIGKILL)
         first.wait()
         fleet.run_producer(config, name="producer2", timeout_s=400, env=window)
