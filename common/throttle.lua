@@ -15,11 +15,24 @@
 -- provider that stops refusing at random is watched closely again. A background 429 only delays its
 -- own request (its Retry-After, workers/retry.py).
 --
--- KEYS[1] state  HASH   limit       current in-flight limit (float; absent: max_in_flight)
+-- Two limits, kept apart, and the fleet admits under the lower (and the run's cap):
+--   the capacity window (``limit``) bounds requests in flight as the provider serves them: AIMD, cut
+--     by congestion 429s, grown back by answers while it is what holds the fleet;
+--   the balance bound (``balance_limit``) bounds them in dollars, as worst cases the account's
+--     balance covers (the in-flight budget): set from the plan's balance, cut by the account's 402s,
+--     and shrunk only by what each answer really took off the balance (its drain).
+-- Before, one figure served both: once the balance was known, a 429's cut left a limit that every
+-- answer drained and only 1/limit grew, and a capacity limit met a balance rule: the fleet sank to
+-- its floor of 4-5 in flight for good (issue 36: 2,097 of 4,000 prompts kept in 397 s).
+--
+-- KEYS[1] state  HASH   limit       the capacity window (float; absent: unbounded, until a 429 cuts it)
+--                       balance_limit   the balance bound in worst-case requests (float; absent: unknown)
 --                       pause_ms    unix ms before which nobody starts a request (Retry-After)
 --                       cut_ms      unix ms the current congestion event began
 --                       event_limit, event_in_flight, event_throttled   the limit and the requests
 --                                   in flight when it began, and how many the provider refused since
+--                       bcut_ms, bevent_limit, bevent_in_flight, bevent_refused   the same for the
+--                                   account's current balance event (402 in_flight_budget_exhausted)
 --                       win_ms, win_started, win_thr, prev_started, prev_thr   requests started and
 --                                   429s in the current and the previous window of window_ms: the
 --                                   recent share
@@ -32,7 +45,6 @@
 --                       cap         the run's max_in_flight, for readers (workers pass theirs)
 --                       hold        present while the producer's plan is still counting: nobody
 --                                   starts a request (prompts are queued and prepared meanwhile)
---                       balance_bound   present once the account's balance bounds the limit (drain applies)
 --                       want_ms     unix ms until which a process within its share wanted a slot
 --                                   and found none: no borrowing (acquire, keep_free) until then
 -- KEYS[2] slots  ZSET   slot id -> expiry unix ms: requests in flight; a dead worker's slots expire
@@ -73,20 +85,28 @@
 --            ago and no cut is being checked: it cuts the limit to beta x what the provider served
 --            during the event (see below), and a Retry-After pauses every new request of the fleet.
 --   state    now_ms bg_half_life_ms -> {limit, in_flight, pause_ms_left, ok, throttled, cap, background_share,
---            budget}
+--            budget, capacity, balance}   limit: the lower of the two (and "" for neither); capacity,
+--            balance: each on its own ("" where unbounded or unknown)
 --   reset    max_in_flight hold start -> "reset": a new run learns from scratch (slots in flight stay);
 --            hold "1": no request starts until "unhold" (the run's plan has not passed yet);
---            start > 0: the adaptive limit starts there (what the account's balance covers), not unbounded
+--            start > 0: the balance bound starts there (what the account's balance covers); the
+--            capacity window starts unbounded either way
 --   unhold   -> "unheld": the plan passed, requests may start
 local state, slots = KEYS[1], KEYS[2]
 local op = ARGV[1]
 local UNBOUNDED = 1e9
 
+-- The capacity window and the balance bound, each UNBOUNDED where none is set.
+local function bounds()
+  local b = redis.call("HMGET", state, "limit", "balance_limit")
+  return tonumber(b[1] or UNBOUNDED), tonumber(b[2] or UNBOUNDED)
+end
+
+-- What the fleet may have in flight: the lower of the two limits and the run's cap.
 local function current_limit(max_in_flight)
-  local limit = tonumber(redis.call("HGET", state, "limit"))
+  local capacity, balance = bounds()
   local cap = max_in_flight > 0 and max_in_flight or UNBOUNDED
-  if not limit or limit > cap then limit = cap end
-  return limit
+  return math.min(capacity, balance, cap)
 end
 
 -- The recent share counts requests by when they started: 429s of the requests started in this
@@ -117,27 +137,37 @@ local function count_window(now, window, started, refused, started_at)
   return win_started + prev_started, win_thr + prev_thr
 end
 
--- The congestion (or balance) event on record: when it began, the limit and the in-flight count
--- then, and how many refusals it has had.
-local function event_of()
-  local e = redis.call("HMGET", state, "cut_ms", "event_limit", "event_in_flight", "event_throttled")
+-- Each limit's events, by the hash fields that record them: the limit cut, when its event began,
+-- the fleet's limit and in-flight count then, and how many refusals the event has had.
+local CAPACITY = {limit = "limit", cut = "cut_ms", limit_then = "event_limit", in_flight_then = "event_in_flight",
+                  refused = "event_throttled"}
+local BALANCE = {limit = "balance_limit", cut = "bcut_ms", limit_then = "bevent_limit",
+                 in_flight_then = "bevent_in_flight", refused = "bevent_refused"}
+
+-- The event of ``kind`` on record: when it began, the limit and the in-flight count then, and how
+-- many refusals it has had.
+local function event_of(kind)
+  local e = redis.call("HMGET", state, kind.cut, kind.limit_then, kind.in_flight_then, kind.refused)
   return tonumber(e[1] or "0"), tonumber(e[2] or "0"), tonumber(e[3] or "0"), tonumber(e[4] or "0")
 end
 
--- One more refusal of the event that began at cut_ms: what is served is what was in flight when the
--- event began less what it refused since, and the limit falls to beta x that (never below min_limit,
--- never up); a Retry-After pauses every new request of the fleet. Returns the limit.
-local function cut_in_event(limit, cut, event_limit, event_in_flight, refused, beta, min_limit, now, retry_after)
+-- One more refusal of the event of ``kind`` that began at cut: what is served is what was in flight
+-- when the event began less what it refused since, and that kind's limit falls to beta x that (never
+-- below min_limit, never up); a Retry-After pauses every new request of the fleet. Returns the
+-- fleet's limit after it (the lower of the two, and the cap).
+local function cut_in_event(kind, max_in_flight, cut, event_limit, event_in_flight, refused, beta, min_limit, now,
+                            retry_after)
   refused = refused + 1
   local served = math.min(event_limit, event_in_flight - refused)
-  limit = math.min(limit, math.max(min_limit, math.floor(served * beta)))
-  redis.call("HSET", state, "limit", tostring(limit), "cut_ms", cut, "event_limit", tostring(event_limit),
-             "event_in_flight", event_in_flight, "event_throttled", refused)
+  local own = tonumber(redis.call("HGET", state, kind.limit) or UNBOUNDED)
+  own = math.min(own, math.max(min_limit, math.floor(served * beta)))
+  redis.call("HSET", state, kind.limit, tostring(own), kind.cut, cut, kind.limit_then, tostring(event_limit),
+             kind.in_flight_then, event_in_flight, kind.refused, refused)
   if retry_after > 0 then
     local pause = tonumber(redis.call("HGET", state, "pause_ms") or "0")
     if now + retry_after > pause then redis.call("HSET", state, "pause_ms", now + retry_after) end
   end
-  return limit
+  return current_limit(max_in_flight)
 end
 
 -- One slot given back with its outcome; the policy is read from ARGV[3..14] (see "release").
@@ -161,10 +191,11 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl, 
     -- The account's word, not a share: every refusal belongs to an event (a new one after cut_gap)
     -- whose estimate of what the balance carries is what was in flight when it began, less what it
     -- refused since, as for congestion below.
-    local cut, event_limit, event_in_flight, refused = event_of()
+    -- It cuts the balance bound alone: the provider's capacity says nothing about dollars.
+    local cut, event_limit, event_in_flight, refused = event_of(BALANCE)
     if now - cut >= cut_gap then cut, event_limit, event_in_flight, refused = now, limit, in_flight, 0 end
-    redis.call("HSET", state, "balance_bound", "1")
-    return cut_in_event(limit, cut, event_limit, event_in_flight, refused, beta, min_limit, now, retry_after)
+    return cut_in_event(BALANCE, max_in_flight, cut, event_limit, event_in_flight, refused, beta, min_limit, now,
+                        retry_after)
   end
   redis.call("HINCRBY", state, outcome == "ok" and "ok" or "throttled", 1)
   if outcome == "refused" then return limit end  -- adaptive back-off is off
@@ -191,10 +222,12 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl, 
         bg = after
         redis.call("HSET", state, "bg", tostring(bg), "bg_ms", now)
         if after >= check_ratio * tonumber(c[3]) then
-          -- The cut did not lower the share: those 429s come whatever the load. Undo it.
-          limit = math.max(limit, tonumber(c[2]))
-          if limit >= UNBOUNDED then redis.call("HDEL", state, "limit")  -- unbounded again, as before the cut
-          else redis.call("HSET", state, "limit", tostring(limit)) end
+          -- The cut did not lower the share: those 429s come whatever the load. Undo it (the
+          -- capacity window; the balance bound is the account's word, not the cut's).
+          local capacity = math.max(bounds(), tonumber(c[2]))
+          if capacity >= UNBOUNDED then redis.call("HDEL", state, "limit")  -- unbounded again, as before the cut
+          else redis.call("HSET", state, "limit", tostring(capacity)) end
+          limit = current_limit(max_in_flight)
         end
       end
       redis.call("HSET", state, "check_ms", 0)
@@ -203,21 +236,30 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl, 
   end
 
   if outcome == "ok" then
-    if drain > 0 and limit < UNBOUNDED and redis.call("HEXISTS", state, "balance_bound") == 1 then
-      -- The answer was billed: what is left of the balance covers drain fewer worst cases.
-      limit = math.max(min_limit, limit - drain)
-      redis.call("HSET", state, "limit", tostring(limit))
+    local capacity, balance = bounds()
+    if drain > 0 and balance < UNBOUNDED then
+      -- The answer was billed: what is left of the balance covers drain fewer worst cases. The
+      -- capacity window loses nothing: the provider served it.
+      balance = math.max(min_limit, balance - drain)
+      redis.call("HSET", state, "balance_limit", tostring(balance))
+      limit = current_limit(max_in_flight)
     end
     -- Grow only while the limit is what holds the fleet back: a fleet with fewer greenlets than
     -- its limit would otherwise raise it without bound, and the next cut would find it meaningless.
     -- "At the limit" with a margin: slots freed in one process are refilled by another only after
     -- its next poll, so a busy fleet sits a few requests under its limit most of the time.
     -- Not while a cut is being checked: the check must see the cut limit, not one grown past it.
-    if limit < UNBOUNDED and check_ms == 0
+    -- Only the limit that holds it grows (the capacity window where both do): the other has no
+    -- new evidence. The balance bound grows too, as after a 402 the balance's estimate was a cut's.
+    local cap = max_in_flight > 0 and max_in_flight or UNBOUNDED
+    if limit < UNBOUNDED and limit < cap and check_ms == 0
         and in_flight >= math.min(math.floor(limit) - 1, grow_near * limit) then
-      local cap = max_in_flight > 0 and max_in_flight or UNBOUNDED
-      limit = math.min(cap, limit + 1 / limit)
-      redis.call("HSET", state, "limit", tostring(limit))
+      if capacity <= balance then
+        redis.call("HSET", state, "limit", tostring(math.min(cap, capacity + 1 / capacity)))
+      else
+        redis.call("HSET", state, "balance_limit", tostring(balance + 1 / balance))
+      end
+      limit = current_limit(max_in_flight)
     end
     return limit
   end
@@ -226,7 +268,7 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl, 
   -- refused: each refusal of the event lowers the estimate by one. A fleet starting unbounded with
   -- 1,500 requests against a capacity of 300 thus lands near beta x 300 in one event, not after
   -- fifteen 10% cuts; at steady state (one request over the capacity) it is the plain beta x cut.
-  local cut, event_limit, event_in_flight, refused = event_of()
+  local cut, event_limit, event_in_flight, refused = event_of(CAPACITY)
   local share = math.min(1, refused_recently / math.max(started, 1))
   if now - cut >= cut_gap then  -- not within an event: does this 429 begin one?
     -- Above the background by more than chance makes of it: z binomial standard deviations of a
@@ -236,13 +278,14 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl, 
       return limit  -- a background 429 (or the last cut is still being checked)
     end
     cut, event_limit, event_in_flight, refused = now, limit, in_flight, 0
-    redis.call("HSET", state, "check_ms", now + math.max(cut_gap, retry_after), "check_limit", tostring(limit),
+    redis.call("HSET", state, "check_ms", now + math.max(cut_gap, retry_after), "check_limit", tostring(bounds()),
                "check_started", 0, "check_thr", 0)
   end
   -- The share the check compares with: as the event's refusals come in (judged at its first 429s,
   -- a burst's share is still a few per cent).
   redis.call("HSET", state, "check_share", tostring(share))
-  return cut_in_event(limit, cut, event_limit, event_in_flight, refused, beta, min_limit, now, retry_after)
+  return cut_in_event(CAPACITY, max_in_flight, cut, event_limit, event_in_flight, refused, beta, min_limit, now,
+                      retry_after)
 end
 
 -- How long a share's unanswered want keeps borrowers off: a few of its polls (workers/gate.py POLL_S).
@@ -298,10 +341,13 @@ elseif op == "release" then
 elseif op == "state" then
   local now = tonumber(ARGV[2])
   redis.call("ZREMRANGEBYSCORE", slots, "-inf", now)
-  local s = redis.call("HMGET", state, "limit", "pause_ms", "ok", "throttled", "cap", "bg", "bg_ms", "budget")
+  local s = redis.call("HMGET", state, "limit", "pause_ms", "ok", "throttled", "cap", "bg", "bg_ms", "budget",
+                       "balance_limit")
   local bg = tonumber(s[6] or "0") * 0.5 ^ ((now - tonumber(s[7] or now)) / tonumber(ARGV[3]))
-  return {s[1] or "", redis.call("ZCARD", slots), math.max(0, tonumber(s[2] or "0") - now),
-          tonumber(s[3] or "0"), tonumber(s[4] or "0"), s[5] or "", tostring(bg), tonumber(s[8] or "0")}
+  local lower = math.min(tonumber(s[1] or UNBOUNDED), tonumber(s[9] or UNBOUNDED))
+  return {lower < UNBOUNDED and tostring(lower) or "", redis.call("ZCARD", slots),
+          math.max(0, tonumber(s[2] or "0") - now), tonumber(s[3] or "0"), tonumber(s[4] or "0"), s[5] or "",
+          tostring(bg), tonumber(s[8] or "0"), s[1] or "", s[9] or ""}
 
 elseif op == "reset" then
   local cap = tonumber(ARGV[2])
@@ -309,7 +355,7 @@ elseif op == "reset" then
   if cap > 0 then redis.call("HSET", state, "cap", cap) end
   if ARGV[3] == "1" then redis.call("HSET", state, "hold", "1") end
   local start = tonumber(ARGV[4] or "0")
-  if start > 0 then redis.call("HSET", state, "limit", tostring(start), "balance_bound", "1") end
+  if start > 0 then redis.call("HSET", state, "balance_limit", tostring(start)) end
   return "reset"
 
 elseif op == "unhold" then

@@ -90,7 +90,8 @@ class Release:
     retry_after_s: float | None = None
     limits: ThrottleLimits = NO_CAPS
     #: An answer's cost over its request's worst case: the share of one worst case it spent from
-    #: the balance, by which the limit shrinks once the balance binds it (throttle.lua).
+    #: the balance, by which the balance bound shrinks while the balance is known (throttle.lua;
+    #: the capacity window loses nothing by it).
     drain: float = 0.0
 
 
@@ -109,7 +110,8 @@ class SlotGrant:
 
 @dataclass(frozen=True)
 class ThrottleSnapshot:
-    #: The fleet's current in-flight limit; None while no 429 has set one and no cap is configured.
+    #: The fleet's current in-flight limit, the lowest of the two below and the run's cap; None while
+    #: none of them is set.
     limit: float | None
     in_flight: int
     pause_ms_left: int
@@ -119,6 +121,10 @@ class ThrottleSnapshot:
     background_share: float = 0.0
     #: Requests the account refused for its in-flight budget (402 in_flight_budget_exhausted).
     budget_refused: int = 0
+    #: The provider's capacity as learned from 429s (None: unbounded, no congestion seen yet).
+    capacity_limit: float | None = None
+    #: The worst-case requests the account's balance covers in flight (None: balance unknown).
+    balance_limit: float | None = None
 
     @property
     def throttled_share(self) -> float:
@@ -176,9 +182,9 @@ class FleetThrottle:
         self._call(*args)
 
     def snapshot(self) -> ThrottleSnapshot:
-        limit, in_flight, pause_left, ok, throttled, cap, background, budget = self._call(
+        limit, in_flight, pause_left, ok, throttled, cap, background, budget, capacity, balance = self._call(
             "state", self._clock_ms(), self.policy.background_half_life_ms)
-        bounds = [float(x) for x in (limit, cap) if x]  # the learned limit, the run's cap
+        bounds = [float(x) for x in (limit, cap) if x]  # the lower learned limit, the run's cap
         return ThrottleSnapshot(
             limit=min(bounds) if bounds else None,
             in_flight=int(in_flight),
@@ -187,15 +193,17 @@ class FleetThrottle:
             throttled=int(throttled),
             background_share=float(background),
             budget_refused=int(budget),
+            capacity_limit=float(capacity) if capacity else None,
+            balance_limit=float(balance) if balance else None,
         )
 
     def reset(self, limits: ThrottleLimits = NO_CAPS, *, hold: bool = False) -> None:
         """A new run learns the provider's capacity from scratch (the last run's limit may belong
         to another model or provider, its counters to another run) and records its cap for
         readers. Slots of requests in flight stay. ``hold``: no request starts until ``unhold``
-        (the run's plan is still counting; workers prepare their prompts meanwhile). The adaptive
-        limit starts at ``limits.start_in_flight`` (what the account's balance covers, from the
-        plan) when it is set, else unbounded (or at the cap)."""
+        (the run's plan is still counting; workers prepare their prompts meanwhile). The balance
+        bound starts at ``limits.start_in_flight`` (what the account's balance covers, from the
+        plan) when it is set; the capacity window starts unbounded either way."""
         self._call("reset", limits.max_in_flight or 0, "1" if hold else "0", limits.start_in_flight or 0)
 
     def unhold(self) -> None:

@@ -298,19 +298,22 @@ def _run_worst(cfg: RunConfig, worst_usd: float) -> float:
 
 
 def start_in_flight(cfg: RunConfig, info: ModelInfo | None, account: Account | None) -> int | None:
-    """Where the fleet's in-flight limit starts: the worst-case requests the balance covers, for the
-    dataset whose requests weigh most, each prompt bounded from its file's bytes (requests may leave
-    before the counts are in). None: a cap or a start is set, or the balance or price is unknown."""
+    """Where the fleet's balance bound starts: the worst-case requests the key can spend on (the
+    balance or the key's limit left, the lower known), for the dataset whose requests weigh most,
+    each prompt bounded from its file's bytes (requests may leave before the counts are in). None:
+    a cap or a start is set, or both figures or the price are unknown. A bound in dollars only: the
+    provider's capacity is learned apart (common/throttle.lua), so a large balance costs nothing."""
     pricing = cfg.model.pricing or (info.pricing if info else None)
+    spendable = account.spendable_usd if account is not None else None
     if (cfg.request.max_in_flight is not None or cfg.request.start_in_flight is not None or pricing is None
-            or account is None or account.balance_usd is None):
+            or spendable is None):
         return None
     worst = 0.0
     for ds in cfg.datasets:
         shape = byte_shape(ds.path, ds.max_line_bytes)
         mean_prompt = tokens_bound(shape.bytes, shape.lines) / shape.lines if shape.lines else 0.0
         worst = max(worst, worst_request_usd(pricing, cfg.length_for(ds.length), mean_prompt))
-    return fit_in_flight(account.balance_usd, worst) or None
+    return fit_in_flight(spendable, worst) or None
 
 
 def apply_account(cfg: RunConfig, info: ModelInfo | None, account: Account | None) -> RunConfig:

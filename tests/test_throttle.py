@@ -409,6 +409,39 @@ def test_a_fleet_five_times_over_a_providers_capacity_holds_near_it_with_few_429
     assert ignoring.share_429(0) > 0.5  # what backing off together spares the provider
 
 
+@pytest.mark.parametrize("balance_in_flight", [None, 10_000_000, 3_000], ids=["unknown", "known-large", "key-30usd"])
+def test_a_known_balance_does_not_turn_a_429s_cut_into_a_collapse(redis_client: redis.Redis,
+                                                                  balance_in_flight: int | None) -> None:
+    """Issue 36: with the balance known, the first 429's cut made the one limit a balance rule that
+    each answer drained by its cost (~0.21 of a worst case) and only 1/limit grew back: the fleet
+    sank to 4-5 in flight for good. The capacity window and the balance bound are kept apart: the
+    capacity is found as with the balance unknown, and the balance bound only shrinks by what the
+    answers spent (here 0.21 x the rows, far from binding)."""
+    run = run_fleet(redis_client, Provider(capacity=50), clients=250, duration_ms=MINUTE_MS,
+                    start_in_flight=balance_in_flight, drain=0.21)
+    assert 0.85 * 50 <= run.mean_in_flight(SETTLED_MS) <= 50, run.mean_in_flight(SETTLED_MS)
+    assert run.share_429(SETTLED_MS) < 0.05
+    snap = FleetThrottle(redis_client, clock_ms=lambda: T0_MS + MINUTE_MS).snapshot()
+    assert snap.capacity_limit is not None and snap.capacity_limit >= 0.85 * 50
+    if balance_in_flight is None:
+        assert snap.balance_limit is None
+    else:  # each answer took exactly its drain off the balance bound, nothing else did
+        assert snap.balance_limit == pytest.approx(balance_in_flight - 0.21 * run.rows, abs=1.0)
+
+
+def test_a_balance_that_binds_holds_the_fleet_under_it_while_the_capacity_stays_learned(
+        redis_client: redis.Redis) -> None:
+    """The other way round: a balance covering fewer worst cases than the provider serves holds the
+    fleet there, shrinking as it is spent; the 429-free capacity window is not touched by it."""
+    run = run_fleet(redis_client, Provider(capacity=50), clients=250, duration_ms=MINUTE_MS,
+                    start_in_flight=40, drain=0.05)
+    assert run.share_429(0) == 0  # never over the capacity
+    snap = FleetThrottle(redis_client, clock_ms=lambda: T0_MS + MINUTE_MS).snapshot()
+    assert snap.capacity_limit is None  # no 429: nothing learned, nothing cut
+    assert snap.balance_limit is not None and snap.balance_limit < 40
+    assert run.mean_in_flight(SETTLED_MS) <= 40
+
+
 def test_over_capacity_with_random_429s_too_the_fleet_still_finds_the_capacity(redis_client: redis.Redis) -> None:
     run = run_fleet(redis_client, Provider(capacity=50, random_429=0.05), clients=250, duration_ms=MINUTE_MS)
     assert 0.8 * 50 <= run.mean_in_flight(SETTLED_MS) <= 50

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from common.throttle import POLICY, FleetThrottle, SlotOutcome, ThrottlePolicy
+from common.config import ThrottleLimits
+from common.throttle import POLICY, FleetThrottle, Release, SlotOutcome, ThrottlePolicy
 
 T0_MS = 1_700_000_000_000
 POLL_MS = 50
@@ -70,11 +71,14 @@ class FleetRun:
 
 
 def run_fleet(client: redis.Redis, provider: Provider, *, clients: int, duration_ms: int, adaptive: bool = True,
-              policy: ThrottlePolicy = POLICY, seed: int = 7) -> FleetRun:
+              policy: ThrottlePolicy = POLICY, seed: int = 7, start_in_flight: int | None = None,
+              drain: float = 0.0) -> FleetRun:
+    """``start_in_flight``: the worst cases the account's balance covers, as the plan hands it on
+    (None: unknown); ``drain``: what each answer takes off it, in worst cases."""
     rng = random.Random(seed)
     now = T0_MS
     throttle = FleetThrottle(client, policy, clock_ms=lambda: now)
-    throttle.reset()
+    throttle.reset(ThrottleLimits(start_in_flight=start_in_flight))
     run = FleetRun()
     seq = itertools.count()
     # (time, seq, kind, slot, outcome): "answer" ends a request, "ready" puts a client back in line.
@@ -111,7 +115,7 @@ def run_fleet(client: redis.Redis, provider: Provider, *, clients: int, duration
             run.outcomes.append((now - T0_MS, outcome == "throttled"))
             retry_after_s = provider.retry_after_ms / 1000 if outcome == "throttled" else None
             told: SlotOutcome = outcome if adaptive or outcome == "ok" else "refused"
-            throttle.release(slot, told, ttl_ms=TTL_MS, retry_after_s=retry_after_s)
+            throttle.release_many([Release(slot, told, TTL_MS, retry_after_s, drain=drain if outcome == "ok" else 0.0)])
             back_at = now + (provider.retry_after_ms if outcome == "throttled" else 0)
             heapq.heappush(events, (back_at, next(seq), "ready", slot, "ok"))
             next_poll = min(next_poll, now)  # a freed slot wakes the gate at once
