@@ -137,10 +137,15 @@ def report_line(s: Summary) -> str:
 
 
 def throttle_summary(t: ThrottleSnapshot) -> dict[str, Any]:
-    """The fleet's throttle when a dataset ends: its in-flight limit then (None: unbounded), the
-    upstream answers so far by kind (the fleet's counters, reset when the run started: ``budget_refused``
-    the account's in-flight budget 402s) and the 429 share learned as the provider's background
-    (refused whatever the load)."""
-    return {"limit": None if t.limit is None else round(t.limit, 1), "ok": t.ok, "throttled": t.throttled,
+    """The fleet's throttle when a dataset ends: its in-flight limit then (None: unbounded) and the
+    two it is the lower of (``capacity_limit`` learned from 429s, ``balance_limit`` the worst cases
+    the balance covers; None: unbounded, unknown), the upstream answers so far by kind (the fleet's
+    counters, reset when the run started: ``budget_refused`` the account's in-flight budget 402s)
+    and the 429 share learned as the provider's background (refused whatever the load)."""
+    def rounded(x: float | None) -> float | None:
+        return None if x is None else round(x, 1)
+
+    return {"limit": rounded(t.limit), "capacity_limit": rounded(t.capacity_limit),
+            "balance_limit": rounded(t.balance_limit), "ok": t.ok, "throttled": t.throttled,
             "throttled_share": round(t.throttled_share, 4), "background_share": round(t.background_share, 4),
             "budget_refused": t.budget_refused}
