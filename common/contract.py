@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
+from common.endpoints import ACCEPTED_FORMS
+
 #: 3: the producer seals every prompt it enqueues (``seal``: an HMAC of its id, common/seal.py) and a
 #: worker runs only those (``workers/fleet/poison.py``). Version 2 recorded every id in a SET that grew
 #: with the dataset; its messages carry no seal, so they are refused by their version.
@@ -146,8 +148,10 @@ def halt_line(reason: str, message: str) -> str:
     if reason == HALT_ENGINE:
         return f"the engine run was halted (run the same command again once fixed): {message}"
     if reason == HALT_MISCONFIGURED:
+        # The message names the URL tried (MisconfiguredError.target); the forms a base URL may take
+        # are said here, unbounded by what keys.HALT keeps of the message.
         return (f"the upstream is misconfigured: {message.rstrip('.')}; fix the workers' OPENROUTER_BASE_URL "
-                "(SPECFLEET_ENGINE_URL for an engine run) or the run file's model.name, then run the same command "
-                "again to resume")
+                f"(SPECFLEET_ENGINE_URL for an engine run; accepted: {ACCEPTED_FORMS}) or the run file's "
+                "model.name, then run the same command again to resume")
     return (f"OpenRouter refused the account ({reason}: {message}); fix the key or the credits, then run "
             "the same command again to resume")

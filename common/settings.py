@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from common.endpoints import Endpoints
 from common.errors import ConfigError
 from common.redis_url import parse as parse_redis_url
 
@@ -37,6 +38,10 @@ def _number(name: str, raw: str) -> float:
 def _http_url(name: str, raw: str) -> str:
     if not raw.startswith(("http://", "https://")):
         raise ConfigError(f"environment variable {name}={raw!r}: not an http(s) URL")
+    try:
+        Endpoints.of(raw)  # the routes are derived where used; a URL that has none fails here, named
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name}: {exc}") from None
     return raw.rstrip("/")
 
 

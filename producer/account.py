@@ -2,8 +2,8 @@
 requests the balance covers in flight (openrouter.md "Account: key limits and credits", "The
 in-flight spending budget").
 
-``GET {base}/api/v1/key`` gives the key's ``limit`` (null: none) and ``limit_remaining``;
-``GET {base}/api/v1/credits`` gives ``total_credits`` and ``total_usage``, whose difference is the
+``GET {root}/key`` gives the key's ``limit`` (null: none) and ``limit_remaining``;
+``GET {root}/credits`` gives ``total_credits`` and ``total_usage``, whose difference is the
 balance. The credits endpoint needs a management key: its 403 means "unknown", not an error, and
 so does any other failure of either endpoint (said in the plan, never a refusal by itself).
 """
@@ -18,7 +18,7 @@ from typing import Any
 import requests
 
 from common.config import LengthClass, Pricing
-from producer.models import api_root
+from common.endpoints import Endpoints
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +62,20 @@ def fetch_account(base_url: str, api_key: str | None, *, timeout_s: float = ACCO
     """The key's limit and the account's balance; what cannot be read is unknown, with why."""
     if not api_key:
         return Account(balance_unknown="no OPENROUTER_API_KEY", key_unknown="no OPENROUTER_API_KEY")
-    root = api_root(base_url) + "/api/v1"
+    routes = Endpoints.of(base_url)
     fields: dict[str, Any] = {}
     try:
-        status, body = _get(root + "/key", api_key, timeout_s)
+        status, body = _get(routes.key, api_key, timeout_s)
         data = body.get("data") if isinstance(body, dict) else None
         if status == 200 and isinstance(data, dict):
             fields.update(key_known=True, key_limit_usd=_number(data.get("limit")),
                           key_remaining_usd=_number(data.get("limit_remaining")))
         else:
-            fields["key_unknown"] = f"GET {root}/key: HTTP {status}"
+            fields["key_unknown"] = f"GET {routes.key}: HTTP {status}"
     except requests.RequestException as exc:
-        fields["key_unknown"] = f"GET {root}/key: {type(exc).__name__}"
+        fields["key_unknown"] = f"GET {routes.key}: {type(exc).__name__}"
     try:
-        status, body = _get(root + "/credits", api_key, timeout_s)
+        status, body = _get(routes.credits, api_key, timeout_s)
         data = body.get("data") if isinstance(body, dict) else None
         credits = _number(data.get("total_credits")) if isinstance(data, dict) else None
         usage = _number(data.get("total_usage")) if isinstance(data, dict) else None
@@ -84,9 +84,9 @@ def fetch_account(base_url: str, api_key: str | None, *, timeout_s: float = ACCO
         elif status == 403:
             fields["balance_unknown"] = "the credits endpoint needs a management key (403)"
         else:
-            fields["balance_unknown"] = f"GET {root}/credits: HTTP {status}"
+            fields["balance_unknown"] = f"GET {routes.credits}: HTTP {status}"
     except requests.RequestException as exc:
-        fields["balance_unknown"] = f"GET {root}/credits: {type(exc).__name__}"
+        fields["balance_unknown"] = f"GET {routes.credits}: {type(exc).__name__}"
     return Account(**fields)
 
 

@@ -1,8 +1,8 @@
-"""The model's price and context length, from the models endpoint (``GET {base}/api/v1/models``).
+"""The model's price and context length, from the models endpoint (``GET {root}/models``).
 
 Public on OpenRouter (no key is sent). Prices come as strings of USD per token (per request for
-``request``); they become floats here. Both base-URL forms work: ``https://openrouter.ai`` and
-``https://openrouter.ai/api/v1`` (what the OpenAI SDK and OpenRouter's docs give).
+``request``); they become floats here. The URL comes from the base URL as ``common/endpoints.py``
+derives every route.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import requests
 
 from common.config import Pricing
+from common.endpoints import Endpoints
 from common.errors import ModelsUnavailable, UnknownModel
 
 log = logging.getLogger(__name__)
@@ -34,16 +35,6 @@ class ModelInfo:
 
 #: How the models list names a model's Batch API variant (shared/reference/openrouter.md "Batch API").
 BATCH_SUFFIX = ":batch"
-
-
-def api_root(base_url: str) -> str:
-    """``https://host`` for both ``https://host`` and ``https://host/api/v1``."""
-    root = base_url.rstrip("/")
-    return root.removesuffix("/api/v1").rstrip("/")
-
-
-def models_url(base_url: str) -> str:
-    return api_root(base_url) + "/api/v1/models"
 
 
 def _price(raw: Any, field: str) -> float:
@@ -88,7 +79,7 @@ def _get_json(url: str, timeout_s: float) -> Any:
 
 def fetch_model(base_url: str, model_id: str, *, timeout_s: float = MODELS_TIMEOUT_S) -> ModelInfo:
     """The model's entry, or ``UnknownModel`` naming the URL and close ids, or ``ModelsUnavailable``."""
-    url = models_url(base_url)
+    url = Endpoints.of(base_url).models
     body = _get_json(url, timeout_s)
     try:
         data = body["data"]
@@ -124,11 +115,6 @@ class Endpoint:
     tag: str = ""
 
 
-def endpoints_url(base_url: str, model_id: str) -> str:
-    """The endpoints list of ``author/slug`` (a variant suffix such as ``:nitro`` is not part of it)."""
-    return f"{api_root(base_url)}/api/v1/models/{model_id.split(':', 1)[0]}/endpoints"
-
-
 def parse_endpoint(entry: dict[str, Any]) -> Endpoint:
     info = parse_model({"id": entry.get("name") or entry.get("provider_name") or "?",
                         "context_length": entry.get("context_length"), "pricing": entry.get("pricing")})
@@ -139,7 +125,7 @@ def parse_endpoint(entry: dict[str, Any]) -> Endpoint:
 def fetch_endpoints(base_url: str, model_id: str, *, timeout_s: float = MODELS_TIMEOUT_S) -> list[Endpoint]:
     """The model's endpoints, in the order listed; ``ModelsUnavailable`` naming the URL when the
     list cannot be read (public on OpenRouter: no key is sent)."""
-    url = endpoints_url(base_url, model_id)
+    url = Endpoints.of(base_url).model_endpoints(model_id)
     body = _get_json(url, timeout_s)
     try:
         entries = body["data"]["endpoints"]

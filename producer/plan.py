@@ -45,10 +45,11 @@ from typing import Any, TextIO
 
 from common.config import DatasetConfig, LengthClass, Pricing, RunConfig
 from common.datasets import Prompt, ReadStats, dataset_problem, is_plain_jsonl, read_prompts, row_sizes
+from common.endpoints import Endpoints
 from common.errors import DatasetRowError, ModelsUnavailable, PlanRefused, SpecfleetError
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer, tokens_bound
 from producer.account import Account, fetch_account, fit_in_flight, worst_request_usd
-from producer.models import ModelInfo, fetch_model, models_url
+from producer.models import ModelInfo, fetch_model
 from producer.providers import ModelEndpoints, apply_endpoints
 
 log = logging.getLogger(__name__)
@@ -351,7 +352,7 @@ def count_plan(cfg: RunConfig, base_url: str, info: ModelInfo | None, unavailabl
     datasets = [plan_dataset(cfg, ds, tokenizer, info, exact_limit=exact_limit, account=account)
                 for ds in cfg.datasets]
     return Plan(
-        model=cfg.model.name, url=models_url(base_url),
+        model=cfg.model.name, url=Endpoints.of(base_url).models,
         context_length=cfg.model.context_length or (info.context_length if info else None),
         pricing=cfg.model.pricing or (info.pricing if info else None),
         datasets=datasets, unavailable=unavailable, account=account,

@@ -17,9 +17,10 @@ import logging
 from dataclasses import dataclass, field
 
 from common.config import RunConfig
+from common.endpoints import Endpoints
 from common.errors import ConfigError, ModelsUnavailable
 from common.providers import provider_key, same_provider
-from producer.models import Endpoint, endpoints_url, fetch_endpoints
+from producer.models import Endpoint, fetch_endpoints
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def cheapest(endpoints: list[Endpoint]) -> Endpoint | None:
 
 
 def read_endpoints(cfg: RunConfig, base_url: str) -> ModelEndpoints:
-    url = endpoints_url(base_url, cfg.model.name)
+    url = Endpoints.of(base_url).model_endpoints(cfg.model.name)
     try:
         return ModelEndpoints(url=url, endpoints=fetch_endpoints(base_url, cfg.model.name))
     except ModelsUnavailable as exc:

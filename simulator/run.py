@@ -57,6 +57,11 @@ class _Handler(pywsgi.WSGIHandler):
     def get_environ(self) -> dict[str, Any]:
         env: dict[str, Any] = super().get_environ()
         env[CONNECTION_KEY] = _Connection(self.socket)
+        # OpenAI-compatible engines serve /v1/...: the same routes answer there as under /api/v1/...,
+        # so a base URL of either layout (common/endpoints.py) can be tried against the simulator.
+        path = env.get("PATH_INFO", "")
+        if path.startswith("/v1/"):
+            env["PATH_INFO"] = "/api" + path
         return env
 
 

@@ -38,7 +38,7 @@ from workers.pipeline.generate import generate
 from workers.pipeline.retry import DEFAULT_MISCONFIG_PROMPTS
 from workers.upstreams.fake import FakeUpstream
 from workers.upstreams.upstream import Answer, Request
-from workers.upstreams.vllm import NO_IDS_FIX, EngineClient, engine_chat_url
+from workers.upstreams.vllm import NO_IDS_FIX, EngineClient
 
 DS = "E"
 MODEL = "moonshotai/kimi-k2.5"
@@ -276,9 +276,8 @@ def test_sglang_ids_are_read_from_the_choice() -> None:
 
 
 def test_engine_urls_and_the_run_file(tmp_path: Path, world: World) -> None:
-    assert engine_chat_url("http://h:8000") == "http://h:8000/v1/chat/completions"
-    assert engine_chat_url("http://h:8000/v1/") == "http://h:8000/v1/chat/completions"
-    assert engine_chat_url("http://h:8000/v1/chat/completions") == "http://h:8000/v1/chat/completions"
+    for base in ("http://h:8000", "http://h:8000/v1/", "http://h:8000/v1/chat/completions"):
+        assert EngineClient("vllm", base, None, pool_size=1).url == "http://h:8000/v1/chat/completions"
     run = tmp_path / "run.toml"
     text = (f'[model]\nname = "{MODEL}"\ntokenizer = "{DEMO_TOKENIZER}"\nupstream = "vllm"\n\n'
             '[[datasets]]\nname = "E"\npath = "e.jsonl"\n')

@@ -29,7 +29,7 @@ from common.errors import (
 )
 from workers.pipeline import retry
 from workers.pipeline.retry import backoff_s
-from workers.upstreams.openrouter import OpenRouterClient, chat_url, parse_retry_after_s
+from workers.upstreams.openrouter import OpenRouterClient, parse_retry_after_s
 from workers.upstreams.upstream import Request
 
 KEY = "sk-or-v1-test-key-123456"
@@ -125,7 +125,7 @@ def test_proxy_variables_are_honoured(server: str, monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.parametrize("suffix", ["", "/", "/api/v1", "/api/v1/", "/api/v1/chat/completions"])
 def test_every_spelling_of_the_base_url_reaches_the_chat_endpoint(server: str, suffix: str) -> None:
-    assert chat_url(server + suffix) == server + "/api/v1/chat/completions"
+    assert _client(server + suffix).url == server + "/api/v1/chat/completions"
     _answer(200, OK)
     _Handler.seen.clear()
     assert _client(server + suffix).complete(_request()).content == "hi"

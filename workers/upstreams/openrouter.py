@@ -30,6 +30,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from common.contract import FAIL_ANSWER_TOO_LARGE, Usage
+from common.endpoints import OPENROUTER_ROOT, Endpoints
 from common.errors import (
     AccountRefusedError,
     AnswerTooLargeError,
@@ -43,14 +44,12 @@ from common.errors import (
 )
 from workers.upstreams.upstream import Answer, Request
 
-API_PATH = "/api/v1"
 #: Connecting may take this long at most (and never more than the attempt's ``timeout_s``).
 CONNECT_TIMEOUT_S = 10.0
 #: What one read of the body asks for: a large answer is read in pieces, its size checked on the way.
 READ_CHUNK_BYTES = 64 * 1024
 #: Of an answer too large to keep, the last bytes kept to read its usage from.
 TAIL_BYTES = 64 * 1024
-CHAT_PATH = API_PATH + "/chat/completions"
 # Statuses a later attempt can fix (openrouter.md "Errors"); 402 only with Retry-After.
 _RETRYABLE_STATUSES = {408, 429, 500, 502, 503, 504, 520, 522, 524, 529}
 #: How a 402 names the account's in-flight budget (openrouter.md "The in-flight spending budget").
@@ -62,18 +61,6 @@ IN_FLIGHT_RETRY_AFTER_S = 1.0
 #: How OpenRouter (and OpenAI-style servers) say the model id is wrong: the run file's fault.
 _NO_SUCH_MODEL = re.compile(r"no endpoints found|not a valid model|model .*not (be )?found|model_not_found|"
                             r"does not exist|unknown model", re.IGNORECASE)
-
-
-def chat_url(base_url: str) -> str:
-    """The chat endpoint from any spelling of the base URL people copy: ``https://openrouter.ai``,
-    ``https://openrouter.ai/api/v1`` (OpenRouter's docs, the OpenAI SDK), with or without a
-    trailing slash, or the full ``…/chat/completions``."""
-    base = base_url.rstrip("/")
-    if base.endswith(CHAT_PATH) or base.endswith("/chat/completions"):
-        return base
-    if base.endswith(API_PATH):
-        return base + "/chat/completions"
-    return base + CHAT_PATH
 
 
 def parse_retry_after_s(value: str | None) -> float | None:
@@ -266,10 +253,13 @@ def _locked(slots: Any) -> Any:
 class OpenRouterClient:
     """One per worker process: a pooled ``requests.Session`` sized to the greenlet count."""
 
+    #: The API root under a bare host (``common/endpoints.py``): OpenRouter's layout.
+    BARE_ROOT = OPENROUTER_ROOT
+
     def __init__(
         self, base_url: str, api_key: str, *, pool_size: int, app_url: str, app_title: str
     ) -> None:
-        self.url = chat_url(base_url)
+        self.url = Endpoints.of(base_url, bare_root=self.BARE_ROOT).chat
         self.where = self.url
         self._session = requests.Session()
         # Without this, requests keeps 10 sockets per host and throws the rest away after each
@@ -454,4 +444,4 @@ class OpenRouterClient:
         return {}
 
 
-__all__ = ["OpenRouterClient", "UpstreamError", "answer_from_message", "chat_url", "parse_retry_after_s"]
+__all__ = ["OpenRouterClient", "UpstreamError", "answer_from_message", "parse_retry_after_s"]

@@ -18,8 +18,9 @@ from typing import Any
 import orjson
 import requests
 
+from common.endpoints import Endpoints
 from common.errors import BatchRefused, BatchSubmitError, UpstreamError
-from workers.upstreams.openrouter import OpenRouterClient, chat_url
+from workers.upstreams.openrouter import OpenRouterClient
 from workers.upstreams.upstream import Answer
 
 ENDPOINT = "/v1/chat/completions"
@@ -28,17 +29,12 @@ RESULTS_PAGE = 500
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
-def batches_url(base_url: str) -> str:
-    """``…/api/v1/batches`` from any spelling of the base URL the live client takes."""
-    return chat_url(base_url).removesuffix("/chat/completions") + "/batches"
-
-
 class BatchClient:
     """One per worker process."""
 
     def __init__(self, base_url: str, api_key: str, *, app_url: str, app_title: str,
                  submit_timeout_s: float) -> None:
-        self.url = batches_url(base_url)
+        self.url = Endpoints.of(base_url).batches
         #: A POST of a large batch uploads up to 200 MB: its own, longer deadline.
         self.submit_timeout_s = submit_timeout_s
         self._session = requests.Session()
@@ -117,4 +113,4 @@ def _message(resp: requests.Response) -> str:
         return resp.text[:300]
 
 
-__all__ = ["TERMINAL", "BatchClient", "batches_url"]
+__all__ = ["TERMINAL", "BatchClient"]

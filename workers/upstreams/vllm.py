@@ -30,12 +30,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from common.endpoints import ENGINE_ROOT
 from common.errors import MisconfiguredError, RetryableUpstreamError
 from workers.upstreams.openrouter import OpenRouterClient, request_body
 from workers.upstreams.upstream import Request
 
 EngineKind = Literal["vllm", "sglang"]
-CHAT_PATH = "/v1/chat/completions"
 #: The body flags that ask each engine for its ids.
 ID_FLAGS: dict[str, dict[str, bool]] = {
     "vllm": {"return_token_ids": True},
@@ -47,16 +47,6 @@ NO_IDS_FIX = {  # short: the halt message keeps 300 characters and always the wh
     "sglang": "upgrade SGLang to one whose chat API takes return_prompt_token_ids, or bypass a proxy "
               "that drops fields",
 }
-
-
-def engine_chat_url(base_url: str) -> str:
-    """``http://host:8000``, ``http://host:8000/v1`` or the full ``…/chat/completions``."""
-    base = base_url.rstrip("/")
-    if base.endswith("/chat/completions"):
-        return base
-    if base.endswith("/v1"):
-        return base + "/chat/completions"
-    return base + CHAT_PATH
 
 
 def _ids(value: Any) -> list[int] | None:
@@ -71,10 +61,12 @@ class EngineClient(OpenRouterClient):
     """One per worker process. ``kind`` says where the prompt ids are (vLLM: top level, SGLang:
     in the choice) and names the upstream in rows (``provider``) and halt messages."""
 
+    #: ``http://host:8000`` means vLLM's and SGLang's ``/v1`` (``common/endpoints.py``).
+    BARE_ROOT = ENGINE_ROOT
+
     def __init__(self, kind: EngineKind, base_url: str, api_key: str | None, *, pool_size: int) -> None:
         super().__init__(base_url, api_key or "", pool_size=pool_size, app_url="", app_title="")
         self.kind = kind
-        self.url = self.where = engine_chat_url(base_url)
         for header in ("HTTP-Referer", "X-Title", "X-OpenRouter-Title"):
             self._session.headers.pop(header, None)
         if not api_key:  # a server started without --api-key takes requests without one
@@ -101,4 +93,4 @@ class EngineClient(OpenRouterClient):
         return {"prompt_ids": prompt, "completion_ids": completion, "provider": body.get("provider") or self.kind}
 
 
-__all__ = ["ID_FLAGS", "NO_IDS_FIX", "EngineClient", "EngineKind", "engine_chat_url"]
+__all__ = ["ID_FLAGS", "NO_IDS_FIX", "EngineClient", "EngineKind"]
