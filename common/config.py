@@ -30,6 +30,8 @@ class _Strict(BaseModel):
 #: Who answers: OpenRouter (text only), or a self-hosted OpenAI-compatible engine that returns the
 #: token ids it sampled (``return_token_ids``), at the workers' ``SPECFLEET_ENGINE_URL``.
 UpstreamKind = Literal["openrouter", "vllm", "sglang"]
+#: ``[model] usage_check``: what an answer billed with other token counts than the fleet's does.
+UsageCheck = Literal["halt", "flag", "off"]
 #: ``[model] engine_prompt_mismatch``: what an engine's differently rendered prompt does to the run.
 EnginePromptMismatch = Literal["refuse", "warn"]
 
@@ -40,6 +42,13 @@ class Pricing(_Strict):
     prompt: float = Field(ge=0)
     completion: float = Field(ge=0)
     request: float = Field(default=0.0, ge=0)
+
+
+class UsageOffset(_Strict):
+    """``[model] usage_offset``: billed minus counted tokens expected of every answer."""
+
+    prompt: int = 0
+    completion: int = 0
 
 
 class ModelConfig(_Strict):
@@ -69,6 +78,20 @@ class ModelConfig(_Strict):
     #: (the engine serves another chat template) halts the run at the first one (``refuse``), or is
     #: kept and counted, the summary and report warning per dataset (``warn``).
     engine_prompt_mismatch: EnginePromptMismatch = "refuse"
+    #: Billed usage minus the fleet's own counts (prompt ids; completion ids with the end-of-turn
+    #: token it appends) that every answer should show: ``completion = -1`` for a server that does
+    #: not count the end token, ``prompt = 1`` for one that adds a BOS. Absent: learned, the most
+    #: common difference of the first ``usage_check_answers`` (common/usage_check.py).
+    usage_offset: UsageOffset | None = None
+    #: An answer whose billed usage differs otherwise: its row is flagged (``usage_check``) and, past
+    #: ``usage_mismatch_max`` of the first ``usage_check_answers``, the run halts (``halt``); only
+    #: flagged and counted (``flag``); not compared (``off``).
+    usage_check: UsageCheck = "halt"
+    #: 200: enough answers that a few odd ones (a provider's hiccup) stay under the limit, few
+    #: enough that a wrong tokenizer costs at most that many answers before the halt (it halts as
+    #: soon as the limit is passed: at the 11th disagreeing answer by default).
+    usage_check_answers: int = Field(default=200, gt=0)
+    usage_mismatch_max: float = Field(default=0.05, ge=0, le=1)
 
 
 class LengthClass(_Strict):

@@ -69,6 +69,10 @@ class ResultRow(TypedDict):
     #: Rows whose ids came from the engine: the text rebuild checked against them
     #: (``{"match", "prompt_match", …}``, see ``workers/pipeline/engine_ids.py``).
     engine_check: NotRequired[dict[str, Any]]
+    #: The billed usage against the fleet's own counts (``common/usage_check.py``): ``{"match",
+    #: "prompt_diff", "completion_diff"}`` (billed minus counted), and ``expected`` when it disagreed.
+    #: Absent: not compared (``usage_check = "off"``, or no usage billed).
+    usage_check: NotRequired[dict[str, Any]]
     #: The run manifest's id (``common/manifest.py``, ``OUT/manifest.json``) the row belongs to.
     manifest: NotRequired[str]
     #: The quantization its provider serves the model at, from the endpoints API (absent: unknown).
@@ -131,6 +135,9 @@ HALT_MISCONFIGURED = "misconfigured"
 #: An engine run that cannot go on (no ids, another chat template): the message ends with the
 #: engine's own fix (``halt_message``), which the halt line keeps as its end.
 HALT_ENGINE = "engine"
+#: Past ``usage_mismatch_max`` of the first answers were billed other token counts than the run's
+#: tokenizer gives (``common/usage_check.py``): the rows' ids are not the model's.
+HALT_USAGE = "usage_mismatch"
 #: What ``keys.HALT`` keeps of a halt's message (``Budget.halt``).
 HALT_MESSAGE_MAX_CHARS = 300
 
@@ -147,6 +154,8 @@ def halt_line(reason: str, message: str) -> str:
     """What the producer tells the user about a halt a worker recorded: once, with what to fix."""
     if reason == HALT_ENGINE:
         return f"the engine run was halted (run the same command again once fixed): {message}"
+    if reason == HALT_USAGE:
+        return f"the run was halted: the rows' token ids are not what the model was billed for: {message}"
     if reason == HALT_MISCONFIGURED:
         # The message names the URL tried (MisconfiguredError.target); the forms a base URL may take
         # are said here, unbounded by what keys.HALT keeps of the message.

@@ -10,8 +10,9 @@ enough for a progress bar.
 Fields: the counters of the accounting record (``common/accounting.COUNTERS``: ``requests`` and
 ``billed_*``/``cost_micro_usd`` per answer received, billed whether kept or not, ``truncated`` per
 billed answer cut by max_tokens, ``duplicates`` and ``skipped`` per outcome, ``engine_*`` per kept
-row with an engine's ids), ``err:<reason>`` per failed upstream attempt (``err:http_429`` …) and
-``fail:<reason>`` per prompt that ended failed (``fail:token_mismatch`` …).
+row with an engine's ids, ``usage_*`` per kept row whose billed usage was compared), ``err:<reason>``
+per failed upstream attempt (``err:http_429`` …) and ``fail:<reason>`` per prompt that ended failed
+(``fail:token_mismatch`` …).
 
 Also the fleet-wide misconfiguration streak (``keys.MISCONFIG_STREAK``): prompts that met a
 "wrong URL or model" answer since the last answer anywhere (``workers/pipeline/retry.py`` halts on it).
@@ -40,6 +41,8 @@ ENGINE_ROWS = BY_NAME["engine_rows"].source
 ENGINE_MISMATCH = BY_NAME["engine_mismatch"].source
 ENGINE_PROMPT_MISMATCH = BY_NAME["engine_prompt_mismatch"].source
 TRUNCATED = BY_NAME["truncated"].source
+USAGE_CHECKED = BY_NAME["usage_checked"].source
+USAGE_MISMATCH = BY_NAME["usage_mismatch"].source
 #: Good prompts in the dataset's file, set by the producer once it has read the file (not a
 #: counter): the exporter's skipped = prompts without an outcome, as summary.json counts them.
 PROMPTS = "prompts"
@@ -119,6 +122,13 @@ class DatasetStats:
         pipe.hincrby(self.key, ENGINE_ROWS, 1)
         pipe.hincrby(self.key, ENGINE_MISMATCH, 0 if match else 1)
         pipe.hincrby(self.key, ENGINE_PROMPT_MISMATCH, 0 if prompt_match else 1)
+        pipe.execute()
+
+    def record_usage_check(self, match: bool) -> None:
+        """One kept row whose billed usage was compared with the fleet's counts (common/usage_check.py)."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hincrby(self.key, USAGE_CHECKED, 1)
+        pipe.hincrby(self.key, USAGE_MISMATCH, 0 if match else 1)
         pipe.execute()
 
     def record_misconfigured(self, prompt_id: str) -> int:

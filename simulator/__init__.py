@@ -77,6 +77,14 @@ generated as usual:
   SGLang builds patched to match vLLM too), ``sglang`` both in ``choices[0]``, ``none`` neither.
 - ``usage``: overrides of ``prompt_tokens``, ``completion_tokens``, ``reasoning_tokens``,
   ``cached_tokens``, ``cost`` (cost is recomputed from the tokens unless given).
+- ``usage_skew``: int: completion tokens billed beyond the answer's own, whatever
+  ``usage_skew_rate`` says (0: none).
+
+Usage counts: with ``--tokenizer DIR`` that has a chat template, a provider's engine's: the
+template-rendered prompt's ids and the completion's ids (``<|im_end|>`` included when the turn
+ended), as engine-ids mode gives them, so a client with the same tokenizer counts exactly the same.
+The usage fault ``usage_skew_rate`` (seeded per prompt) bills ``usage_skew_tokens`` more completion
+tokens on that share of answers, as a provider counting with another tokenizer would.
 
 Example: ``#sim {"reasoning": "r", "content": "c", "fail_attempts": [429]} case-7``.
 

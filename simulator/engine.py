@@ -64,19 +64,47 @@ def _engine_ids(req: ChatRequest, settings: SimSettings, script: Script | None,
     return ids
 
 
+def _template_ids(req: ChatRequest, counter: TokenCounter, answer: Answer) -> EngineIds | None:
+    """With a tokenizer that has a chat template, usage counts what a provider's engine counts: the
+    template-rendered prompt's ids and the completion's (with its end-of-turn token when the turn
+    ended), so a client tokenizing with the same files counts the same (common/usage_check.py).
+    None: the simple rule, or no chat template (counted on the simulator's own render)."""
+    if getattr(counter, "backend", None) is None:
+        return None
+    try:
+        return engine_ids(engine_tokenizer(counter), req.messages, req.tools, answer, inject=False,
+                          rng=random.Random(0))
+    except EngineIdsError:
+        return None
+
+
+def _usage_skew(req: ChatRequest, settings: SimSettings, script: Script | None) -> int:
+    """The usage fault: ``usage_skew_tokens`` more completion tokens billed than generated, on a
+    seeded ``usage_skew_rate`` share of prompts (or where a ``#sim`` ``usage_skew`` says), as a
+    provider counting with another tokenizer would."""
+    if script is not None and "usage_skew" in script.given:
+        return script.usage_skew
+    if settings.usage_skew_rate <= 0:
+        return 0
+    hit = rng_for(settings.seed, req.prompt_hash, "usage_skew").random() < settings.usage_skew_rate
+    return settings.usage_skew_tokens if hit else 0
+
+
 def generate(req: ChatRequest, settings: SimSettings, script: Script | None,
              counter: TokenCounter, *, attempt: int = 1) -> Generation:
     """The answer and its usage; with ``return_token_ids`` also the engine's ids, and then usage
     counts them, as vLLM does (prompt ids, completion ids with the end-of-turn token)."""
     answer = build_answer(req, settings, script, counter)
     ids = _engine_ids(req, settings, script, counter, answer) if req.return_token_ids else None
-    if ids is not None:
-        prompt, completion = len(ids.prompt_ids), len(ids.token_ids)
-        reasoning = ids.reasoning_tokens
+    counted = ids if ids is not None else _template_ids(req, counter, answer)
+    if counted is not None:
+        prompt, completion = len(counted.prompt_ids), len(counted.token_ids)
+        reasoning = counted.reasoning_tokens
     else:
         prompt = counter.count(render_prompt(req.messages, req.tools))
         completion = sum(counter.count(p) for p in answer.completion_parts())
         reasoning = counter.count(answer.reasoning) if answer.reasoning else 0
+    completion += _usage_skew(req, settings, script)
     # A repeat of the same prompt may hit the provider's prefix cache.
     cached = int(prompt * settings.cached_fraction) if attempt > 1 else 0
     prices = settings.prices()

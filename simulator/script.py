@@ -51,6 +51,8 @@ class Script:
     provider: str | None = None
     usage: Mapping[str, float] = field(default_factory=dict)
     noncanonical: bool = False  # engine-ids mode: inject a non-canonical tokenization
+    #: completion tokens billed beyond the answer's own (the usage fault), whatever usage_skew_rate says
+    usage_skew: int = 0
     #: engine-ids mode: where the answer carries the ids (``ID_SHAPES``; None: vllm's places).
     ids_shape: str | None = None
 
@@ -76,7 +78,7 @@ def find_script(messages: Sequence[Mapping[str, Any]]) -> Script | None:
 _KEYS = frozenset({
     "reasoning", "content", "tool_calls", "raw_tool_text", "finish_reason",
     "native_finish_reason", "reasoning_field", "leak_im_end", "fail_attempts", "latency_ms",
-    "retry_after_s", "provider", "usage", "noncanonical", "ids_shape",
+    "retry_after_s", "provider", "usage", "noncanonical", "ids_shape", "usage_skew",
 })
 
 
@@ -101,7 +103,15 @@ def _parse(spec: Mapping[str, Any]) -> Script:
         usage=_usage(spec.get("usage") or {}),
         noncanonical=_bool(spec, "noncanonical"),
         ids_shape=_choice(spec, "ids_shape", ID_SHAPES),
+        usage_skew=_int(spec, "usage_skew"),
     )
+
+
+def _int(spec: Mapping[str, Any], key: str) -> int:
+    value = spec.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"#sim.{key}: expected an integer")
+    return value
 
 
 def _opt_str(spec: Mapping[str, Any], key: str) -> str | None:

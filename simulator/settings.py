@@ -130,6 +130,11 @@ class SimSettings:
         "share of token-id answers whose ids hold one non-canonical tokenization of their text",
         lo=0, hi=1))
     # --- faults ---
+    usage_skew_rate: float = field(default=0.0, metadata=_meta(
+        "share of answers (seeded per prompt) billed usage_skew_tokens more completion tokens than generated, "
+        "as a provider counting with another tokenizer", lo=0, hi=1))
+    usage_skew_tokens: int = field(default=1, metadata=_meta(
+        "completion tokens a usage_skew_rate answer is billed beyond its own"))
     rates: Mapping[str, float] = field(default_factory=lambda: types.MappingProxyType({}),
                                        metadata=_meta("fault rates by name, plus leak_im_end"))
     retry_after_s: float | None = field(default=1.0, metadata=_meta(

@@ -14,7 +14,9 @@
   another delivery could take while it is open.
 - **rebuild**: the answer as token-exact ids, self-checked (``common/rebuild.py``); an
   engine's prompt ids unlike the rendered prompt halt the run (``engine_prompt_mismatch = "refuse"``).
-- **settle**: count the row and hand it to the collector, exactly once; the answer's cost is
+- **settle**: the answer's billed usage is compared with the row's own counts (``common/usage_check.py``:
+  a row that disagrees is flagged, too many in the run's first answers halt it), then the row is
+  counted and handed to the collector, exactly once; the answer's cost is
   counted whatever becomes of the row (money spent is spent). While Redis is away, settle (and
   fail) retry within the lease's slack, then go to the local spool, replayed when Redis returns.
 
@@ -47,6 +49,7 @@ from common.contract import (
     FAIL_PROVIDER_REFUSED,
     FAIL_TOKEN_MISMATCH,
     HALT_ENGINE,
+    HALT_USAGE,
     ResultRow,
     TaskPayload,
     Usage,
@@ -62,10 +65,11 @@ from common.errors import (
 )
 from common.outcomes import SKIPPED, Outcome
 from common.providers import UNKNOWN_QUANTIZATION, quantization_of, same_provider
-from common.rebuild import RebuiltRow, RenderedPrompt, rebuild, render_prompt
+from common.rebuild import ENDED_FINISH_REASONS, RebuiltRow, RenderedPrompt, rebuild, render_prompt
 from common.redis_client import UNREACHABLE, deadline
 from common.stats import DatasetStats
 from common.target import TargetTokenizer
+from common.usage_check import UsageVerdict, check_usage, halt_text
 from workers import WORKER_ID
 from workers.fleet.answer_room import answer_bytes, answer_room
 from workers.fleet.context import WorkerContext
@@ -519,8 +523,13 @@ def _off_hub(fn: Callable[..., T], args: tuple[Any, ...], chars: int, kwargs: di
 def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow, turn: TurnHook | None = None) -> Outcome:
     """Keep the row, unless another delivery did (duplicate) or the hard cap has no room left for
     it (discarded: its lease was reaped meanwhile; billed, and the task's outcome is failed,
-    recorded as over_budget)."""
+    recorded as over_budget). The usage check's halt keeps no row: the answer is released, billed."""
+    verdict = _check_usage(job, answer, rebuilt)
+    if verdict is not None and verdict.over_limit and job.view.model.usage_check == "halt":
+        return _halt_run(job, HALT_USAGE, halt_text(verdict, job.view.model, job.where))
     row = _row(job.payload, rebuilt, answer, job.attempts, job.view)
+    if verdict is not None:
+        row["usage_check"] = verdict.row_field()
     keep = None if turn is None else turn.finish(row, rebuilt, answer)
     usage, job.usage = job.usage, None
     settled = settle_or_spool(job.ctx.redis, job.ctx.settings.spool_dir, job.payload["run"], job.budget, job.pid,
@@ -531,14 +540,37 @@ def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow, turn: TurnHook | None
         job.stats.record_duplicate()
     elif settled is Outcome.DISCARDED:
         job.stats.record_failure("over_budget")
-    elif rebuilt.engine_check is not None:
-        job.stats.record_engine_check(rebuilt.engine_check["match"], rebuilt.engine_check["prompt_match"])
+    else:
+        if rebuilt.engine_check is not None:
+            job.stats.record_engine_check(rebuilt.engine_check["match"], rebuilt.engine_check["prompt_match"])
+        if verdict is not None:
+            job.stats.record_usage_check(verdict.match)
     log.info(
         "%s/%s settle: %s tokens=%d attempts=%d finish=%s %.1fs",
         job.dataset, job.pid, settled, rebuilt.completion_tokens, job.attempts,
         answer.finish_reason, time.monotonic() - job.started,
     )
     return Outcome.FAILED if settled is Outcome.DISCARDED else settled
+
+
+def _check_usage(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> UsageVerdict | None:
+    """The answer's billed usage against the row's prompt and completion ids; logged when they disagree.
+    None while Redis cannot answer within LEASE_RENEW_WAIT_S: the row goes on unchecked to its settle,
+    which spools it (the check is evidence, not accounting; the lease's slack is the settle's)."""
+    try:
+        with deadline(LEASE_RENEW_WAIT_S):
+            verdict = check_usage(job.ctx.redis, job.payload["run"], job.view.model, answer.usage,
+                                  prompt_tokens=rebuilt.prompt_tokens, completion_tokens=rebuilt.completion_tokens,
+                                  ended=answer.finish_reason in ENDED_FINISH_REASONS)
+    except redis.RedisError as exc:
+        log.warning("%s/%s usage not checked (Redis: %s: %s)", job.dataset, job.pid, type(exc).__name__, exc)
+        return None
+    if verdict is not None and not verdict.match:
+        log.warning("%s/%s usage: billed - counted = %+d prompt, %+d completion tokens, expected %+d, %+d (%d "
+                    "disagreeing of the run's first %d answers)", job.dataset, job.pid, verdict.prompt_diff,
+                    verdict.completion_diff, verdict.expected_prompt, verdict.expected_completion,
+                    verdict.mismatches, job.view.model.usage_check_answers)
+    return verdict
 
 
 def _row(payload: TaskPayload, rebuilt: RebuiltRow, answer: Answer, attempts: int, view: WorkerView) -> ResultRow:

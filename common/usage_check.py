@@ -1,0 +1,99 @@
+"""Every answer's billed usage against the fleet's own counts: a wrong tokenizer or template noticed.
+
+The provider counts the tokens its model read and wrote; the fleet counts the ids it rendered and
+rebuilt with the run's tokenizer. They differ by a constant that belongs to the model and its
+server: an end-of-turn token the provider does not count (``completion = -1``), a BOS it adds to the
+prompt (``prompt = 1``). ``[model] usage_offset = {prompt = …, completion = …}`` declares it; absent,
+it is learned: the most common difference among the answers checked so far, frozen after the
+first ``usage_check_answers`` (the run config's hash ``keys.usage_check``, ``usage_check.lua``). Any
+other difference means the ids differ from what the model read or wrote: another tokenizer
+revision, a converted tokenizer, another chat template. The row keeps its ids and says so
+(``usage_check``); past ``usage_mismatch_max`` of the first ``usage_check_answers`` the run halts
+(``usage_check = "halt"``, the default) before it pays for more rows like them.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from importlib.resources import files
+from typing import Any
+
+import redis
+
+from common.config import ModelConfig
+from common.contract import Usage, halt_message
+from common.keys import usage_check
+
+_SCRIPT = files("common").joinpath("usage_check.lua").read_text(encoding="utf-8")
+#: The learned offset outlives a halted run long enough for its resume to see it.
+USAGE_CHECK_TTL_S = 30 * 86_400
+
+#: The end of a usage halt line: what the user can do about it.
+USAGE_FIX = ("check that [model] tokenizer is the served model's (files, revision, template), or declare "
+             "[model] usage_offset")
+
+_SCRIPTS: weakref.WeakKeyDictionary[redis.Redis, Any] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class UsageVerdict:
+    """One answer's comparison, and the run's standing after it."""
+
+    #: The answer's billed tokens minus the fleet's counts (prompt ids; completion ids with the
+    #: end-of-turn token the fleet appends).
+    prompt_diff: int
+    completion_diff: int
+    #: The offset the answer was held to (declared, or learned so far).
+    expected_prompt: int
+    expected_completion: int
+    match: bool
+    #: Answers that disagreed among the first ``usage_check_answers``, and whether that is past the limit.
+    mismatches: int
+    over_limit: bool
+
+    def row_field(self) -> dict[str, Any]:
+        """The row's ``usage_check``: whether it agreed and both differences; the expected ones if not."""
+        field: dict[str, Any] = {"match": self.match, "prompt_diff": self.prompt_diff,
+                                 "completion_diff": self.completion_diff}
+        if not self.match:
+            field["expected"] = {"prompt": self.expected_prompt, "completion": self.expected_completion}
+        return field
+
+
+def allowed_mismatches(model: ModelConfig) -> int:
+    """How many of the first ``usage_check_answers`` may disagree without halting the run."""
+    return math.floor(model.usage_mismatch_max * model.usage_check_answers + 1e-9)
+
+
+def halt_text(verdict: UsageVerdict, model: ModelConfig, where: str) -> str:
+    """The halt's one line (within ``HALT_MESSAGE_MAX_CHARS``): how many disagreed, this answer's
+    numbers and where, then what to check."""
+    what = (f"{verdict.mismatches} of the first {model.usage_check_answers} answers billed token counts unlike the "
+            f"run tokenizer's (over {model.usage_mismatch_max:.0%}), the last at {where}: billed - counted "
+            f"{verdict.prompt_diff:+d}/{verdict.completion_diff:+d} (prompt/completion), expected "
+            f"{verdict.expected_prompt:+d}/{verdict.expected_completion:+d}")
+    return halt_message(what, USAGE_FIX)
+
+
+def check_usage(client: redis.Redis, config_id: str, model: ModelConfig, usage: Usage, *,
+                prompt_tokens: int, completion_tokens: int, ended: bool) -> UsageVerdict | None:
+    """The verdict on one answer (None: not checked: ``usage_check = "off"``, or no usage billed)."""
+    if model.usage_check == "off" or (usage["prompt_tokens"] == 0 and usage["completion_tokens"] == 0):
+        return None
+    script = _SCRIPTS.get(client)
+    if script is None:
+        script = _SCRIPTS[client] = client.register_script(_SCRIPT)
+    offset = model.usage_offset
+    declared = "" if offset is None else f"{offset.prompt}:{offset.completion}"
+    p = usage["prompt_tokens"] - prompt_tokens
+    c = usage["completion_tokens"] - completion_tokens
+    reply = script(keys=[usage_check(config_id)],
+                   args=[p, c, 1 if ended else 0, model.usage_check_answers, allowed_mismatches(model), declared,
+                         USAGE_CHECK_TTL_S])
+    match, ep, ec, mismatches, over = (int(x) for x in reply)
+    return UsageVerdict(p, c, ep, ec, bool(match), mismatches, bool(over))
+
+
+__all__ = ["USAGE_CHECK_TTL_S", "UsageVerdict", "allowed_mismatches", "check_usage", "halt_text"]
