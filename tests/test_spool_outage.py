@@ -88,3 +88,51 @@ def test_answers_spooled_in_an_outage_count_their_billed_dollars_when_replayed(
     assert list(b.failures()) == ["failed"]
     worker.close()
     plain.close()
+
+
+@pytest.fixture
+def refusal_state() -> Iterator[None]:
+    """The worker's refused-writes state (``workers/fleet/writes.py``) is per process: leave it as found."""
+    from workers.fleet import writes
+
+    yield
+    writes._since = None  # the process-wide state a worker leaves on its probe's success
+    writes._writable.set()
+
+
+def test_an_answer_whose_settle_redis_refuses_is_spooled_and_counts_its_billed_dollars_when_replayed(
+    valkey: RestartableValkey, tmp_path: Path, refusal_state: None
+) -> None:
+    """Redis up but refusing writes at the moment a paid answer settles: the answer goes to the
+    spool, not away, and its dollars count once replayed. Without the spool write the answer was
+    dropped and its prompt asked and paid again, unnoticed, and the fleet test
+    (test_worker_redis_refuses) still passed (issue 37, item 6): under maxmemory a script whose
+    first write is not a growing one (the settle's) is let finish, so there the settle seldom meets
+    the refusal first-hand. Here the refusal is the one every write meets: a server demoted to a
+    replica (as an old master after a failover) answers READONLY."""
+    spool_dir = tmp_path / "spool"
+    plain = redis.Redis.from_url(valkey.url)
+    plain.set(keys.config("cfg"), "{}")
+    open_run(plain, None, ["ds"])
+    b = Budget(plain, "ds")
+    b.open(1_000_000, 10.0)
+    assert b.reserve("kept", "L1", ttl_ms=TTL_MS, ask=ASK).status == "ok"
+    plain.execute_command("REPLICAOF", "127.0.0.1", "1")  # nobody there: it keeps its data, read-only
+    try:
+        worker = connect(valkey.url, 1.0, socket_timeout=1.0, socket_connect_timeout=1.0)
+        settled = settle_or_spool(worker, spool_dir, "cfg", Budget(worker, "ds"), "kept", "L1", 40,
+                                  msgpack.packb({"id": "kept"}), cost_usd=0.0123, attempts=1, within_s=2.0,
+                                  usage=_usage(30, 40, 0.0123))
+        assert settled == "spooled"
+        assert len(pending(spool_dir)) == 1, "the refused settle's paid answer was not kept"
+        assert b.snapshot().rows == 0  # not vacuous: Redis did refuse it
+    finally:
+        plain.execute_command("REPLICAOF", "NO", "ONE")
+    assert replay(worker, spool_dir) == 1
+    snap = b.snapshot()
+    assert (snap.rows, snap.kept_tokens) == (1, 40)
+    assert snap.spent_nusd / NUSD_PER_USD == pytest.approx(0.0123, abs=1e-9)
+    stats = DatasetStats(plain, "ds").read()
+    assert (stats.requests, stats.billed_completion_tokens) == (1, 40)
+    worker.close()
+    plain.close()
