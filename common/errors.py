@@ -7,7 +7,8 @@ a library's exception or a message string. The tree (httpx's ``_exceptions.py`` 
     SpecfleetError
     ├── ConfigError                    a run file or environment variable is wrong: exit 2
     │   ├── PlanRefused                the plan says the run must not start
-    │   └── UnknownModel               the models endpoint does not list the run file's model
+    │   ├── UnknownModel               the models endpoint does not list the run file's model
+    │   └── RedisTooOld                REDIS_URL names a server older than the supported minimum
     ├── DatasetRowError                one dataset row is unusable (file:line); the rest runs
     ├── DatasetPathError               a dataset's path names nothing readable (also a ValueError)
     ├── ModelsUnavailable              the models endpoint could not be read
@@ -74,6 +75,16 @@ class PlanRefused(ConfigError):
 
 class UnknownModel(ConfigError):
     """The models endpoint answered, and the run file's model is not in its list."""
+
+
+class RedisTooOld(ConfigError):
+    """``REDIS_URL`` names a server older than specfleet supports (``common/redis_server.py``):
+    the producer and every worker refuse it at start, before a command it lacks fails mid-run."""
+
+    def __init__(self, server: str, minimum: str) -> None:
+        super().__init__(f"the Redis at REDIS_URL is {server}; specfleet needs {minimum}")
+        self.server = server
+        self.minimum = minimum
 
 
 class DatasetPathError(SpecfleetError, ValueError):

@@ -302,6 +302,40 @@ def fence_command(client: redis.Redis | redis.client.Pipeline) -> tuple[Any, ...
     return ("WAITAOF", 1, replicas, WAITAOF_TIMEOUT_MS)
 
 
+class FencedTransaction(redis.client.Pipeline):
+    """A MULTI/EXEC whose fence follows its EXEC on the same connection, in the same retry.
+
+    Not inside the MULTI: a command the server does not know (WAITAOF before Redis 7.2) is refused
+    when queued and EXEC then discards the whole transaction (EXECABORT: batch mode never submitted
+    on Redis 7.0 or 6.2). After EXEC the fence waits for every write of this connection so far,
+    the transaction's included; on those servers it answers "unknown command", which ``fence_failed``
+    lets pass, as for any pipeline. Two round trips, once per batch record: not on a hot path.
+    Relies on redis-py's private ``_execute_transaction`` (``common/runtime.py`` checks its source)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        super().__init__(client.connection_pool, client.response_callbacks, transaction=True, shard_hint=None)
+        self.fence: object = None
+
+    def _execute_transaction(self, connection: Any, commands: Any, raise_on_error: bool) -> list[Any]:
+        replies = super()._execute_transaction(connection, commands, raise_on_error)
+        connection.send_command(*fence_command(self))
+        try:
+            self.fence = connection.read_response()
+        except redis.ResponseError as error:
+            self.fence = error
+        return replies
+
+    def execute_fenced(self) -> list[Any]:
+        """The transaction's replies once durable; raises its first error, or the fence's."""
+        replies = self.execute(raise_on_error=False)
+        if fence_failed(self.fence):
+            raise self.fence  # type: ignore[misc]  # fence_failed: an Exception
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return list(replies)
+
+
 def fence_failed(answer: object) -> bool:
     """Whether a WAITAOF reply is an error worth raising. A server without AOF, or one older than
     Redis 7.2 (no WAITAOF), cannot fence: the caller goes on as without the fence."""

@@ -135,6 +135,17 @@ PATCHES = (
                "connection had: after a failover, the dead master's, for the whole retry window. "
                "common/redis_client.SentinelConnection overrides it, relying on what it does on 8.1.",
         upstream="none filed"),
+    Patch(
+        target="redis.client:Pipeline._execute_transaction",
+        dist="redis", verified="8.1.0",
+        fingerprint="16fe393a292434f46a992d21d318cace4a4d12ae5352f4d77197474f84366813",
+        why="common/redis_client.FencedTransaction sends its fence after it, on its connection",
+        reason="A fence (WAITAOF) queued inside MULTI aborts the whole transaction (EXECABORT) on servers "
+               "without the command (Redis 6.2, 7.0). common/redis_client.FencedTransaction overrides "
+               "_execute_transaction to send the fence after EXEC on the same connection, inside the same "
+               "retry, relying on what it does on 8.1 (sends MULTI…EXEC, reads every reply, leaves the "
+               "connection idle).",
+        upstream="none filed"),
 )
 
 _cached_lib_version = functools.cache(redis.utils.get_lib_version)

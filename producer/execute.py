@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from common.config import RunConfig
 from common.errors import OutputError, ProducerFenced, RedisOutage, RedisRefusesWrites
 from common.redis_client import CLOCK, connect, describe
+from common.redis_server import require_supported
 from common.settings import Settings
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ def execute(
     from producer.window import WindowBounds
 
     client = connect(redis_url, settings.redis_retry_window_s)
+    require_supported(client)  # RedisTooOld (a ConfigError): one line, exit 2, before anything is written
     if metrics_port:
         from producer.metrics import start_metrics_server
 

@@ -25,7 +25,7 @@ from common.batches import DONE, SUBMITTED, Intent
 from common.budget import Budget
 from common.contract import TaskPayload
 from common.keys import BatchKeys, DatasetKeys
-from common.redis_client import fence_command, fence_failed
+from common.redis_client import FencedTransaction
 
 #: A batch request's budget lease outlives the Batch API's 24 h window, with room for the settle.
 BATCH_LEASE_MS = 26 * 3600 * 1000
@@ -61,17 +61,6 @@ class Item:
         return cls(cid, d["payload"], d["lease"])
 
 
-def _execute_fenced(pipe: Any) -> list[Any]:
-    pipe.execute_command(*fence_command(pipe))
-    *replies, fence = pipe.execute(raise_on_error=False)
-    if fence_failed(fence):
-        raise fence
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-    return list(replies)
-
-
 def record_intent(client: redis.Redis, intent: Intent, items: list[Item], *, owner: str,
                   poll_ms: int) -> list[str]:
     """Before the POST: in one MULTI, each item's lease renewed to outlive the batch, the intent, its
@@ -81,7 +70,7 @@ def record_intent(client: redis.Redis, intent: Intent, items: list[Item], *, own
     k = BatchKeys(intent.id)
     budget = Budget(client, intent.dataset)
     for attempt in range(2):
-        pipe = client.pipeline(transaction=True)
+        pipe = FencedTransaction(client)
         for item in items:
             budget.queue_renew(pipe, item.payload["id"], item.lease, ttl_ms=BATCH_LEASE_MS)
         pipe.hset(k.record, mapping=intent.fields())
@@ -90,7 +79,7 @@ def record_intent(client: redis.Redis, intent: Intent, items: list[Item], *, own
         pipe.zadd(keys.BATCHES_OPEN, {intent.id: int(intent.created_s * 1000)})
         pipe.set(k.poller, owner, px=poll_ms)
         try:
-            replies = _execute_fenced(pipe)
+            replies = pipe.execute_fenced()
         except redis.exceptions.NoScriptError:
             if attempt:
                 raise
@@ -106,25 +95,25 @@ def drop(client: redis.Redis, intent: Intent, items: list[Item]) -> None:
     if not items:
         return
     k = BatchKeys(intent.id)
-    pipe = client.pipeline(transaction=True)
+    pipe = FencedTransaction(client)
     pipe.hdel(k.requests, *[i.custom_id for i in items])
     pipe.hdel(DatasetKeys(intent.dataset).batched, *[i.payload["id"] for i in items])
     pipe.hset(k.record, "n", intent.n)
-    _execute_fenced(pipe)
+    pipe.execute_fenced()
 
 
 def record_submitted(client: redis.Redis, intent: Intent, batch_id: str) -> bool:
     """The batch id, once known; False when another intent claimed that batch already."""
-    pipe = client.pipeline(transaction=True)
+    pipe = FencedTransaction(client)
     pipe.hsetnx(keys.BATCH_CLAIMS, batch_id, intent.id)
     pipe.hget(keys.BATCH_CLAIMS, batch_id)
-    claimed = _execute_fenced(pipe)[1]
+    claimed = pipe.execute_fenced()[1]
     if claimed is not None and claimed.decode() != intent.id:
         return False
     intent.state, intent.batch_id = SUBMITTED, batch_id
-    pipe = client.pipeline(transaction=True)
+    pipe = FencedTransaction(client)
     pipe.hset(BatchKeys(intent.id).record, mapping={"state": SUBMITTED, "batch_id": batch_id})
-    _execute_fenced(pipe)
+    pipe.execute_fenced()
     return True
 
 
@@ -161,14 +150,14 @@ def update_remote(client: redis.Redis, intent: Intent, batch: dict[str, Any]) ->
 def close(client: redis.Redis, intent: Intent, prompt_ids: list[str], summary: dict[str, Any]) -> None:
     """Every request of the batch has its outcome (or was given back): the batch leaves the open set."""
     k = BatchKeys(intent.id)
-    pipe = client.pipeline(transaction=True)
+    pipe = FencedTransaction(client)
     pipe.hset(k.record, mapping={"state": DONE, "summary": json.dumps(summary)})
     pipe.expire(k.record, DONE_KEEP_S)
     pipe.zrem(keys.BATCHES_OPEN, intent.id)
     if prompt_ids:
         pipe.hdel(DatasetKeys(intent.dataset).batched, *prompt_ids)
     pipe.delete(k.requests, k.handled)
-    _execute_fenced(pipe)
+    pipe.execute_fenced()
 
 
 def take_poll(client: redis.Redis, intent_id: str, owner: str, ttl_ms: int) -> bool:
