@@ -28,8 +28,9 @@ class _Strict(BaseModel):
 
 
 #: Who answers: OpenRouter (text only), or a self-hosted OpenAI-compatible engine that returns the
-#: token ids it sampled (``return_token_ids``), at the workers' ``SPECFLEET_ENGINE_URL``.
-UpstreamKind = Literal["openrouter", "vllm", "sglang"]
+#: token ids it sampled (vLLM's and SGLang's ``return_token_ids``, llama.cpp's ``return_tokens``), at the
+#: workers' ``SPECFLEET_ENGINE_URL``.
+UpstreamKind = Literal["openrouter", "vllm", "sglang", "llamacpp"]
 #: ``[model] usage_check``: what an answer billed with other token counts than the fleet's does.
 UsageCheck = Literal["halt", "flag", "off"]
 #: ``[model] engine_prompt_mismatch``: what an engine's differently rendered prompt does to the run.

@@ -75,5 +75,10 @@ class Endpoints:
     def batches(self) -> str:
         return self.root + "/batches"
 
+    @property
+    def llama_tokenize(self) -> str:
+        """llama.cpp's ``llama-server`` ``/tokenize``: at the server's root, beside its ``/v1`` routes."""
+        return self.root.removesuffix(ENGINE_ROOT) + "/tokenize"
+
 
 __all__ = ["ACCEPTED_FORMS", "CHAT_SUFFIX", "ENGINE_ROOT", "OPENROUTER_ROOT", "Endpoints"]

@@ -53,6 +53,21 @@ def test_no_ids_names_the_engine_and_the_fix() -> None:
     assert "the sglang server answered without prompt ids" in message
     assert "upgrade SGLang to one whose chat API takes return_prompt_token_ids" in message
     assert caught.value.fix == NO_IDS_FIX["sglang"]  # what the halt line ends with
+
+
+def test_llama_cpp_is_asked_for_its_tokens_and_its_prompt_at_the_servers_root() -> None:
+    """llama-server (tests/test_real_engine.py runs the real one): ``return_tokens`` and ``verbose``
+    on the chat route; the prompt's ids from ``/tokenize`` beside ``/v1``, however the URL is written."""
+    for url in ("http://engine:8080/v1", "http://engine:8080", "http://engine:8080/v1/chat/completions/"):
+        client = EngineClient("llamacpp", url, None, pool_size=1)
+        assert (client.url, client.tokenize_url) == ("http://engine:8080/v1/chat/completions",
+                                                     "http://engine:8080/tokenize")
+    body = client._body(_request())
+    assert body["return_tokens"] is True and body["verbose"] is True
+    with pytest.raises(MisconfiguredError) as caught:
+        client._extra_fields({"__verbose": {"tokens": [], "prompt": "<|im_start|>user"}}, {}, "m")
+    assert "the llamacpp server answered without completion ids" in str(caught.value)
+    assert caught.value.fix == NO_IDS_FIX["llamacpp"]
     vllm = EngineClient("vllm", "http://engine:8000", None, pool_size=1)
     with pytest.raises(MisconfiguredError, match=r"0\.10\.2"):
         vllm._extra_fields({}, {}, "m")
