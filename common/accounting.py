@@ -67,6 +67,8 @@ COUNTERS: tuple[Counter, ...] = (
     Counter("batch_failed", "batch_failed", COUNT, "Batch requests that failed (an error result, an invalid request)"),
     Counter("batch_returned", "batch_returned", COUNT,
             "Batch requests given back unanswered (an expired or failed batch): asked again"),
+    Counter("batch_tail_live", "batch_tail_live", COUNT,
+            "Batch-mode rows kept from live requests: the budget's tail (its room under a full batch's worst cases)"),
     Counter("batch_cost_usd", "batch_cost_micro_usd", USD, "What the batches billed (their usage.cost), USD"),
     Counter("batch_rows_cost_usd", "batch_rows_cost_micro_usd", USD,
             "Batch answers at tokens x the batch price, USD (batch_cost_usd minus this: the difference)"),

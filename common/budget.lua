@@ -32,7 +32,7 @@
 --                         (answers cut by max_tokens). Added by
 --                         workers (common/stats.py): duplicates, skipped, engine_rows, engine_mismatch,
 --                         engine_prompt_mismatch, usage_checked, usage_mismatch; the batch path's (workers/batch/): batch_requests,
---                         batch_results, batch_failed, batch_returned, batch_cost_micro_usd,
+--                         batch_results, batch_failed, batch_returned, batch_tail_live, batch_cost_micro_usd,
 --                         batch_rows_cost_micro_usd.
 -- KEYS[12] settled HASH   "<lease>:<id>" -> "<answer>|<over_hold>": that lease's settle, fail or release of the
 --                         prompt was applied

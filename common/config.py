@@ -115,6 +115,13 @@ RequestMode = Literal["live", "batch", "auto"]
 #: The Batch API's limits per batch (shared/reference/openrouter.md "Batch API").
 BATCH_MAX_REQUESTS = 5_000
 BATCH_MAX_BYTES = 200 * 1024 * 1024
+#: What a batch-mode dataset does once the room its budget has left is less than a full batch's
+#: worst cases (``batch_size`` x the worst case): the rounds would only shrink from there (each
+#: admits what the room allows and gets back a fraction of it), one batch latency each.
+#: ``live``: the rest goes as live requests, at the live price (at most a full batch's worst cases
+#: of tokens); ``batch``: rounds of ever smaller batches until less than one worst case is left;
+#: ``stop``: admission ends there, up to a full batch's worst cases short.
+BatchTail = Literal["live", "batch", "stop"]
 
 LengthName = Literal["short", "long"]
 #: Where rows cut by max_tokens go (``RequestConfig.truncated``).
@@ -187,6 +194,9 @@ class RequestConfig(_Strict):
     batch_gather_s: float = Field(default=5.0, gt=0)
     #: Batch mode: how often an open batch's status is asked for.
     batch_poll_s: float = Field(default=30.0, gt=0)
+    #: Batch mode: the budget's tail (``BatchTail``). ``live`` by default: a few requests at twice
+    #: the price, instead of a round per batch latency (minutes to hours each) for each shrinking batch.
+    tail: BatchTail = "live"
 
     def body(self) -> dict[str, Any]:
         exclude = {"extra", "providers", "provider_pin", "truncated", *_BATCH_FIELDS, *ThrottleLimits.model_fields}
@@ -201,7 +211,7 @@ class RequestConfig(_Strict):
                               adaptive_backoff=self.adaptive_backoff, start_in_flight=self.start_in_flight)
 
 
-_BATCH_FIELDS = ("mode", "batch_size", "batch_gather_s", "batch_poll_s")
+_BATCH_FIELDS = ("mode", "batch_size", "batch_gather_s", "batch_poll_s", "tail")
 
 
 class BatchView(_Strict):
@@ -213,6 +223,7 @@ class BatchView(_Strict):
     size: int
     gather_s: float
     poll_s: float
+    tail: BatchTail = "live"
 
 
 class RetryConfig(_Strict):
@@ -358,7 +369,7 @@ class RunConfig(_Strict):
             return None
         r = self.request
         return BatchView(datasets=names, pricing=self.model.batch_pricing, size=r.batch_size,
-                         gather_s=r.batch_gather_s, poll_s=r.batch_poll_s)
+                         gather_s=r.batch_gather_s, poll_s=r.batch_poll_s, tail=r.tail)
 
     def require_batch_variant(self) -> None:
         """Batch mode needs the model's ``:batch`` variant (its price) and one answer per prompt:

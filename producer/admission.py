@@ -14,6 +14,7 @@ import redis
 from celery import Celery
 
 from common import keys
+from common.budget import POLICY
 from common.config import RunConfig
 from common.contract import CONTRACT_VERSION, FOLLOW_COMMAND, TaskPayload, conversation_of
 from common.datasets import Prompt
@@ -140,6 +141,11 @@ class AdmissionControl:
         if st.state == "exhausted":
             self.end(run, BUDGET_END_REASONS.get(st.ended_by, EndReason.BUDGET))
             return
+        if self._tail_stops(run, st):
+            log.info("%s: %s tokens of budget left, less than a full batch's worst cases (%s): tail = \"stop\"",
+                     run.name, f"{st.limit - st.kept_tokens:,}", f"{self.full_batch_tokens(run):,}")
+            self.end(run, EndReason.BUDGET)
+            return
         if not run.enqueue_done:
             return
         outcomes = int(self.client.scard(run.outcome_key)) + st.failed
@@ -163,6 +169,32 @@ class AdmissionControl:
         requeued = self.sweep(run)
         log.warning("%s: queue idle with %d prompts lacking an outcome; re-enqueued %d (sweep %d)",
                     run.name, run.prompts - outcomes, requeued, run.sweeps)
+
+    def batched(self, run: DatasetRun) -> bool:
+        return self.cfg.dataset_mode(run.cfg) == "batch"
+
+    def full_batch_tokens(self, run: DatasetRun) -> int:
+        """A full batch's worst cases: ``batch_size`` x a request's worst case (workers/batch/tail.py)."""
+        return self.cfg.request.batch_size * POLICY.worst_tokens(self.cfg.length_for(run.cfg.length).max_tokens)
+
+    def _tail_stops(self, run: DatasetRun, st: DatasetState) -> bool:
+        """``tail = "stop"``: a batch-mode dataset's admission ends once its room is less than a full
+        batch's worst cases (its submitted batches still land)."""
+        return (self.cfg.request.tail == "stop" and self.batched(run) and st.state == "active"
+                and st.limit - st.kept_tokens < self.full_batch_tokens(run))
+
+    def only_batches_out(self, run: DatasetRun, st: DatasetState) -> bool:
+        """A batch-mode dataset has nothing left to admit: its file is queued to the end, its queue is
+        empty, and every prompt without an outcome waits in a submitted batch. The next dataset
+        starts now (its queue, its batches) while these settle into this one's rows and budget: the
+        runner keeps checking it as admitting (a batch that gives prompts back gets them swept)."""
+        if not (self.batched(run) and run.enqueue_done and not st.queued):
+            return False
+        if run.window is not None and not run.window.stream.exhausted:
+            return False
+        batched = int(self.client.hlen(run.budget.keys.batched))
+        outcomes = int(self.client.scard(run.outcome_key)) + st.failed
+        return batched > 0 and outcomes + batched >= run.prompts
 
     def sweep(self, run: DatasetRun) -> int:
         """Re-enqueue prompts with no outcome (a message lost with a Redis that did not persist):

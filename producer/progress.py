@@ -129,6 +129,9 @@ class ProgressView:
         self._logging: _LiveLogging | None = None
         #: Open batches were shown last time (a row or line says "none open" once they all landed).
         self._batches_shown = False
+        #: Each dataset's open batches and their requests, as the last update saw them: a dataset
+        #: whose admission ended shows what it still has out while the next one runs.
+        self._out: dict[str, tuple[int, int]] = {}
         if self.live:
             # force_terminal: live=True on a non-tty stream is a deliberate request for bars.
             console = Console(file=self._stream, force_terminal=True)
@@ -161,6 +164,8 @@ class ProgressView:
         if self._closed:
             return
         states = [st for st in states if st.dataset not in self._finished]
+        if batches is not None:
+            self._out = batches_out(batches)
         rates: dict[str, float | None] = {}
         for st in states:
             rates[st.dataset] = self._rates.setdefault(st.dataset, TokenRate()).observe(st.t_s, st.kept_tokens)
@@ -251,7 +256,7 @@ class ProgressView:
             eta, state = "", _done_word(self._finished[st.dataset])
         else:
             eta = "ETA " + (fmt_duration(eta_s(st, rate)) if st.state == "active" else "done")
-            state = _state_word(st)
+            state = self._state_word(st)
         self._progress.update(
             task,
             total=max(st.limit, 1),
@@ -329,7 +334,16 @@ class ProgressView:
             f"spent_usd={st.spent_usd:.4f}/{st.budget_usd or '-'} run_spent_usd={st.run_spent_usd:.4f}/"
             f"{st.run_budget_usd or '-'} rows={st.rows} failed={st.failed} in_flight={st.in_flight} queued={st.queued} "
             f"rate_tok_s={rate_text} eta={fmt_duration(eta_s(st, rate))}"
+            + (f" batches_out={self._out[st.dataset][0]}" if st.dataset in self._out else "")
         )
+
+    def _state_word(self, st: DatasetState) -> str:
+        """Its budget's state, and the batches it has out (``active · 3 batches out (120 requests)``)."""
+        word = _state_word(st)
+        if st.dataset in self._out:
+            n, requests = self._out[st.dataset]
+            word += f" · {n} batch{'es' if n > 1 else ''} out ({requests:,} requests)"
+        return word
 
     def _write(self, lines: list[str]) -> None:
         if lines:
@@ -351,6 +365,15 @@ def _fmt_limit(limit: float | None) -> str:
 
 def _throttle_word(t: ThrottleSnapshot) -> str:
     return f"paused {t.pause_ms_left / 1000:.1f}s" if t.pause_ms_left else "sending"
+
+
+def batches_out(batches: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    """Open batches by dataset: how many, and their requests."""
+    out: dict[str, tuple[int, int]] = {}
+    for b in batches:
+        n, requests = out.get(b["dataset"], (0, 0))
+        out[b["dataset"]] = (n + 1, requests + b["requests"])
+    return out
 
 
 def batch_lines(batches: list[dict[str, Any]]) -> list[str]:

@@ -272,11 +272,20 @@ class Runner:
         self.admission.fill(run, batches=1)  # the first prompts at once; the ticks fill the rest of the window
         if previous is not None and previous.admission_ended_s is not None and previous.switch_s is None:
             previous.switch_s = time.time() - previous.admission_ended_s
-        # The window is refilled on each tick (``_fill``), until the file's end or admission's.
-        while run.admitting:
+        # The window is refilled on each tick (``_fill``), until the file's end or admission's, or
+        # (batch mode) until only its submitted batches are out: they settle while the next one runs.
+        while run.admitting and not self._only_batches_out(run):
             self._tick()
             if run.admitting:  # ended in this tick: the next dataset starts now, not a tick later (the switch)
                 time.sleep(TICK_S)
+
+    def _only_batches_out(self, run: DatasetRun) -> bool:
+        if not self.admission.batched(run):
+            return False
+        if self.admission.only_batches_out(run, read_state(self.client, run.name)):
+            log.info("%s: every prompt left waits in a submitted batch: the next dataset starts", run.name)
+            return True
+        return False
 
     def _fill(self) -> None:
         """Each admitting dataset's queue refilled to its window; a first read at its file's end counted."""

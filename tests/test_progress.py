@@ -340,3 +340,23 @@ def test_open_batches_show_in_plain_lines_and_live_bars(monkeypatch: pytest.Monk
     view.update([_state(t=0)], None, None)  # a live-mode run: no batches row
     view.close()
     assert "batches" not in out.getvalue()
+
+
+def test_a_dataset_with_batches_out_shows_them_beside_the_next_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Datasets overlap their tails (issue 36): the one whose admission ended says what it still has
+    out while the next one runs; both bars, both plain lines."""
+    out_a = [_batch("batch_a", "in_progress", 300, 40.0), _batch("batch_b", "validating", 20, 2.0)]
+    out_a = [{**b, "dataset": "A"} for b in out_a] + [{**_batch("batch_c", "validating", 50, 1.0), "dataset": "B"}]
+    monkeypatch.setenv("COLUMNS", "240")
+    out = io.StringIO()
+    view = ProgressView(["A", "B"], live=True, stream=out)
+    view.update([_state("A", t=0, kept_tokens=9_000), _state("B", t=0, kept_tokens=100)], None, out_a)
+    view.close()
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    assert "active · 2 batches out (320 requests)" in text and "active · 1 batch out (50 requests)" in text, text
+    out = io.StringIO()
+    view = ProgressView(["A", "B"], live=False, stream=out)
+    view.update([_state("A", t=0), _state("B", t=0)], None, out_a)
+    lines = _lines(out)
+    assert any("dataset=A" in line and line.endswith("batches_out=2") for line in lines), lines
+    assert any("dataset=B" in line and line.endswith("batches_out=1") for line in lines), lines

@@ -5,8 +5,9 @@ let the tasks go (their messages are acked: the batch record holds them now).
 - prepare: the live path's (render, count; ``prompt_too_long`` fails the prompt unsent, so one bad
   request never fails a batch).
 - reserve: the live path's rule, the worst case priced at the **batch** price; a full budget parks
-  the task (``wait``) as live, so near the end batches shrink to what fits, and a budget stop
-  (``over``/``stopped``) submits nothing more.
+  the task (``wait``) as live, and a budget stop (``over``/``stopped``) submits nothing more. Once
+  the room left is less than a full batch's worst cases, the task goes live instead (``tail.py``,
+  ``[request] tail``): batches would only shrink from there, a batch latency per round.
 - gather: up to ``[request] batch_size`` requests (≤ 5,000) and ``BATCH_MAX_BYTES``, or what came
   within ``batch_gather_s`` of the first.
 - submit: ``records.record_intent`` (MULTI, fenced: leases renewed to outlive the batch, requests,
@@ -41,9 +42,9 @@ from common.keys import DatasetKeys
 from common.outcomes import Outcome
 from common.stats import DatasetStats
 from workers import WORKER_ID
-from workers.batch import records
+from workers.batch import records, tail
 from workers.fleet.context import WorkerContext
-from workers.pipeline.generate import Busy, _admission_outcome, _Job, prepare
+from workers.pipeline.generate import Busy, _admission_outcome, _Job, generate, prepare
 from workers.upstreams.openrouter import request_body
 from workers.upstreams.openrouter_batch import BatchClient
 from workers.upstreams.upstream import Request
@@ -112,6 +113,12 @@ def submit(ctx: WorkerContext, payload: TaskPayload) -> Outcome | Busy:
     except PromptFailed as refused:
         return job.fail(refused.reason, refused.detail)
     outcome = _reserve(job, prepared.prompt_tokens)
+    if isinstance(outcome, _GoLive):
+        log.info("%s/%s: the budget's tail, sent live", job.dataset, job.pid)
+        live = generate(ctx, payload)
+        if live is Outcome.KEPT:
+            job.stats.record_batch(batch_tail_live=1)
+        return live
     if outcome is not None:
         return outcome
     cid = records.custom_id(job.dataset, job.pid)
@@ -120,13 +127,24 @@ def submit(ctx: WorkerContext, payload: TaskPayload) -> Outcome | Busy:
     return _gatherer(ctx, job.view, payload["run"], job.dataset).add(pending)
 
 
-def _reserve(job: _Job, prompt_tokens: int) -> Outcome | Busy | None:
+class _GoLive:
+    """``_reserve``'s answer when the task belongs to the budget's live tail (nothing reserved)."""
+
+
+_LIVE = _GoLive()
+
+
+def _reserve(job: _Job, prompt_tokens: int) -> Outcome | Busy | _GoLive | None:
     ask = POLICY.ask(max_tokens=job.length.max_tokens, estimate_tokens=job.length.estimate_tokens,
                      prompt_tokens=prompt_tokens, price=batch_price(job.view))
+    if tail.goes_live(job.view, job.budget, ask.worst_tokens):
+        return _LIVE
     t0 = time.monotonic()
     admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask)
     while admission.status == Outcome.WAIT:
         gevent.sleep(POLICY.wait_poll_s * random.uniform(0.5, 1.5))
+        if tail.goes_live(job.view, job.budget, ask.worst_tokens):
+            return _LIVE  # a wait holds nothing: the live path asks the budget afresh
         t0 = time.monotonic()
         admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask)
     if admission.status == Outcome.OK:

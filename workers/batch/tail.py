@@ -1,0 +1,49 @@
+"""Batch mode's tail: once the room a dataset's budget has left is less than a full batch's worst
+cases, the rest goes live (``[request] tail = "live"``, the default).
+
+Under the hard rule a round admits only what fits beside the worst cases already out, and gets back
+about a quarter of it (answers are shorter than their worst case): below a full batch, each round is a
+smaller batch and a whole batch latency (minutes to hours at OpenRouter), ~10 rounds to the end. Live,
+the same room is filled at the speed of live answers. What goes live is bounded: the room is less
+than ``batch_size`` worst cases of tokens, paid at the live price.
+
+The room is the limit less what is kept, not less what is held: while a round is out its holds fill
+the budget, and the requests waiting beside it must wait for that round (it may land short), not
+conclude that the budget is spent. Token budgets only: a dollar budget's end stays the budget's rule.
+"""
+
+from __future__ import annotations
+
+import time
+
+from common.budget import Budget
+from common.config import WorkerView
+
+#: How long one read of a dataset's budget serves the process's tasks: thousands of them wait on it,
+#: each asking every second.
+READ_EVERY_S = 0.5
+
+_ROOM: dict[str, tuple[float, int]] = {}
+
+
+def room_tokens(budget: Budget) -> int:
+    """The token budget's limit less its kept tokens (read at most every ``READ_EVERY_S`` per dataset)."""
+    now = time.monotonic()
+    seen = _ROOM.get(budget.keys.dataset)
+    if seen is None or now - seen[0] >= READ_EVERY_S:
+        snap = budget.snapshot()
+        seen = _ROOM[budget.keys.dataset] = (now, snap.limit - snap.kept_tokens)
+    return seen[1]
+
+
+def full_batch_tokens(view: WorkerView, worst_tokens: int) -> int:
+    """What a full batch's worst cases hold: ``batch_size`` x one request's worst case."""
+    assert view.batch is not None
+    return view.batch.size * worst_tokens
+
+
+def goes_live(view: WorkerView, budget: Budget, worst_tokens: int) -> bool:
+    """``tail = "live"`` and the room is less than a full batch's worst cases."""
+    if view.batch is None or view.batch.tail != "live":
+        return False
+    return room_tokens(budget) < full_batch_tokens(view, worst_tokens)
