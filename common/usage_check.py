@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any
@@ -62,6 +64,20 @@ class UsageVerdict:
         return field
 
 
+def differences_disagreeing(samples: Sequence[tuple[int, int, bool]]) -> int:
+    """Offline, over a finished dataset's rows (``specfleet validate``): how many of the ``(prompt
+    diff, completion diff, ended)`` samples disagree with the most common differences (the prompt's
+    over all, the completion's over the ended ones; a cut answer's completion agrees at C or C + 1),
+    the rule ``usage_check.lua`` applies with a learned offset."""
+    prompt_mode = Counter(p for p, _, _ in samples).most_common(1)
+    completion_mode = Counter(c for _, c, ended in samples if ended).most_common(1)
+    ep = prompt_mode[0][0] if prompt_mode else None
+    ec = completion_mode[0][0] if completion_mode else None
+    return sum(1 for p, c, ended in samples
+               if (ep is not None and p != ep)
+               or (ec is not None and not (c == ec or (not ended and c == ec + 1))))
+
+
 def allowed_mismatches(model: ModelConfig) -> int:
     """How many of the first ``usage_check_answers`` may disagree without halting the run."""
     return math.floor(model.usage_mismatch_max * model.usage_check_answers + 1e-9)
@@ -71,9 +87,9 @@ def halt_text(verdict: UsageVerdict, model: ModelConfig, where: str) -> str:
     """The halt's one line (within ``HALT_MESSAGE_MAX_CHARS``): how many disagreed, this answer's
     numbers and where, then what to check."""
     what = (f"{verdict.mismatches} of the first {model.usage_check_answers} answers billed token counts unlike the "
-            f"run tokenizer's (over {model.usage_mismatch_max:.0%}), the last at {where}: billed - counted "
+            f"run tokenizer's (over {model.usage_mismatch_max:.0%}); the last billed - counted "
             f"{verdict.prompt_diff:+d}/{verdict.completion_diff:+d} (prompt/completion), expected "
-            f"{verdict.expected_prompt:+d}/{verdict.expected_completion:+d}")
+            f"{verdict.expected_prompt:+d}/{verdict.expected_completion:+d}, at {where}")
     return halt_message(what, USAGE_FIX)
 
 
@@ -96,4 +112,5 @@ def check_usage(client: redis.Redis, config_id: str, model: ModelConfig, usage: 
     return UsageVerdict(p, c, ep, ec, bool(match), mismatches, bool(over))
 
 
-__all__ = ["USAGE_CHECK_TTL_S", "UsageVerdict", "allowed_mismatches", "check_usage", "halt_text"]
+__all__ = ["USAGE_CHECK_TTL_S", "UsageVerdict", "allowed_mismatches", "check_usage", "differences_disagreeing",
+           "halt_text"]

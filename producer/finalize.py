@@ -19,7 +19,7 @@ from producer.dataset_run import DatasetRun
 from producer.provenance import read_mix
 from producer.rows import atomic_write
 from producer.state import DatasetState
-from producer.summary import Summary, engine_prompt_warning, report_line, summary_counts
+from producer.summary import Summary, engine_prompt_warning, report_line, summary_counts, usage_warning
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,9 @@ def finalize(client: redis.Redis, out_dir: Path, run: DatasetRun, st: DatasetSta
     summary.engine_prompt_warning = engine_prompt_warning(summary)
     if summary.engine_prompt_warning:
         log.warning("%s: %s", run.name, summary.engine_prompt_warning)
+    summary.usage_warning = usage_warning(summary)
+    if summary.usage_warning:
+        log.warning("%s: %s", run.name, summary.usage_warning)
     atomic_write(folder / "summary.json", summary.dumps())
     log.info("%s", report_line(summary))
     return summary

@@ -200,6 +200,25 @@ def _engine_ids(summaries: Sequence[dict[str, Any]]) -> list[str]:
     return ["## Engine ids", "", *lines, "", note, ""]
 
 
+def _usage_check(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """Each dataset's rows whose billed usage was compared with their own counts, and how many disagreed."""
+    lines = []
+    for s in summaries:
+        checked = _num(s, "usage_checked")
+        if not checked:
+            continue
+        wrong = _num(s, "usage_mismatch") or 0
+        lines.append(f"- **{s.get('dataset', '?')}**: {int(checked):,} rows checked; `usage_mismatch` {int(wrong):,} "
+                     f"({wrong / checked:.2%})" + (f" · **warning**: {s['usage_warning']}" if s.get("usage_warning")
+                                                    else ""))
+    if not lines:
+        return []
+    note = ("Each kept row's billed prompt and completion tokens against its own ids, allowing the model's known "
+            "difference (`[model] usage_offset`, or learned from the first answers). A mismatch means its ids are "
+            "not what the model read or wrote: another tokenizer revision or chat template.")
+    return ["## Billed usage against the rows' ids", "", *lines, "", note, ""]
+
+
 def _accounting(summaries: Sequence[dict[str, Any]]) -> list[str]:
     """Every counter of the accounting record (``common/accounting.COUNTERS``) of each dataset, as
     summary.json counted it, so the table above hides none; their meanings below."""
@@ -299,6 +318,7 @@ def render_markdown(
         *_conversations(summaries),
         *_throttle_section(summaries),
         *_engine_ids(summaries),
+        *_usage_check(summaries),
         *_accounting(summaries),
         *_breakdown("Upstream errors by class", "errors", timelines),
         *_breakdown("Failures by reason", "failures", timelines),

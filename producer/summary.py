@@ -81,6 +81,9 @@ class Summary(Counted):
     #: ``[model] engine_prompt_mismatch = "warn"``: the warning when kept rows carry prompt ids the
     #: run's tokenizer does not render (the engine serves another chat template).
     engine_prompt_warning: str | None = None
+    #: The warning when kept rows were billed other token counts than the run's tokenizer gives
+    #: (``usage_mismatch``, common/usage_check.py): their ids may not be the model's.
+    usage_warning: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return ordered(asdict(self), Summary)
@@ -102,6 +105,15 @@ def engine_prompt_warning(s: Summary) -> str | None:
         return None
     return (f"{mismatched:,} of {rows:,} engine rows have prompt ids unlike the run tokenizer's chat template "
             "(the engine serves another one; kept: engine_prompt_mismatch = \"warn\")")
+
+
+def usage_warning(s: Summary) -> str | None:
+    """The warning for a dataset whose kept rows disagree with their billed usage (``usage_check``)."""
+    mismatched, checked = int(s.usage_mismatch or 0), int(s.usage_checked or 0)
+    if not mismatched:
+        return None
+    return (f"{mismatched:,} of {checked:,} checked rows ({mismatched / checked:.2%}) were billed other token counts "
+            "than the run's tokenizer gives (rows flagged usage_check.match = false): check [model] tokenizer")
 
 
 def summary_counts(counted: Counted) -> dict[str, Any]:

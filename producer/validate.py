@@ -23,6 +23,11 @@ Rows of other tools are read too: SpecForge's ``{id, conversations}`` (the assis
 and self-checked, markers looked for, ids unique) and speculators' ``{input_ids, loss_mask}``
 (shapes, special tokens, no end-of-turn inside a trained span).
 
+Billed usage (``usage``) against each row's own ids: the rows whose billed minus counted tokens
+differ from the dataset's most common difference (``common/usage_check.py``'s rule) are counted and
+their rate shown, with the rows the fleet flagged as it kept them (``usage_check``); a report, not a
+defect (the rows are what the fleet kept, flagged).
+
 Each defect is one ``file:line: reason`` line; a table per dataset follows; exit 1 if any.
 """
 
@@ -46,8 +51,9 @@ from common.manifest import (
     resolve_tokenizer,
     template_sha256,
 )
-from common.rebuild import rebuild, render_prompt
+from common.rebuild import ENDED_FINISH_REASONS, rebuild, render_prompt
 from common.target import TargetTokenizer
+from common.usage_check import differences_disagreeing
 
 #: Files beside the shards that hold no rows (or stubs of rows, not rows).
 NOT_ROWS = frozenset({"failed.jsonl", "malformed.jsonl", "dropped.jsonl"})
@@ -78,6 +84,18 @@ class DatasetReport:
     providers: Counter[str] = field(default_factory=Counter)
     #: Engine rows whose recorded ids differ from the text rebuild (kept as the engine's: not compared).
     engine_differs: int = 0
+    #: Rows with billed usage, and those whose billed minus counted tokens differ from the dataset's
+    #: most common difference (common/usage_check.py: a wrong tokenizer or template); and the rows
+    #: the fleet flagged as it kept them (``usage_check.match`` false).
+    usage_rows: int = 0
+    usage_differs: int = 0
+    usage_flagged: int = 0
+    usage_samples: list[tuple[int, int, bool]] = field(default_factory=list, repr=False)
+
+    @property
+    def usage_rate(self) -> str:
+        """``usage_differs`` as a share of the rows with usage ("-": none had usage)."""
+        return f"{self.usage_differs:,} ({self.usage_differs / self.usage_rows:.2%})" if self.usage_rows else "-"
 
 
 @dataclass
@@ -174,6 +192,8 @@ class Validator:
                 before = len(defects)
                 self._row(name, row, report, seen, defects)
                 report.defects += len(defects) > before
+        report.usage_rows = len(report.usage_samples)
+        report.usage_differs = differences_disagreeing(report.usage_samples)
         self._counts(name, report, defects)
         return report, defects
 
@@ -213,6 +233,7 @@ class Validator:
             if len(ids) != len(mask):
                 bad(f"input_ids has {len(ids)} tokens, loss_mask {len(mask)}")
                 return
+            _usage_sample(data, mask, report)
             if any(m not in (0, 1) for m in mask):
                 bad("loss_mask holds values other than 0 and 1")
                 return
@@ -475,19 +496,37 @@ def print_report(result: Validation, *, limit: int = 1000) -> None:
     table = Table(title=f"specfleet validate · tokenizer {result.tokenizer or 'none (shapes and markers only)'}"
                         f" · manifest {', '.join(result.manifests) or 'none'}")
     for col in ("dataset", "rows", "forms", "kept tokens", "truncated", "providers", "engine ids differ",
-                "defective rows"):
+                "usage differs", "flagged by the fleet", "defective rows"):
         table.add_column(col, justify="left" if col in ("dataset", "forms", "providers") else "right")
     for ds in result.datasets:
         table.add_row(ds.name, f"{ds.rows:,}", ", ".join(f"{k} {v:,}" for k, v in ds.forms.items()),
                       f"{ds.kept_tokens:,}", f"{ds.truncated:,}",
                       ", ".join(f"{k} {v:,}" for k, v in ds.providers.most_common()) or "-",
-                      f"{ds.engine_differs:,}", f"{ds.defects:,}")
+                      f"{ds.engine_differs:,}", ds.usage_rate, f"{ds.usage_flagged:,}", f"{ds.defects:,}")
     Console(width=200).print(table)
     print(f"{'OK' if result.ok else 'FAILED'}: {sum(d.rows for d in result.datasets):,} rows, "
           f"{len(result.defects):,} defects")
 
 
 # --- small helpers ------------------------------------------------------------------------------
+
+
+def _usage_sample(data: dict[str, Any], mask: list[int], report: DatasetReport) -> None:
+    """The row's billed minus counted tokens (its prompt: the ids before the loss mask's first 1), if
+    it records usage; and the fleet's own flag."""
+    usage = data.get("usage")
+    check = data.get("usage_check")
+    if isinstance(check, dict) and check.get("match") is False:
+        report.usage_flagged += 1
+    if not isinstance(usage, dict) or not (usage.get("prompt_tokens") or usage.get("completion_tokens")):
+        return
+    completion = sum(mask)
+    prompt = len(mask) - completion
+    try:
+        p, c = int(usage.get("prompt_tokens") or 0) - prompt, int(usage.get("completion_tokens") or 0) - completion
+    except (TypeError, ValueError):
+        return
+    report.usage_samples.append((p, c, data.get("finish_reason") in ENDED_FINISH_REASONS))
 
 
 def _ints(values: Any) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -21,6 +22,7 @@ from common.contract import CONTRACT_VERSION, HALT_USAGE, TaskPayload, halt_line
 from common.settings import Settings
 from common.usage_check import check_usage
 from producer.state import read_state
+from producer.validate import print_report, validate
 from simulator.run import SimHandle, start_in_thread
 from simulator.settings import SimSettings
 from tests.fleet import DEMO_TOKENIZER
@@ -164,7 +166,8 @@ def test_a_provider_counting_otherwise_halts_the_run_past_the_limit_with_one_lin
     halt = json.loads(world.client.get(keys.HALT) or "{}")
     assert halt["reason"] == HALT_USAGE
     line = halt_line(halt["reason"], halt["message"])
-    assert "\n" not in line and "3 of the first 40 answers" in line and "over 5%" in line and "u.jsonl:s2" in line
+    assert "\n" not in line and "3 of the first 40 answers" in line and "over 5%" in line
+    assert "U/s2 (u.jsonl:s2)" in line
     assert "[model] tokenizer" in line and "usage_offset" in line
     st = read_state(world.client, DS)
     assert (st.usage_checked, st.usage_mismatch, st.requests) == (2, 2, 3)  # the halting answer is billed, counted
@@ -228,3 +231,26 @@ def test_the_learned_offset_is_the_modal_difference_and_a_cut_answer_may_lack_th
     assert check(0, 7) == (False, 2, False)  # past the window: flagged, the halt rule no longer counts
     assert redis_client.hmget(keys.usage_check(cid), "pm", "cm") == [b"0", b"-1"]
     assert 0 < redis_client.ttl(keys.usage_check(cid)) <= 30 * 86_400
+
+
+def test_validate_reports_the_rate_of_rows_whose_usage_disagrees(world: World, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    world.sim.configure(usage_skew_rate=0.3, usage_skew_tokens=2)
+    ctx = world.start(usage_check="flag")
+    for i in range(10):
+        messages = [_user(_script(reasoning="Brief.", content=f"Value {i}."))]
+        assert generate(ctx, world.payload(f"v{i}", messages)) == "kept"
+    rows = list(world.rows().values())
+    skewed = sum(r["usage_check"]["completion_diff"] == 2 for r in rows)
+    assert 0 < skewed < 5  # the mode is the unskewed difference
+    folder = tmp_path / "out" / DS
+    folder.mkdir(parents=True)
+    (folder / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    result = validate(folder / "shard-00000.jsonl", tokenizer=str(DEMO_TOKENIZER))
+    [report] = result.datasets
+    assert result.ok, result.defects  # flagged rows are reported, not defects
+    assert (report.usage_rows, report.usage_differs) == (10, skewed)
+    assert report.usage_flagged == sum(not r["usage_check"]["match"] for r in rows)
+    print_report(result)
+    assert f"{skewed:,} ({skewed / 10:.2%})" in capsys.readouterr().out

@@ -526,7 +526,9 @@ def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow, turn: TurnHook | None
     recorded as over_budget). The usage check's halt keeps no row: the answer is released, billed."""
     verdict = _check_usage(job, answer, rebuilt)
     if verdict is not None and verdict.over_limit and job.view.model.usage_check == "halt":
-        return _halt_run(job, HALT_USAGE, halt_text(verdict, job.view.model, job.where))
+        # The prompt and its file's name: a long path would crowd the numbers out of the halt's line.
+        where = f"{job.dataset}/{job.pid} ({job.where.rsplit('/', 1)[-1]})"
+        return _halt_run(job, HALT_USAGE, halt_text(verdict, job.view.model, where))
     row = _row(job.payload, rebuilt, answer, job.attempts, job.view)
     if verdict is not None:
         row["usage_check"] = verdict.row_field()
