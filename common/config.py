@@ -214,6 +214,17 @@ class RequestConfig(_Strict):
 _BATCH_FIELDS = ("mode", "batch_size", "batch_gather_s", "batch_poll_s", "tail")
 
 
+class TokenizerPin(_Strict):
+    """The tokenizer a run's rows are made with, as its workers receive it (common/tokenizer_pin.py)."""
+
+    #: File name -> sha256 hex: the run manifest's ``tokenizer.files``.
+    files: dict[str, str]
+    chat_template_sha256: str | None
+    #: The files' content address in Redis (``keys.tokenizer_files``); None: not handed over (too
+    #: large), each worker loads its own copy.
+    handoff: str | None = None
+
+
 class BatchView(_Strict):
     """What a worker needs to run a dataset's prompts through the Batch API."""
 
@@ -300,6 +311,10 @@ class WorkerView(_Strict):
     regenerate: dict[str, Regenerate] = Field(default_factory=dict)
     #: The run manifest's id (``common/manifest.py``), stamped on every row as ``manifest``.
     manifest: str = ""
+    #: The manifest's tokenizer file and template hashes, and the key of the files in Redis: what a
+    #: worker checks (and loads) before it takes a prompt (common/tokenizer_pin.py). Not part of
+    #: ``config_id``, as ``manifest`` is not. None: a producer from before the pin (nothing checked).
+    tokenizer_pin: TokenizerPin | None = None
     #: ``[request] providers = "pin"``: the one provider whose answers are kept; another's answer is
     #: refused (``provider_refused``). None: any provider.
     provider_pin: str | None = None
@@ -336,11 +351,13 @@ class RunConfig(_Strict):
             raise ValueError(f"dataset names must be unique, repeated: {', '.join(dupes)}")
         return self
 
-    def worker_view(self, manifest: str = "") -> WorkerView:
+    def worker_view(self, manifest: str = "", tokenizer_pin: TokenizerPin | None = None) -> WorkerView:
         """What workers need: no dataset paths, no output dir, no secrets. ``manifest``: the run
-        manifest's id (not part of ``config_id``: the manifest's identity includes this view's)."""
+        manifest's id, ``tokenizer_pin`` its tokenizer's hashes (neither is part of ``config_id``: the
+        manifest's identity includes this view's)."""
         return WorkerView(
             manifest=manifest,
+            tokenizer_pin=tokenizer_pin,
             provider_pin=self.request.provider_pin if self.request.providers == "pin" else None,
             model=self.model,
             request=self.request.body(),
@@ -400,7 +417,8 @@ class RunConfig(_Strict):
         return self.lengths.get(name) or _default_lengths()[name]
 
     def config_id(self) -> str:
-        canonical = json.dumps(self.worker_view().model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        view = self.worker_view().model_dump(mode="json", exclude={"tokenizer_pin"})
+        canonical = json.dumps(view, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 

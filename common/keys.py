@@ -65,6 +65,10 @@ Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
     specfleet:batch:claims          HASH    OpenRouter batch id -> intent id: a batch found by recovery is taken once
     specfleet:ds:<ds>:batched       HASH    prompt id -> intent id: the prompt waits in a submitted batch (a
                                             redelivery of its message is acked, not asked again)
+    specfleet:tokenizer:<hash>      HASH    file name -> bytes: a run's tokenizer files, put by the producer when the
+                                            run starts (content-addressed by the files' hashes, common/tokenizer_pin.py)
+                                            and read by workers into their local cache. Expires 7 days after the
+                                            start of the last run that put it; a run of the same files puts it again
     specfleet:store                 STRING  this store's random id, written once (SET NX) by the first worker to
                                             find none: a worker that meets another id leaves (workers/fleet/server.py)
 
@@ -107,6 +111,10 @@ def config(config_id: str) -> str:
 
 def usage_check(config_id: str) -> str:
     return f"{PREFIX}:usage:{config_id}"
+
+
+def tokenizer_files(handoff: str) -> str:
+    return f"{PREFIX}:tokenizer:{handoff}"
 
 
 def queue(dataset: str) -> str:

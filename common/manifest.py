@@ -117,7 +117,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _tokenizer_files(folder: Path) -> dict[str, str]:
+def tokenizer_files(folder: Path) -> dict[str, str]:
+    """File name -> sha256 of a tokenizer folder's files but its weights: what a manifest records
+    and a worker checks the folder it loads against (common/tokenizer_pin.py)."""
     out: dict[str, str] = {}
     for path in sorted(folder.iterdir()):
         if path.is_file() and not path.name.startswith(".") and not path.name.endswith(WEIGHT_SUFFIXES):
@@ -130,14 +132,14 @@ def resolve_tokenizer(source: str, revision: str | None) -> tuple[Path, Tokenize
     hub's cache (``snapshot_download``: what the workers' ``from_pretrained`` reads too)."""
     folder = Path(source)
     if folder.is_dir():
-        return folder, TokenizerInfo(source=source, revision=revision, files=_tokenizer_files(folder))
+        return folder, TokenizerInfo(source=source, revision=revision, files=tokenizer_files(folder))
     try:
         from huggingface_hub import snapshot_download
 
         snapshot = Path(snapshot_download(source, revision=revision, allow_patterns=HUB_PATTERNS))
     except Exception as exc:  # offline, unknown repo, no access: one kind of failure for the caller
         raise ConfigError(f"[model] tokenizer {source!r}: cannot resolve its files for the manifest: {exc}") from None
-    return snapshot, TokenizerInfo(source=source, revision=snapshot.name, files=_tokenizer_files(snapshot))
+    return snapshot, TokenizerInfo(source=source, revision=snapshot.name, files=tokenizer_files(snapshot))
 
 
 def chat_template_text(folder: Path) -> str | None:
@@ -262,5 +264,5 @@ def write_manifest(out_dir: Path, manifest: Manifest) -> Path:
 __all__ = [
     "MANIFEST", "DatasetProvenance", "Manifest", "TokenizerInfo", "build_manifest", "chat_template_text",
     "identity", "manifest_for", "manifest_id", "read_manifest", "read_manifests", "request_params",
-    "resolve_tokenizer", "sha256_file", "template_sha256", "write_manifest",
+    "resolve_tokenizer", "sha256_file", "template_sha256", "tokenizer_files", "write_manifest",
 ]

@@ -75,6 +75,16 @@ def _spool_dir() -> Path:
     return Path.home() / ".cache" / "specfleet" / "spool"
 
 
+def _tokenizer_cache_dir() -> Path:
+    return Path.home() / ".cache" / "specfleet" / "tokenizers"
+
+
+def _tokenizer_from(name: str, raw: str) -> str:
+    if raw not in {"redis", "local"}:
+        raise ConfigError(f"environment variable {name}={raw!r}: must be redis or local")
+    return raw
+
+
 @dataclass(frozen=True)
 class Settings:
     #: None means "no Redis given": the CLI then starts a private Valkey (producer/embedded.py).
@@ -127,6 +137,15 @@ class Settings:
                                                                    minimum=1))
     queue_window_bytes: int = field(default=64 << 20, metadata=_env("SPECFLEET_QUEUE_WINDOW_BYTES", _whole,
                                                                     minimum=1 << 16))
+
+    #: Where a worker keeps the run tokenizers the producer hands over through Redis, one folder per
+    #: pin (common/tokenizer_pin.py): written once per host, read by every worker process on it.
+    tokenizer_cache_dir: Path = field(default_factory=_tokenizer_cache_dir,
+                                      metadata=_env("SPECFLEET_TOKENIZER_CACHE_DIR", _folder))
+    #: ``redis``: load the run's tokenizer from the files the producer put in Redis (this host's path
+    #: to it does not matter); ``local``: from ``[model] tokenizer`` as this host sees it. Either way
+    #: the files must be the run manifest's, or the worker refuses the run.
+    tokenizer_from: str = field(default="redis", metadata=_env("SPECFLEET_TOKENIZER_FROM", _tokenizer_from))
 
     #: Batch mode: how long a worker waits for ``POST /api/v1/batches`` to answer (a batch uploads up
     #: to 200 MB). A POST without an answer may still have created its batch: it is looked for, never

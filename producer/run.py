@@ -24,7 +24,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from common import keys
+from common import keys, tokenizer_pin
 from common.batches import open_batches
 from common.budget import Budget, open_run
 from common.config import DatasetConfig, RunConfig
@@ -146,7 +146,10 @@ class Runner:
             write_manifest(self.out_dir, self.manifest)
         except OSError as exc:
             raise output_error(self.out_dir, exc) from None
-        view = self.cfg.worker_view(manifest=self.manifest.manifest_id).model_dump_json()
+        # The files themselves too, so a worker on any host loads the manifest's (common/tokenizer_pin.py).
+        manifest = self.manifest
+        pin = hold(lambda: tokenizer_pin.publish(self.client, manifest))
+        view = self.cfg.worker_view(manifest=manifest.manifest_id, tokenizer_pin=pin).model_dump_json()
         hold(lambda: self.client.set(keys.config(self.config_id), view))
         if hold(lambda: self.client.delete(keys.HALT)):
             log.warning("cleared the halt of an earlier run: resuming")

@@ -20,7 +20,7 @@ from common import keys
 from common.batches import Intent
 from common.budget import POLICY
 from common.keys import DatasetKeys
-from tests.fleet import Fleet, read_rows, read_summary
+from tests.fleet import Fleet, prompts, read_rows, read_summary, write_jsonl
 
 pytestmark = pytest.mark.fleet
 #: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
@@ -50,7 +50,8 @@ def _records(client: redis.Redis, dataset: str) -> list[dict[str, Any]]:
             continue  # a batch's requests, handled set or poller; the claims
         intent = Intent.parse(raw)
         if intent.dataset == dataset:
-            out.append({"created_s": intent.created_s, "n": intent.n})
+            settled = json.loads(raw.get(b"summary", b"{}")).get("settled_s")
+            out.append({"created_s": intent.created_s, "n": intent.n, "settled_s": settled})
     return out
 
 
@@ -96,4 +97,32 @@ def test_a_batch_budget_ends_within_one_worst_case_in_twice_the_time_of_its_firs
     # The tail went live, and only the tail: less than a full batch's worst cases of tokens.
     assert live_rows and len(live_rows) == s["batch_tail_live"], figures
     assert live_tokens < 12 * WORST, figures
+    assert _batches(fleet)["repeated_custom_ids"] == {}
+
+
+def test_the_next_dataset_starts_while_the_last_ones_batches_are_out(fleet: Fleet, redis_client: redis.Redis) -> None:
+    """Datasets overlap their tails: once every prompt of A left waits in a submitted batch, B starts
+    (its queue, its batches) while A's results settle into A's rows and budget; the run's dollars
+    count both, each dataset exactly once."""
+    fleet.start_simulator("--latency-median-ms", "20", "--batch-validate-s", "0.5", "--batch-run-s", "6",
+                          "--batch-finalize-s", "0.2")
+    a = write_jsonl(fleet.tmp / "a.jsonl", prompts(80, "a"))
+    b = write_jsonl(fleet.tmp / "b.jsonl", prompts(80, "b"))
+    config = fleet.write_config([{"name": "A", "path": a, "length": "short"},
+                                 {"name": "B", "path": b, "length": "short"}], request=_request(40))
+    text = config.read_text()  # a run dollar budget, in the harness' [run] table if it writes one
+    config.write_text(text.replace("[run]\n", "[run]\nbudget_usd = 100.0\n", 1) if "[run]\n" in text
+                      else text + "\n[run]\nbudget_usd = 100.0\n")
+    fleet.start_worker("w1", concurrency=100)
+    fleet.run_producer(config, timeout_s=240)
+    for name in ("A", "B"):
+        fleet.assert_exactly_once(redis_client, name, 80)
+        assert read_summary(fleet.out, name)["end_reason"] == "complete"
+    a_batches, b_batches = _records(redis_client, "A"), _records(redis_client, "B")
+    a_settled = max(x["settled_s"] for x in a_batches)
+    b_started = min(x["created_s"] for x in b_batches)
+    assert b_started < a_settled, f"B's first batch {b_started - a_settled:+.1f} s after A's last one settled"
+    costs = sum(read_summary(fleet.out, name)["cost_usd"] for name in ("A", "B"))
+    run_spent = int(redis_client.hget(keys.RUN_BUDGET, "nusd_spent") or 0) / 1e9
+    assert run_spent == pytest.approx(costs, abs=1e-5), (run_spent, costs)
     assert _batches(fleet)["repeated_custom_ids"] == {}

@@ -12,10 +12,11 @@ from functools import cached_property
 import gevent.monkey
 import redis
 
-from common import keys
+from common import keys, tokenizer_pin
 from common.budget import group_commit
 from common.config import WorkerView
 from common.errors import ConfigError, TokenizerError
+from common.manifest import resolve_tokenizer
 from common.redis_client import connect
 from common.settings import Settings
 from common.target import TargetTokenizer
@@ -48,7 +49,8 @@ class WorkerContext:
         self.settings = settings
         self._upstream = upstream
         self._runs: dict[str, WorkerView] = {}
-        self._tokenizers: dict[tuple[str, str | None], TargetTokenizer] = {}
+        #: (tokenizer, revision, the pin as JSON) -> the loaded tokenizer
+        self._tokenizers: dict[tuple[str, str | None, str], TargetTokenizer] = {}
         self._engines: dict[str, EngineClient] = {}
         self._lock = threading.Lock()
 
@@ -128,21 +130,40 @@ class WorkerContext:
         return view
 
     def tokenizer(self, view: WorkerView) -> TargetTokenizer:
-        """Load (once per process) and start-up-check the run's target tokenizer."""
-        model = view.model
-        key = (model.tokenizer, model.revision)
+        """Load (once per process) and start-up-check the run's target tokenizer: the run manifest's
+        files (``view.tokenizer_pin``), or a refusal naming the file that differs."""
+        model, pin = view.model, view.tokenizer_pin
+        key = (model.tokenizer, model.revision, pin.model_dump_json() if pin is not None else "")
         tok = self._tokenizers.get(key)
         if tok is None:
             with self._lock:
                 tok = self._tokenizers.get(key)
                 if tok is None:
-                    log.info("loading target tokenizer %s", model.tokenizer)
-                    tok = TargetTokenizer.load(
-                        model.tokenizer, trust_remote_code=model.trust_remote_code, revision=model.revision
-                    )
+                    source, revision = self._tokenizer_source(view)
+                    log.info("loading target tokenizer %s%s", model.tokenizer,
+                             "" if source == model.tokenizer else f" from {source}")
+                    tok = TargetTokenizer.load(source, trust_remote_code=model.trust_remote_code, revision=revision)
                     self._tokenizers[key] = tok
                     settle_long_lived(f"tokenizer {model.tokenizer} loaded")
         return tok
+
+    def _tokenizer_source(self, view: WorkerView) -> tuple[str, str | None]:
+        """Where this worker loads the run's tokenizer from, checked against the manifest's hashes
+        before anything in it (remote code included) runs: the files the producer handed over through
+        Redis, or (``SPECFLEET_TOKENIZER_FROM=local``, none handed over, or expired) ``[model]
+        tokenizer`` as this host sees it."""
+        model, pin = view.model, view.tokenizer_pin
+        if pin is None:  # a producer from before the pin: nothing to check against
+            return model.tokenizer, model.revision
+        if pin.handoff is not None and self.settings.tokenizer_from == "redis":
+            folder = tokenizer_pin.fetch(self.redis, pin, self.settings.tokenizer_cache_dir)
+            if folder is not None:
+                return str(folder), None
+            log.warning("the run's tokenizer files are gone from Redis (%s): loading %s from this host",
+                        keys.tokenizer_files(pin.handoff), model.tokenizer)
+        folder, _ = resolve_tokenizer(model.tokenizer, model.revision)
+        tokenizer_pin.check(folder, pin)
+        return str(folder), None
 
     def prepare(self, config_id: str) -> None:
         """Everything a run needs before its first request; raises on a broken tokenizer."""
