@@ -39,10 +39,10 @@ def run_one(tmp: Path, n_prompts: int, *, budget_tokens: int, budget_usd: float 
             ds: dict = {"name": "D", "path": data, "length": "short", "budget_tokens": budget_tokens}
             if budget_usd:
                 ds["budget_usd"] = budget_usd
-            config = fleet.write_config([ds], timeout_s=60)
+            config = fleet.write_config([ds], timeout_s=60, run=f'budget_mode = "{mode}"')
             text = config.read_text().replace("max_tokens = 1024", f"max_tokens = {MAX_TOKENS}", 1)
             config.write_text(text + f"\n[model.pricing]\nprompt = {SIM_PRICE.prompt}\n"
-                              f"completion = {SIM_PRICE.completion}\n\n[run]\nbudget_mode = \"{mode}\"\n")
+                              f"completion = {SIM_PRICE.completion}\n")
             for i in range(workers):
                 fleet.start_worker(f"fill{i + 1}", concurrency=per_worker, SPECFLEET_LOG_LEVEL="WARNING")
             t0 = time.time()

@@ -56,8 +56,7 @@ def main() -> int:
             config = fleet.write_config([
                 {"name": "A_budget", "path": a, "length": "short", "budget_tokens": budget},
                 {"name": "B_next", "path": b, "length": "short", "budget_tokens": 1_000_000_000},
-            ], timeout_s=60, estimate_tokens=250)
-            config.write_text(config.read_text() + f'\n[run]\nbudget_mode = "{args.budget_mode}"\n')
+            ], timeout_s=60, estimate_tokens=250, run=f'budget_mode = "{args.budget_mode}"')
             per_worker = max(1, args.in_flight // args.workers)
             for i in range(args.workers):
                 fleet.start_worker(f"bench{i + 1}", concurrency=per_worker, SPECFLEET_LOG_LEVEL="WARNING")

@@ -291,6 +291,15 @@ class RunSection(_Strict):
     #: the end hold their worst case). ``projected``: tokens are admitted on an estimate, which
     #: can end slightly over or under (dollars always hold worst cases).
     budget_mode: Literal["hard", "projected"] = "hard"
+    #: A prompt the same as an earlier one of the run (normalised: common/dedup.py), in any dataset,
+    #: is not asked again. ``share``: its dataset gets the first one's row (``shared.jsonl``, marked
+    #: ``duplicate_of``), paid by the first one's dataset; ``skip``: it is only counted; ``ask``: no
+    #: dedup. ``share`` by default: every dataset keeps every row it asked for, nothing paid twice.
+    duplicates: Literal["share", "skip", "ask"] = "share"
+    #: Evaluation prompt sets (paths or globs, any form a dataset takes): a prompt that shares a run of
+    #: ``exclude_ngram`` words with one is never asked (``excluded.jsonl``; common/decontam.py).
+    exclude: list[str] = Field(default_factory=list)
+    exclude_ngram: int = Field(default=13, gt=0)
 
 
 class WorkerView(_Strict):
@@ -487,8 +496,9 @@ def load_config(path: str | Path) -> RunConfig:
 def _resolve_paths(cfg: RunConfig, base: Path) -> RunConfig:
     datasets = [d.model_copy(update={"path": (base / d.path).resolve()}) for d in cfg.datasets]
     output = cfg.output.model_copy(update={"dir": (base / cfg.output.dir).resolve()})
+    run = cfg.run.model_copy(update={"exclude": [str(base / p) for p in cfg.run.exclude]})
     model = cfg.model
     local_tokenizer = base / model.tokenizer
     if local_tokenizer.is_dir():
         model = model.model_copy(update={"tokenizer": str(local_tokenizer.resolve())})
-    return cfg.model_copy(update={"datasets": datasets, "output": output, "model": model})
+    return cfg.model_copy(update={"datasets": datasets, "output": output, "model": model, "run": run})

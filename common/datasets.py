@@ -36,7 +36,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import orjson
 
@@ -198,6 +198,18 @@ class ReadStats:
     prompts: int = 0
     malformed: int = 0
     duplicates: int = 0
+    #: Good prompts not asked: the same prompt (normalised) as an earlier one of the run, and
+    #: prompts sharing an n-gram run with an eval set (``common/prompt_filter.py``).
+    duplicate_prompts: int = 0
+    excluded: int = 0
+
+
+class Screen(Protocol):
+    """What one read of a dataset leaves out before paying (``common/prompt_filter.DatasetScreen``)."""
+
+    def skip(self, prompt: Prompt, stats: ReadStats) -> bool: ...
+
+    def done(self) -> None: ...
 
 
 class SeenIds:
@@ -407,11 +419,16 @@ def read_prompts(
     *,
     limit: int | None = None,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    screen: Screen | None = None,
 ) -> Iterator[Prompt]:
-    """Yield the dataset's good prompts in order; bad rows are appended to ``errors``."""
+    """Yield the dataset's good prompts in order; bad rows are appended to ``errors``. ``screen``:
+    the run's duplicates and eval leaks, left out here, so the plan and every read of the run agree
+    (``max_prompts`` counts the prompts asked); told ``done`` when the read reaches its end."""
     seen = SeenIds()
     for where, _, item in _items(path, max_line_bytes):
         if limit is not None and stats.prompts >= limit:
+            if screen is not None:
+                screen.done()
             return
         try:
             if isinstance(item, DatasetRowError):
@@ -425,5 +442,9 @@ def read_prompts(
             stats.duplicates += 1
             errors.append(DatasetRowError(where, f"duplicate id {prompt.id!r} (an earlier row has it)"))
             continue
+        if screen is not None and screen.skip(prompt, stats):
+            continue
         stats.prompts += 1
         yield prompt
+    if screen is not None:
+        screen.done()

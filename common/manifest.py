@@ -67,6 +67,11 @@ class DatasetProvenance(_Model):
     providers: dict[str, int] = Field(default_factory=dict)
     #: Rows the output holds or dropped whose ``finish_reason`` is ``length``.
     truncated: int = 0
+    #: Prompts of the file not asked: duplicates of an earlier prompt of the run, eval leaks
+    #: (excluded.jsonl); rows given to duplicates from their first copy (shared.jsonl).
+    duplicate_prompts: int = 0
+    excluded: int = 0
+    shared_rows: int = 0
 
 
 class Manifest(_Model):
@@ -84,6 +89,11 @@ class Manifest(_Model):
     providers_policy: str = "route"
     #: ``keep`` | ``separate`` | ``drop``: where rows cut by max_tokens go.
     truncated_policy: str = "keep"
+    #: ``[run] duplicates`` (share | skip | ask), and the eval sets kept out (``[run] exclude``,
+    #: matched on runs of ``exclude_ngram`` words).
+    duplicates_policy: str = "share"
+    exclude: list[str] = Field(default_factory=list)
+    exclude_ngram: int = 13
     datasets: dict[str, DatasetProvenance] = Field(default_factory=dict)
     started_at: str
     ended_at: str | None = None
@@ -213,10 +223,12 @@ def request_params(cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any] | Non
 def manifest_for(cfg: RunConfig) -> Manifest:
     """The run's manifest at its start (``build_manifest`` with the run file's parts)."""
     request, provider = request_params(cfg)
-    return build_manifest(
+    manifest = build_manifest(
         model=cfg.model.name, tokenizer_source=cfg.model.tokenizer, revision=cfg.model.revision, request=request,
         provider=provider, providers_policy=cfg.request.providers, truncated_policy=cfg.request.truncated,
         budgets=[(d.name, d.budget_tokens, d.budget_usd) for d in cfg.datasets])
+    return manifest.model_copy(update={"duplicates_policy": cfg.run.duplicates, "exclude": list(cfg.run.exclude),
+                                       "exclude_ngram": cfg.run.exclude_ngram})
 
 
 def read_manifest(path: Path) -> Manifest:

@@ -46,6 +46,9 @@ USAGE_MISMATCH = BY_NAME["usage_mismatch"].source
 #: Good prompts in the dataset's file, set by the producer once it has read the file (not a
 #: counter): the exporter's skipped = prompts without an outcome, as summary.json counts them.
 PROMPTS = "prompts"
+#: Good prompts of the file not asked: duplicates of an earlier prompt of the run, eval leaks.
+DUPLICATE_PROMPTS = "duplicate_prompts"
+EXCLUDED_PROMPTS = "excluded_prompts"
 _ERROR = "err:"
 _FAILURE = "fail:"
 
@@ -111,9 +114,11 @@ class DatasetStats:
             pipe.hincrby(self.key, counter.source, round(value * 1e6) if counter.unit == USD else int(value))
         pipe.execute()
 
-    def record_prompts(self, prompts: int) -> None:
-        """The producer, once it has read the dataset's file (every run: the same file, the same count)."""
-        self._client.hset(self.key, PROMPTS, prompts)
+    def record_prompts(self, prompts: int, duplicates: int = 0, excluded: int = 0) -> None:
+        """The producer, once it has read the dataset's file (every run: the same file, the same count):
+        the prompts it asks, and those it leaves out (common/prompt_filter.py)."""
+        self._client.hset(self.key, mapping={PROMPTS: prompts, DUPLICATE_PROMPTS: duplicates,
+                                             EXCLUDED_PROMPTS: excluded})
 
     def record_engine_check(self, match: bool, prompt_match: bool) -> None:
         """One kept row with the engine's ids, and whether the text rebuild and the rendered prompt

@@ -350,12 +350,16 @@ class Fleet:
 
     def write_config(self, datasets: list[dict[str, Any]], *, timeout_s: float = 10, max_attempts: int = 4,
                      estimate_tokens: int | None = None, request: str = "", tokenizer: Path = DEMO_TOKENIZER,
-                     trust_remote_code: bool = False, truncated: str | None = "keep") -> Path:
+                     trust_remote_code: bool = False, truncated: str | None = "keep",
+                     duplicates: str | None = "ask", run: str = "") -> Path:
         """``truncated``: ``[request] truncated``, unless ``request`` sets it. The harness keeps rows
         cut by max_tokens in the shards (``keep``), as every test written before the policy expects
         (the simulator cuts a share of answers at the harness' max_tokens); None: the product's
-        default."""
+        default. ``duplicates``: ``[run] duplicates``, unless ``run`` (more ``[run]`` lines) sets it:
+        ``ask`` (every prompt asked) as every test written before the policy expects (``prompts``
+        gives each dataset the same questions under its own ids); None: the product's default."""
         policy = [] if truncated is None or "truncated" in request else [f'truncated = "{truncated}"']
+        run_lines = [] if duplicates is None or "duplicates" in run else [f'duplicates = "{duplicates}"']
         lines = [
             "[model]", 'name = "moonshotai/kimi-k2.5"', f'tokenizer = "{tokenizer}"',
             f"trust_remote_code = {str(trust_remote_code).lower()}", "",
@@ -365,6 +369,7 @@ class Fleet:
             "", "[lengths.long]", "max_tokens = 4096", f"timeout_s = {timeout_s}", "",
             "[retry]", f"max_attempts = {max_attempts}", "backoff_base_s = 0.05", "backoff_max_s = 0.5", "",
             "[output]", f'dir = "{self.out}"', "shard_rows = 100", "",
+            "[run]", run, *run_lines, "",
         ]
         for ds in datasets:
             lines.append("[[datasets]]")

@@ -18,6 +18,7 @@ from common.budget import POLICY
 from common.config import RunConfig
 from common.contract import CONTRACT_VERSION, FOLLOW_COMMAND, TaskPayload, conversation_of
 from common.datasets import Prompt
+from common.prompt_filter import RunFilter
 from common.seal import ensure_key
 from producer.dataset_run import BUDGET_END_REASONS, DatasetPhase, DatasetRun, EndReason, Tuning
 from producer.enqueue import Pushed, push_batch
@@ -48,6 +49,8 @@ class AdmissionControl:
         self.lock = lock
         self.hold = hold
         self.tuning = tuning
+        #: Duplicates and eval leaks, left out of every read of the run (common/prompt_filter.py).
+        self.prompt_filter = RunFilter(cfg)
 
     def open(self, run: DatasetRun, writer: RowWriter, phase: DatasetPhase) -> None:
         """Start the dataset: Redis made to agree with its shards, its failures given another
@@ -81,7 +84,8 @@ class AdmissionControl:
         """A new read of the dataset's file, queued through the window from its start; the first
         read of a dataset is also its count (``run.reading``)."""
         key = self.hold(lambda: ensure_key(self.client, run.name))
-        window = QueueWindow(PromptStream(run.cfg), self.tuning.window, key, skip, sweep=sweep)
+        stream = PromptStream(run.cfg, self.prompt_filter if self.prompt_filter.active else None)
+        window = QueueWindow(stream, self.tuning.window, key, skip, sweep=sweep)
         if run.reading is None:
             run.reading = window.stream
         run.window = window

@@ -30,6 +30,7 @@ from enum import StrEnum
 from common.budget import Budget
 from common.config import DatasetConfig
 from common.errors import IllegalTransition
+from producer.share import Shared
 from producer.state import DatasetState
 from producer.summary import Summary
 from producer.window import PromptStream, QueueWindow, WindowBounds
@@ -108,6 +109,11 @@ class DatasetRun:
     started_s: float = field(default_factory=time.time)
     prompts: int = 0  # good prompts in the file (up to max_prompts)
     malformed: int = 0
+    #: Prompts of the file not asked (common/prompt_filter.py): duplicates of an earlier prompt of
+    #: the run, and eval leaks; with duplicates = "share", the rows copied to shared.jsonl.
+    duplicate_prompts: int = 0
+    excluded: int = 0
+    shared: Shared | None = None
     enqueued: int = 0
     resumed_rows: int = 0
     admission_ended_s: float | None = None

@@ -42,6 +42,15 @@ def write_malformed(out_dir: Path, run: DatasetRun, errors: list[DatasetRowError
     atomic_write(dataset_dir(out_dir, run) / "malformed.jsonl", "".join(x + "\n" for x in lines))
 
 
+def write_excluded(out_dir: Path, run: DatasetRun, excluded: list[dict[str, Any]]) -> None:
+    """The prompts left out as eval leaks, each with the eval item and the run of words it shares."""
+    if excluded:
+        log.warning("%s: %d prompts share a run of words with an eval set and are not asked (excluded.jsonl)",
+                    run.name, len(excluded))
+    lines = [json.dumps(x, ensure_ascii=False) for x in excluded]
+    atomic_write(dataset_dir(out_dir, run) / "excluded.jsonl", "".join(x + "\n" for x in lines))
+
+
 def build_summary(run: DatasetRun, st: DatasetState, failures: dict[str, Any], *, run_budget_usd: float | None,
                   throttle: dict[str, Any], shards: list[str],
                   conversations: tuple[int, Counter[str]] | None = None) -> Summary:
@@ -59,6 +68,11 @@ def build_summary(run: DatasetRun, st: DatasetState, failures: dict[str, Any], *
         failed=len(failures),
         skipped=max(0, run.prompts - results - len(failures)),
         malformed=run.malformed,
+        duplicate_prompts=run.duplicate_prompts,
+        excluded=run.excluded,
+        shared_rows=run.shared.rows if run.shared else 0,
+        shared_prompts=run.shared.prompts if run.shared else 0,
+        shared_not_kept=run.shared.not_kept if run.shared else 0,
         tokens=st.kept_tokens,
         budget_tokens=st.limit,
         **summary_counts(st),

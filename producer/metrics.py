@@ -32,7 +32,7 @@ from common import keys
 from common.accounting import COUNTERS
 from common.batches import open_batches
 from common.errors import ConfigError
-from common.stats import PROMPTS
+from common.stats import DUPLICATE_PROMPTS, EXCLUDED_PROMPTS, PROMPTS
 from common.throttle import FleetThrottle, ThrottleSnapshot
 from producer.progress import TokenRate
 from producer.state import DatasetState, current_run, read_state
@@ -97,6 +97,7 @@ class SpecfleetCollector(Collector):
             run = current_run(self._client)
             states = [read_state(self._client, ds) for ds in run_datasets(run)]
             outcomes = self._outcomes(run, states)
+            left_out = self._left_out(states)
             throttle = self._throttle.snapshot()
             batches = open_batches(self._client)
         except redis.RedisError as exc:
@@ -109,9 +110,18 @@ class SpecfleetCollector(Collector):
         yield up
         with self._lock:
             yield from self._families(run or {}, states, outcomes)
+        yield from _left_out_families(left_out)
         if run:
             yield from _throttle_families(throttle)
         yield from _batch_families(batches)
+
+    def _left_out(self, states: list[DatasetState]) -> list[tuple[str, Any, Any]]:
+        """(dataset, duplicates, eval leaks) of each file, not asked (None until the producer has read it)."""
+        pipe = self._client.pipeline(transaction=False)
+        for st in states:
+            pipe.hmget(keys.DatasetKeys(st.dataset).stats, DUPLICATE_PROMPTS, EXCLUDED_PROMPTS)
+        return [(st.dataset, dup, exc) for st, (dup, exc) in zip(states, pipe.execute(), strict=True)]
+
 
     def _outcomes(self, run: dict[str, Any] | None, states: list[DatasetState]) -> dict[str, tuple[int, int]]:
         """(prompts in the file, prompts with a kept outcome) of each dataset whose producer has
@@ -190,6 +200,21 @@ class SpecfleetCollector(Collector):
             for reason, n in sorted(st.failures.items()):
                 failures.add_metric([st.dataset, reason], n)
         yield from (left, active, rate, errors, failures, prompts, skipped)
+
+
+def _left_out_families(left_out: list[tuple[str, Any, Any]]) -> Iterator[Metric]:
+    duplicates = GaugeMetricFamily(
+        "specfleet_duplicate_prompts", "Prompts not asked: the same (normalised) as an earlier one of the run",
+        labels=_DS)
+    excluded = GaugeMetricFamily(
+        "specfleet_excluded_prompts", "Prompts not asked: sharing a run of words with an eval set ([run] exclude)",
+        labels=_DS)
+    for dataset, dup, exc in left_out:
+        if dup is not None:
+            duplicates.add_metric([dataset], int(dup))
+        if exc is not None:
+            excluded.add_metric([dataset], int(exc))
+    yield from (duplicates, excluded)
 
 
 def _skipped(st: DatasetState, outcomes: tuple[int, int] | None) -> int:

@@ -44,9 +44,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from common.config import DatasetConfig, LengthClass, Pricing, RunConfig
-from common.datasets import Prompt, ReadStats, dataset_problem, is_plain_jsonl, read_prompts, row_sizes
+from common.datasets import Prompt, ReadStats, dataset_problem, is_plain_jsonl, row_sizes
 from common.endpoints import Endpoints
 from common.errors import DatasetRowError, ModelsUnavailable, PlanRefused, SpecfleetError
+from common.prompt_filter import RunFilter
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer, tokens_bound
 from producer.account import Account, fetch_account, fit_in_flight, worst_request_usd
 from producer.models import ModelInfo, fetch_model
@@ -90,6 +91,13 @@ class DatasetPlan:
     #: Expected dollars each way (the model's price, its :batch variant's); None: unknown.
     live_expected_usd: float | None = None
     batch_expected_usd: float | None = None
+    #: Prompts not asked (common/prompt_filter.py): duplicates of an earlier prompt of the run, and
+    #: eval leaks; and the dollars the duplicates would have cost, at the dataset's expected cost a prompt.
+    duplicate_prompts: int = 0
+    excluded: int = 0
+    saved_usd: float | None = None
+    #: Every prompt's expected cost, the duplicates' included (what ``saved_usd`` is a share of).
+    all_prompts_usd: float | None = None
 
     @property
     def sampled(self) -> bool:
@@ -144,7 +152,9 @@ def _rows_to_budget(ds: DatasetConfig, length: LengthClass, prompts: int) -> tup
 
 
 def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: ModelInfo | None, *,
-                 exact_limit: int = EXACT_LIMIT, account: Account | None = None) -> DatasetPlan:
+                 exact_limit: int = EXACT_LIMIT, account: Account | None = None,
+                 prompt_filter: RunFilter | None = None) -> DatasetPlan:
+    """``prompt_filter``: the run's (one for all its datasets, in order): what the run leaves out, left out."""
     length = cfg.length_for(ds.length)
     context = cfg.model.context_length or (info.context_length if info else None)
     room = None if context is None else context - length.max_tokens
@@ -165,8 +175,8 @@ def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: Mod
                 over[seq] = (p.where, n)
         suspects.clear()
 
-    for seen, prompt in enumerate(read_prompts(ds.path, errors, stats, limit=ds.max_prompts,
-                                               max_line_bytes=ds.max_line_bytes), start=1):
+    prompt_filter = prompt_filter or RunFilter(cfg)
+    for seen, prompt in enumerate(prompt_filter.read(ds, errors, stats), start=1):
         _sample(sample, seen, prompt, rng, exact_limit)
         if room is not None and tokens_bound(_payload_bytes(prompt)) > room:
             suspects.append((seen, prompt))
@@ -187,6 +197,7 @@ def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: Mod
         name=ds.name, prompts=stats.prompts, malformed=stats.malformed + stats.duplicates, counted=len(counts),
         prompt_tokens=prompt_tokens, max_prompt_tokens=max(counts, default=0), max_tokens=length.max_tokens,
         expected_completion=expected, expected_rows=rows, too_long=too_long,
+        duplicate_prompts=stats.duplicate_prompts, excluded=stats.excluded,
     )
     applied = apply_model(cfg, info)
     plan.mode, batch_pricing = applied.dataset_mode(ds), applied.model.batch_pricing
@@ -198,6 +209,10 @@ def plan_dataset(cfg: RunConfig, ds: DatasetConfig, tokenizer: object, info: Mod
         for price, attr in ((live_pricing, "live_expected_usd"), (batch_pricing, "batch_expected_usd")):
             if price is not None:
                 setattr(plan, attr, rows * (mean * price.prompt + price.request + expected * price.completion))
+        if pricing is not None:
+            per_prompt = mean * pricing.prompt + pricing.request + expected * pricing.completion
+            plan.saved_usd = stats.duplicate_prompts * per_prompt
+            plan.all_prompts_usd = (stats.prompts + stats.duplicate_prompts) * per_prompt
     if pricing is not None and stats.prompts:
         mean_prompt = prompt_tokens / stats.prompts
         per_request = mean_prompt * pricing.prompt + pricing.request
@@ -349,8 +364,9 @@ def count_plan(cfg: RunConfig, base_url: str, info: ModelInfo | None, unavailabl
     """The plan's slow part: the tokenizer (its import and load) and every dataset's count."""
     tokenizer = load_tokenizer(cfg.model.tokenizer, trust_remote_code=cfg.model.trust_remote_code,
                                revision=cfg.model.revision)
-    datasets = [plan_dataset(cfg, ds, tokenizer, info, exact_limit=exact_limit, account=account)
-                for ds in cfg.datasets]
+    prompt_filter = RunFilter(cfg)  # in config order: each dataset's duplicates of the ones before
+    datasets = [plan_dataset(cfg, ds, tokenizer, info, exact_limit=exact_limit, account=account,
+                             prompt_filter=prompt_filter) for ds in cfg.datasets]
     return Plan(
         model=cfg.model.name, url=Endpoints.of(base_url).models,
         context_length=cfg.model.context_length or (info.context_length if info else None),
@@ -396,6 +412,7 @@ def render(plan: Plan) -> str:
     lines.append("expect tok: estimate_tokens of the length class, else max_tokens/4; expected $: the rows "
                  "to budget at that length; worst $: the same requests each answered with max_tokens")
     lines += _mode_lines(plan)
+    lines += _left_out_lines(plan)
     if plan.account is not None:
         lines += _account_lines(plan, plan.account)
     for d in plan.datasets:
@@ -406,6 +423,26 @@ def render(plan: Plan) -> str:
             lines.append(f"{d.name}: {d.malformed:,} malformed or duplicate rows are skipped "
                          f"(`specfleet check` lists them)")
     return "\n".join(lines)
+
+
+def _left_out_lines(plan: Plan) -> list[str]:
+    """The duplicates not asked again (prompts and dollars saved), and the eval leaks left out."""
+    out = []
+    for d in plan.datasets:
+        if d.duplicate_prompts:
+            share = "" if not d.all_prompts_usd or d.saved_usd is None else \
+                f" ({d.saved_usd / d.all_prompts_usd:.0%} of its {_usd(d.all_prompts_usd)})"
+            out.append(f"{d.name}: saved {d.duplicate_prompts:,} of {d.prompts + d.duplicate_prompts:,} prompts, "
+                       f"~{_usd(d.saved_usd)}{share}: the same as an earlier prompt of the run, not asked again")
+        if d.excluded:
+            out.append(f"{d.name}: {d.excluded:,} prompts share a run of words with an eval set ([run] exclude): "
+                       f"not asked (excluded.jsonl)")
+    duplicates = sum(d.duplicate_prompts for d in plan.datasets)
+    if duplicates:
+        saved, every = plan.total("saved_usd"), plan.total("all_prompts_usd")
+        share = "" if not every or saved is None else f" ({saved / every:.0%} of {_usd(every)})"
+        out.append(f"saved: {duplicates:,} duplicate prompts not asked, ~{_usd(saved)} expected{share}")
+    return out
 
 
 def _mode_lines(plan: Plan) -> list[str]:

@@ -71,7 +71,9 @@ def finish_manifest(manifest: Manifest, summaries: list[Summary]) -> Manifest:
     datasets = dict(manifest.datasets)
     for s in summaries:
         base = datasets.get(s.dataset) or DatasetProvenance(budget_tokens=s.budget_tokens, budget_usd=s.budget_usd)
-        datasets[s.dataset] = base.model_copy(update={"providers": dict(s.providers), "truncated": s.truncated_rows})
+        datasets[s.dataset] = base.model_copy(update={
+            "providers": dict(s.providers), "truncated": s.truncated_rows, "duplicate_prompts": s.duplicate_prompts,
+            "excluded": s.excluded, "shared_rows": s.shared_rows})
     return manifest.model_copy(update={"datasets": datasets, "ended_at": now_iso()})
 
 

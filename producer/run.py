@@ -47,7 +47,7 @@ from producer import redis_memory
 from producer.admission import ENQUEUE_BATCH, AdmissionControl
 from producer.collector import Collector
 from producer.dataset_run import DatasetPhase, DatasetRun, EndReason, Tuning
-from producer.finalize import finalize, write_malformed
+from producer.finalize import dataset_dir, finalize, write_excluded, write_malformed
 from producer.lock import ProducerLock
 from producer.ping import warn_if_no_workers
 from producer.plan import PendingPlan
@@ -56,6 +56,7 @@ from producer.provenance import finish_manifest
 from producer.providers import require_pin
 from producer.refusals import WriteHold
 from producer.rows import disk_generation, output_error
+from producer.share import write_shared
 from producer.state import DatasetState, read_state
 from producer.summary import Summary, throttle_summary
 
@@ -308,10 +309,13 @@ class Runner:
         assert run.reading is not None
         stats = run.reading.stats
         run.prompts, run.malformed = stats.prompts, stats.malformed + stats.duplicates
+        run.duplicate_prompts, run.excluded = stats.duplicate_prompts, stats.excluded
         run.enqueue_s = time.time() - run.started_s
-        DatasetStats(self.client, run.name).record_prompts(run.prompts)  # the exporter's skipped needs it
+        # The exporter's skipped needs the prompts; its left-out gauges the rest.
+        DatasetStats(self.client, run.name).record_prompts(run.prompts, run.duplicate_prompts, run.excluded)
         run.enqueue_done = True
         write_malformed(self.out_dir, run, run.reading.errors)
+        write_excluded(self.out_dir, run, run.reading.excluded)
         log.info("%s: %s prompts queued of %s in the file, read in %.2f s (%s malformed rows)", run.name,
                  f"{run.enqueued:,}", f"{run.prompts:,}", run.enqueue_s, f"{run.malformed:,}")
 
@@ -384,6 +388,11 @@ class Runner:
             log.error("%s: %d requests still in flight after the drain timeout", run.name, st.in_flight)
         elif self.admission.top_up(run, st):
             return
+        if self.cfg.run.duplicates == "share" and run.duplicate_prompts:
+            if not all(r.ended for r in self._runs[:self._runs.index(run)]):
+                return  # the first copies' rows: every earlier dataset's, all of them kept
+            run.shared = write_shared(dataset_dir(self.out_dir, run), self.admission.prompt_filter, run.cfg,
+                                      lambda name: self.collector.add(name).writer.iter_kept())
         self.lock.refresh()  # what follows (the budget's close, the summary) is this producer's to write
         self.hold(run.budget.close)
         run.finished_s = now

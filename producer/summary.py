@@ -35,6 +35,15 @@ class Summary(Counted):
     #: Kept tokens (the loss-mask ones) against the budget.
     tokens: int
     budget_tokens: int
+    #: Good prompts not asked (common/prompt_filter.py): the same prompt as an earlier one of the run
+    #: (``[run] duplicates``), and eval leaks (``[run] exclude``, named in excluded.jsonl).
+    duplicate_prompts: int = 0
+    excluded: int = 0
+    #: ``duplicates = "share"``: duplicates given their first copy's rows (shared.jsonl: the rows,
+    #: the prompts), and those whose first copy has no kept row (not kept).
+    shared_rows: int = 0
+    shared_prompts: int = 0
+    shared_not_kept: int = 0
     #: Messages refused from the dataset's queue (not its prompts: a dead-letter list's entries).
     dead_letters: int = 0
     #: hard: never over a budget; projected: tokens admitted on an estimate (see common/budget.py).
@@ -145,6 +154,10 @@ def report_line(s: Summary) -> str:
         + (f" · 429s {100 * s.throttle['throttled_share']:.1f}%" if s.throttle else "")
         + (f" · dead letters {s.dead_letters:,} (not prompts: `specfleet status`)" if s.dead_letters else "")
         + (f" · truncated {s.truncated_rows:,} ({s.truncated_policy})" if s.truncated_rows else "")
+        + (f" · duplicates {s.duplicate_prompts:,} not asked" if s.duplicate_prompts else "")
+        + (f" ({s.shared_prompts:,} shared, {s.shared_not_kept:,} not kept)" if s.shared_prompts or s.shared_not_kept
+           else "")
+        + (f" · excluded {s.excluded:,} (eval sets)" if s.excluded else "")
     )
 
 

@@ -25,10 +25,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Any
 
 from common.config import DatasetConfig
 from common.datasets import Prompt, ReadStats, read_prompts
 from common.errors import DatasetRowError
+from common.prompt_filter import RunFilter
 from common.settings import Settings
 
 #: The first batch of a window, before any message size is known: small, so a dataset of huge prompts
@@ -45,11 +47,17 @@ class WindowBounds:
 class PromptStream:
     """One streamed read of a dataset's file (up to ``max_prompts``), taken a batch at a time."""
 
-    def __init__(self, ds: DatasetConfig) -> None:
+    def __init__(self, ds: DatasetConfig, prompt_filter: RunFilter | None = None) -> None:
+        """``prompt_filter``: the run's duplicates and eval leaks, left out of the read."""
         self.errors: list[DatasetRowError] = []
         self.stats = ReadStats()
-        self._prompts = read_prompts(ds.path, self.errors, self.stats, limit=ds.max_prompts,
-                                     max_line_bytes=ds.max_line_bytes)
+        #: Prompts left out as eval leaks, each naming the eval item (``excluded.jsonl``).
+        self.excluded: list[dict[str, Any]] = []
+        if prompt_filter is not None:
+            self._prompts = prompt_filter.read(ds, self.errors, self.stats, on_excluded=self.excluded.append)
+        else:
+            self._prompts = read_prompts(ds.path, self.errors, self.stats, limit=ds.max_prompts,
+                                         max_line_bytes=ds.max_line_bytes)
         self._lock = threading.Lock()
         #: The file was read to its end (or to max_prompts): ``stats`` counts all of it.
         self.exhausted = False

@@ -41,7 +41,7 @@ def test_small_dollar_budgets_are_never_exceeded_and_the_run_budget_skips_what_f
         {"name": "A_usd", "path": a, "length": "short", "budget_usd": 0.03},
         {"name": "B_run", "path": b, "length": "short"},
         {"name": "C_after", "path": c, "length": "short"},
-    ]), PRICING + "\n[run]\nbudget_usd = 0.07\n")
+    ], run="budget_usd = 0.07"), PRICING)
     fleet.start_worker("w1", concurrency=40)
     fleet.start_worker("w2", concurrency=40)
     out = fleet.run_producer(config)

@@ -722,6 +722,8 @@ shard_rows = 500
 # bounds every answer it bills and no paid answer is discarded as over_budget.
 [run]
 budget_mode = "hard"
+# B's prompts repeat A's questions under other ids: both asked, as this test counts them.
+duplicates = "ask"
 
 [[datasets]]
 name = "A_budget"

@@ -312,8 +312,8 @@ def test_top_up_rounds_fill_the_room_a_budget_stop_left(fleet: Fleet, redis_clie
     # percent of room, more than a mean row even when a loaded box lands them in an odd order.
     fleet.start_simulator("--latency-median-ms", "400")
     budget = 60_000
-    config = fleet.one_dataset("T", 1000, budget_tokens=budget)
-    config.write_text(config.read_text() + '\n[run]\nbudget_mode = "projected"\n')  # top-ups are its rule's
+    # Top-ups are the projected rule's.
+    config = fleet.one_dataset("T", 1000, budget_tokens=budget, run='budget_mode = "projected"')
     fleet.start_worker("w1", concurrency=100)
     fleet.start_worker("w2", concurrency=100)
     fleet.run_producer(config)

@@ -107,11 +107,13 @@ def test_plan_prices_the_demo_config_and_sends_nothing(fleet: Fleet) -> None:
 def _one_dataset(fleet: Fleet, rows: list[dict[str, object] | str], *, head: str = "",
                  model: str | None = None) -> Path:
     data = write_jsonl(fleet.tmp / "b1.jsonl", rows)
-    config = fleet.write_config([{"name": "B1", "path": data, "length": "short"}])
+    # A head's [run] table goes into the harness' own (a run file has one).
+    run, _, rest = head.partition("\n\n") if head.startswith("[run]\n") else ("", "", head)
+    config = fleet.write_config([{"name": "B1", "path": data, "length": "short"}], run=run.removeprefix("[run]\n"))
     text = config.read_text()
     if model:
         text = text.replace('name = "moonshotai/kimi-k2.5"', f'name = "{model}"')
-    config.write_text(head + text)
+    config.write_text(rest + text)
     return config
 
 
