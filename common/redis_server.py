@@ -20,8 +20,11 @@ from common.errors import RedisTooOld
 MIN_REDIS = (6, 2)
 #: Valkey's first release; it reports ``redis_version`` 7.2.4 beside its own ``valkey_version``.
 MIN_VALKEY = (7, 2)
-#: The sentence the README and the refusal share.
-SUPPORTED = "Redis >= 6.2 or Valkey >= 7.2"
+
+
+def supported() -> str:
+    """The sentence the refusal says (and the README): "Redis >= 6.2 or Valkey >= 7.2"."""
+    return f"Redis >= {'.'.join(map(str, MIN_REDIS))} or Valkey >= {'.'.join(map(str, MIN_VALKEY))}"
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -62,5 +65,5 @@ def require_supported(client: redis.Redis) -> Server:
     """The server ``client`` talks to, or ``RedisTooOld`` naming its version and the minimum."""
     server = server_of(client)
     if not server.supported:
-        raise RedisTooOld(str(server), SUPPORTED)
+        raise RedisTooOld(str(server), supported())
     return server

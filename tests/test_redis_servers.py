@@ -140,6 +140,59 @@ def test_a_redis_sigkill_mid_run_loses_nothing_and_asks_nothing_twice(
     assert stats["billed_requests"] == 300, stats
 
 
+# Loaded into a worker or producer (sitecustomize on its PYTHONPATH): the minimum raised to Redis 7.0,
+# so the real Redis 6.2 here is a server below it (no older server ships in a package).
+_MINIMUM_7_0 = '''
+import importlib.machinery
+import sys
+
+
+class _RaiseMinimum:
+    def find_spec(self, name, path, target=None):
+        if name != "common.redis_server":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.MIN_REDIS = (7, 0)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _RaiseMinimum())
+'''
+
+
+def test_a_server_below_the_minimum_is_refused_by_the_worker_and_the_producer_in_one_line(
+        tmp_path: Path, zygotes: Zygotes | None) -> None:
+    binary = KINDS[2].binary()
+    if binary is None:
+        pytest.skip(f"redis-6.2: no redis-server binary here ({KINDS[2].how})")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_MINIMUM_7_0)
+    server = Server(binary, tmp_path / "redis")
+    server.start()
+    fleet = Fleet(tmp_path, server.url, zygotes=zygotes)
+    line = f"the Redis at REDIS_URL is Redis {server.version()}; specfleet needs Redis >= 7.0 or Valkey >= 7.2"
+    try:
+        worker = fleet.start_worker("w1", concurrency=5, PYTHONPATH=str(site))
+        producer = fleet.start_producer(fleet.one_dataset("O", 5), env={"PYTHONPATH": str(site)})
+        assert worker.wait(timeout=90) == 2 and producer.wait(timeout=90) == 2, fleet.all_logs()
+        assert f"specfleet worker: refusing to start: {line}\n" in fleet.log("w1"), fleet.log("w1")
+        assert f"specfleet: {line}\n" in fleet.log("producer"), fleet.log("producer")
+        assert "Traceback" not in fleet.log("w1") + fleet.log("producer")
+        client = redis.Redis.from_url(server.url)
+        assert not client.keys("specfleet:ds:*"), "the refused producer wrote its run"
+    finally:
+        fleet.stop_all()
+        server.stop()
+
+
 @pytest.mark.parametrize(("info", "supported"), [
     ({"redis_version": "6.0.16"}, False),
     ({"redis_version": "5.0.14"}, False),
