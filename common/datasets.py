@@ -311,10 +311,22 @@ def dataset_sources(path: Path) -> list[tuple[str, Path]]:
 def dataset_problem(path: Path) -> str | None:
     """Why ``path`` cannot be read as a dataset, or None."""
     try:
-        dataset_sources(path)
+        sources = dataset_sources(path)
+        for kind, file in sources:
+            if kind == JSONL and _starts_an_array(file):
+                lines = f"{file.stem}.jsonl" if file.suffix == ".json" else f"{file.stem}-lines.jsonl"
+                return (f"{file}: a JSON array, not JSONL (one JSON object per line): convert it with "
+                        f"jq -c '.[]' {file.name} > {lines}")
     except (DatasetPathError, OSError, ValueError) as exc:
         return str(exc)
     return None
+
+
+def _starts_an_array(file: Path) -> bool:
+    """A JSON array (``[{…}, …]``) where JSONL was expected: every line would be malformed."""
+    with open_jsonl(file) as fh:
+        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
 
 
 def open_jsonl(path: Path) -> BinaryIO:

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from common import keys, logs
+from common import dotenv, keys, logs
 from common.config import load_config
 from common.datasets import ReadStats, dataset_problem, read_prompts
-from common.errors import DatasetRowError, SpecfleetError
+from common.errors import ConfigError, DatasetRowError, SpecfleetError
 from common.fd_limit import raise_open_files
 from common.redis_client import connect
 from common.settings import Settings
@@ -54,11 +54,25 @@ def _redis_for(settings: Settings, out_dir: Path) -> tuple[str, object | None]:
     return url, server
 
 
+def usable_output_dir(path: Path) -> None:
+    """Refuse, before anything is sent or started, an output folder the run could never write: one
+    under a regular file, a file itself, or one whose nearest existing folder is not writable."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        under = "is a file" if existing == path else f"is under {existing}, which is a file"
+        raise ConfigError(f"output folder {path} {under}: set [output] dir or --out to a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output folder {path}: {existing} is not writable by this user")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     cfg = load_config(args.config)
     if args.out is not None:
         cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"dir": args.out.resolve()})})
+    usable_output_dir(cfg.output.dir)
     plan = None
     if not args.no_plan:
         from producer.plan import start_plan
@@ -72,6 +86,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    if {"-h", "--help"} & set(args.celery_args):  # help needs no environment: ours, then where celery's is
+        parser().parse_args(["worker", "--help"])
     settings = Settings.from_env()
     settings.require_redis_url()
     argv = worker_argv(settings.worker_concurrency, extra=args.celery_args)
@@ -178,6 +194,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(err)
         print(f"{ds.name}: {stats.prompts:,} prompts, {stats.malformed:,} malformed, "
               f"{stats.duplicates:,} duplicate ids")
+        # A file with no usable prompt, or rows the run would skip, is a problem to fix first.
+        bad += stats.prompts == 0 or stats.malformed > 0 or stats.duplicates > 0
     return 1 if bad else 0
 
 
@@ -237,7 +255,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a config's datasets")
-    run.add_argument("config", type=Path)
+    run.add_argument("config", type=Path, help="the run file (TOML; template: demo/fleet.toml)")
     run.add_argument("--out", type=Path, default=None, help="output folder (overrides [output] dir)")
     run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
     run.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
@@ -246,15 +264,19 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--no-plan", action="store_true",
                      help="skip the plan (models endpoint, prompt tokens) before the run, e.g. offline")
     run.set_defaults(func=cmd_run)
-    worker = sub.add_parser("worker", help="start a gevent worker (extra args go to celery)")
-    worker.add_argument("celery_args", nargs=argparse.REMAINDER)
+    worker = sub.add_parser(
+        "worker", help="start a gevent worker (extra args go to celery)",
+        description="A gevent Celery worker: `celery -A workers worker -P gevent -c SPECFLEET_CONCURRENCY` and "
+                    "the arguments given (celery's own: celery -A workers worker --help). Needs REDIS_URL and, "
+                    "for OpenRouter, OPENROUTER_API_KEY; the run's config and tokenizer come through Redis.")
+    worker.add_argument("celery_args", nargs=argparse.REMAINDER, help="passed on to celery")
     worker.set_defaults(func=cmd_worker)
     sim = sub.add_parser("simulate", help="the local OpenRouter simulator", add_help=False)
-    sim.add_argument("sim_args", nargs=argparse.REMAINDER)
+    sim.add_argument("sim_args", nargs=argparse.REMAINDER, help="passed on to the simulator")
     sim.set_defaults(func=cmd_simulate)
     status = sub.add_parser("status", help="progress of the run in Redis")
-    status.add_argument("--watch", action="store_true")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--watch", action="store_true", help="redraw every second until every dataset has ended")
+    status.add_argument("--json", action="store_true", help="each dataset's state as JSON, once")
     status.set_defaults(func=cmd_status)
     exporter = sub.add_parser("exporter", help="serve Prometheus metrics of the run in Redis")
     # The default is read when the command runs, inside main's error handling: a bad
@@ -262,10 +284,10 @@ def parser() -> argparse.ArgumentParser:
     exporter.add_argument("--port", type=int, default=None, help="default: SPECFLEET_METRICS_PORT (9808)")
     exporter.set_defaults(func=cmd_exporter)
     check = sub.add_parser("check", help="validate a run file and its datasets")
-    check.add_argument("config", type=Path)
+    check.add_argument("config", type=Path, help="the run file; exit 1 if a dataset has a problem")
     check.set_defaults(func=cmd_check)
     plan = sub.add_parser("plan", help="price a run and check its prompts fit, send nothing")
-    plan.add_argument("config", type=Path)
+    plan.add_argument("config", type=Path, help="the run file")
     plan.add_argument("--yes", action="store_true", help="accept a worst case over [run] budget_usd")
     plan.set_defaults(func=cmd_plan)
     validate = sub.add_parser("validate", help="re-check every row of an output folder, offline")
@@ -284,9 +306,10 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     exp.set_defaults(func=cmd_export)
     demo = sub.add_parser("demo", help="the whole fleet on embedded defaults")
-    demo.add_argument("--out", default="demo-out")
-    demo.add_argument("--workers", type=int, default=2)
-    demo.add_argument("--concurrency", type=int, default=200)
+    demo.add_argument("--out", default="demo-out",
+                      help="output folder: new, empty, or an earlier demo's (which it replaces)")
+    demo.add_argument("--workers", type=int, default=2, help="worker processes to start")
+    demo.add_argument("--concurrency", type=int, default=200, help="requests in flight per worker")
     demo.set_defaults(func=cmd_demo)
     return p
 
@@ -298,6 +321,11 @@ _PASSTHROUGH = {"worker": "celery_args", "simulate": "sim_args"}
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:  # as compose does: the .env of the folder it runs in, under what the environment already says
+        dotenv.load()
+    except SpecfleetError as exc:
+        print(f"specfleet: {exc}", file=sys.stderr)
+        return 2
     if argv and argv[0] in _PASSTHROUGH:
         args = parser().parse_args(argv[:1])
         setattr(args, _PASSTHROUGH[argv[0]], argv[1:])

@@ -19,6 +19,7 @@ from pathlib import Path
 import requests
 
 from common.config import load_config
+from common.errors import ConfigError
 from common.settings import Settings
 from common.worker_cmd import worker_argv
 from producer.execute import execute
@@ -86,6 +87,27 @@ def _wait_for_workers(settings: Settings, redis_url: str, count: int, timeout_s:
     log.warning("only some of the %d workers answered within %.0f s; starting anyway", count, timeout_s)
 
 
+#: The file that says a folder is a demo's own, so the next demo may replace it.
+DEMO_MARK = ".specfleet-demo"
+
+
+def clear_demo_folder(out_dir: Path) -> None:
+    """The demo starts from an empty folder, but deletes only one it made: a new, empty or earlier
+    demo's folder (its mark, or the logs/ and .valkey/ a demo from before the mark left)."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir} is a file: give the demo a folder")
+    entries = {p.name for p in out_dir.iterdir()}
+    if not entries:
+        return
+    if DEMO_MARK not in entries and not {"logs", ".valkey"} <= entries:
+        raise ConfigError(f"--out {out_dir} is not empty and was not made by specfleet demo (which starts over by "
+                          "deleting its folder): give it a new or empty folder")
+    print(f"starting over: deleting the previous demo's output in {out_dir}")
+    shutil.rmtree(out_dir)
+
+
 def run_demo(out_dir: Path, workers: int, concurrency: int) -> int:
     from producer.embedded import EmbeddedValkey
     from producer.plan import start_plan
@@ -97,8 +119,9 @@ def run_demo(out_dir: Path, workers: int, concurrency: int) -> int:
     else:
         print("OPENROUTER_API_KEY is not set: the demo uses the local OpenRouter simulator.")
     out_dir = out_dir.resolve()
-    shutil.rmtree(out_dir, ignore_errors=True)
+    clear_demo_folder(out_dir)
     (out_dir / "logs").mkdir(parents=True)
+    (out_dir / DEMO_MARK).write_text("made by `specfleet demo`: the next demo with this --out replaces it\n")
     cfg = load_config(DEMO_CONFIG)
     cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"dir": out_dir})})
 

@@ -75,3 +75,80 @@ def test_an_invalid_run_file_starts_with_specfleet_and_names_the_file(tmp_path: 
     bad.write_text("[model\nname = 1\n")
     proc = specfleet("check", str(bad))
     assert_one_line(proc, str(bad), "not valid TOML")
+
+
+# --- the first mistakes (issue 39): each answered in one line, before anything is sent ---------------
+
+
+def test_an_output_folder_under_a_file_is_one_line_before_any_network_call(tmp_path: Path) -> None:
+    # The models endpoint is a socket that listens and never answers: a plan that reached for it
+    # would leave a connection waiting in its backlog.
+    with socket.socket() as upstream:
+        upstream.bind(("127.0.0.1", 0))
+        upstream.listen()
+        upstream.settimeout(0)
+        base = f"http://127.0.0.1:{upstream.getsockname()[1]}"
+        (tmp_path / "a-file").write_text("not a folder")
+        for redis_env in ({}, {"REDIS_URL": NO_REDIS}):  # a private Valkey, or a Redis given
+            proc = specfleet("run", str(DEMO_CONFIG), "--out", str(tmp_path / "a-file" / "out"),
+                             OPENROUTER_BASE_URL=base, **redis_env)
+            assert proc.returncode == 2, proc.stderr
+            assert_one_line(proc, f"{tmp_path / 'a-file'}, which is a file")
+        with pytest.raises(BlockingIOError):
+            upstream.accept()  # nobody called
+    assert not (tmp_path / "a-file.valkey").exists()
+
+
+def test_help_needs_no_environment() -> None:
+    for args in (("worker", "--help"), ("run", "--help"), ("--help",)):
+        proc = specfleet(*args)  # no REDIS_URL, no key
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("usage: specfleet"), proc.stdout
+        assert "REDIS_URL is not set" not in proc.stdout + proc.stderr
+
+
+def _run_file(folder: Path, data: str, name: str = "a.jsonl") -> Path:
+    (folder / name).write_text(data)
+    config = folder / "fleet.toml"
+    config.write_text(f'[model]\nname = "m"\ntokenizer = "{REPO / "demo" / "tokenizer"}"\n'
+                      f'[[datasets]]\nname = "A"\npath = "{name}"\n')
+    return config
+
+
+def test_check_exits_non_zero_when_it_found_problems(tmp_path: Path) -> None:
+    good = '{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
+    assert specfleet("check", str(_run_file(tmp_path, good))).returncode == 0
+    for bad in ("", good + "{not json\n", good + good):  # no prompt, a malformed row, a duplicate id
+        proc = specfleet("check", str(_run_file(tmp_path, bad)))
+        assert proc.returncode == 1, (bad, proc.stdout)
+
+
+def test_a_json_array_gets_a_use_jsonl_hint(tmp_path: Path) -> None:
+    config = _run_file(tmp_path, '[{"id": "a", "messages": [{"role": "user", "content": "hi"}]}]\n', "a.json")
+    proc = specfleet("check", str(config))
+    assert proc.returncode == 1
+    assert "a JSON array, not JSONL" in proc.stdout and "jq -c '.[]' a.json > a.jsonl" in proc.stdout
+
+
+def test_demo_refuses_a_folder_it_did_not_make(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    assert_one_line(specfleet("demo", "--out", str(mine)), "not made by specfleet demo")
+    assert (mine / "thesis.tex").read_text() == "years of work"
+
+
+def test_the_cli_reads_dot_env_in_its_folder_and_the_environment_wins(tmp_path: Path) -> None:
+    (tmp_path / ".env").write_text("# as compose reads it\nexport SPECFLEET_LOG_LEVEL='loud'\n")
+    good = '{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
+    config = _run_file(tmp_path, good)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "OPENROUTER_", "SPECFLEET_"))}
+
+    def check(**env: str) -> subprocess.CompletedProcess[str]:
+        return zygote.run([sys.executable, "-m", "producer.cli", "check", str(config)], env={**base, **env},
+                          cwd=tmp_path, timeout=60)
+
+    assert_one_line(check(), "SPECFLEET_LOG_LEVEL='LOUD'")  # read from .env
+    assert check(SPECFLEET_LOG_LEVEL="INFO").returncode == 0  # already set: it wins
+    (tmp_path / ".env").write_text("SPECFLEET_LOG_LEVEL INFO\n")
+    assert_one_line(check(), ".env:1: not KEY=value")

@@ -144,7 +144,7 @@ def test_check_command_reports_every_bad_row_and_sends_nothing(tmp_path: Path) -
     config = _write(tmp_path, GOOD.replace('tokenizer = "tok"', 'tokenizer = "some/hub-id"'))
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no REDIS_URL, no key: nothing to reach
     out = zygote.run([sys.executable, "-m", "producer.cli", "check", str(config)], env=env, timeout=60)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1, out.stderr  # a malformed row is a problem found
     assert f"{tmp_path / 'data' / 'b1.jsonl'}:2: not valid JSON" in out.stdout
     assert "B1_glaive: 1 prompts, 1 malformed, 0 duplicate ids" in out.stdout
     bad = zygote.run([sys.executable, "-m", "producer.cli", "check", str(tmp_path / "missing.toml")],
