@@ -112,6 +112,31 @@ class SentinelCluster:
         proc.wait(timeout=10)
         return port
 
+    def revive(self, port: int, timeout_s: float = 60) -> None:
+        """Start the killed data server on ``port`` again as a replica of the current master, and
+        wait until it is in sync and every Sentinel counts it as a replica (so the next kill has one
+        to promote)."""
+        master = self.master_port()
+        assert master is not None and master != port, "no other master to follow"
+        i = self.data_ports.index(port)
+        argv = [_valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.root / f"data{i}"),
+                "--replicaof", "127.0.0.1", str(master)]
+        for key, value in AOF_CONFIG.items():
+            argv += [f"--{key}", value]
+        self._spawn(f"data{i}", argv)
+
+        def following() -> bool:
+            try:
+                if redis.Redis(port=port, socket_timeout=2).info("replication").get("master_link_status") != "up":
+                    return False
+                return all(any(int(r["port"]) == port and not r["is_sdown"]
+                               for r in redis.Redis(port=s, socket_timeout=2).sentinel_slaves(MASTER_NAME))
+                           for s in self.sentinel_ports)
+            except redis.RedisError:
+                return False
+
+        self.wait_until(following, timeout_s, f"the revived server on {port} follows {master}")
+
     def stop(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:

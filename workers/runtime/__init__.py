@@ -13,6 +13,7 @@ library and before kombu or Celery consume anything).
 | kombu_sleep     | kombu   | ``retry_over_time``'s ``sleep`` bound before gevent patched |
 | dns             | gevent  | ``socket.getaddrinfo`` shared and kept for ``TTL_S``        |
 | urllib3_pool    | urllib3 | the pool internals ``OpenRouterClient.warm`` relies on      |
+| celery_pidbox   | celery  | the remote-control loop reconnects after a broker failover  |
 | common.runtime  | redis   | ``get_lib_version`` cached; the Sentinel connection override |
 """
 
@@ -25,10 +26,10 @@ from common import runtime as common_runtime
 from common.errors import PatchDrift
 from common.runtime import Patch, check
 from workers.fleet.send_room import SendRoom
-from workers.runtime import dns, kombu_redis, kombu_sleep, urllib3_pool
+from workers.runtime import celery_pidbox, dns, kombu_redis, kombu_sleep, urllib3_pool
 
 PATCHES: tuple[Patch, ...] = (*common_runtime.PATCHES, *kombu_redis.PATCHES, *kombu_sleep.PATCHES, *dns.PATCHES,
-                              *urllib3_pool.PATCHES)
+                              *urllib3_pool.PATCHES, *celery_pidbox.PATCHES)
 
 #: A worker refusing a library nobody verified exits with this (common/errors.py's PatchDrift).
 EXIT_PATCH_DRIFT = 7
@@ -42,6 +43,7 @@ def install(room: SendRoom | None = None, admit: kombu_redis.Admit | None = None
     kombu_redis.install(room, admit=admit)
     dns.install()
     urllib3_pool.install()
+    celery_pidbox.install()
 
 
 def refuse(exc: PatchDrift) -> NoReturn:
