@@ -352,6 +352,16 @@ class RunConfig(_Strict):
     output: OutputConfig = OutputConfig()
     datasets: list[DatasetConfig] = Field(min_length=1)
 
+    @field_validator("lengths", mode="before")
+    @classmethod
+    def _lengths_over_defaults(cls, given: Any) -> Any:
+        """A ``[lengths.short]`` that sets only ``max_tokens`` keeps the other keys' defaults."""
+        if not isinstance(given, dict):
+            return given
+        defaults = _default_lengths()
+        return {name: {**defaults[name].model_dump(exclude_none=True), **keys}
+                if name in defaults and isinstance(keys, dict) else keys for name, keys in given.items()}
+
     @model_validator(mode="after")
     def _unique_names_and_both_lengths(self) -> RunConfig:
         names = [d.name for d in self.datasets]

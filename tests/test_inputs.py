@@ -262,3 +262,10 @@ def test_max_line_bytes_is_a_dataset_setting(tmp_path: Path) -> None:
     assert load_config(_write(tmp_path, GOOD)).datasets[0].max_line_bytes == 1_000_000
     with pytest.raises(ConfigError, match=r"datasets\[0\]\.max_line_bytes"):
         load_config(_write(tmp_path, GOOD + "max_line_bytes = 0\n"))
+
+
+def test_a_partial_length_class_keeps_the_other_defaults(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, GOOD + "\n[lengths.short]\nmax_tokens = 4096\n"))
+    assert cfg.length_for("short").max_tokens == 4096
+    assert cfg.length_for("short").timeout_s == 600  # the default, not "timeout_s: Field required"
+    assert cfg.length_for("long").max_tokens == 32_768
