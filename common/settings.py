@@ -104,7 +104,7 @@ class Settings:
     #: How often a worker re-reads which dataset queue is active.
     queue_poll_s: float = field(default=2.0, metadata=_env("SPECFLEET_QUEUE_POLL_S", _number, minimum=0.1))
     #: How often a worker puts unacked messages older than the visibility timeout back in their
-    #: queue (kombu does it with gevent only when a poll comes back empty; workers/redelivery.py).
+    #: queue (kombu does it with gevent only when a poll comes back empty; workers/fleet/recovery.py).
     #: A SIGKILLed worker's tasks come back within visibility_timeout_s + this.
     unacked_restore_s: float = field(default=5.0, metadata=_env("SPECFLEET_UNACKED_RESTORE_S", _number,
                                                                 minimum=0.1))

@@ -13,7 +13,7 @@
 -- share after it has not fallen (to under check_ratio x what it was), the 429s were not about load,
 -- the cut is undone and that share becomes the background. The background fades (half-life), so a
 -- provider that stops refusing at random is watched closely again. A background 429 only delays its
--- own request (its Retry-After, workers/retry.py).
+-- own request (its Retry-After, workers/pipeline/retry.py).
 --
 -- Two limits, kept apart, and the fleet admits under the lower (and the run's cap):
 --   the capacity window (``limit``) bounds requests in flight as the provider serves them: AIMD, cut
@@ -288,7 +288,7 @@ local function release_one(slot, now, outcome, retry_after, max_in_flight, ttl, 
                       retry_after)
 end
 
--- How long a share's unanswered want keeps borrowers off: a few of its polls (workers/gate.py POLL_S).
+-- How long a share's unanswered want keeps borrowers off: a few of its polls (workers/fleet/gate.py POLL_S).
 local WANT_MS = 250
 
 if op == "acquire" then

