@@ -248,7 +248,9 @@ class Fleet:
             time.sleep(0.1)
 
     def assert_exactly_once(self, client: Any, dataset: str, n: int | None = None) -> list[dict[str, Any]]:
-        """Each prompt at most once across the shards, and the budget counted exactly those rows."""
+        """Each prompt at most once across the shards, the budget counted exactly those rows, and none
+        was billed other token counts than its ids hold (the simulator bills with the run's tokenizer:
+        a flag here is a false one, common/usage_check.py)."""
         rows = read_rows(self.out, dataset)
         ids = Counter(r["id"] for r in rows)
         assert not [i for i, c in ids.items() if c > 1], "a prompt id appears twice across the shards"
@@ -258,6 +260,8 @@ class Fleet:
         for r in rows:
             assert sum(r["loss_mask"]) == r["num_tokens"]
             assert len(r["input_ids"]) == len(r["loss_mask"])
+        flagged = [(r["id"], r["usage_check"]) for r in rows if (r.get("usage_check") or {}).get("match") is False]
+        assert not flagged, f"{len(flagged)} rows flagged usage_check, e.g. {flagged[:3]}"
         if n is not None:
             assert len(rows) == n, f"{len(rows)} rows of {dataset}, expected {n}"
         return rows
