@@ -106,6 +106,7 @@ bench: install  ## benchmark scripts that print figures
 	$(BIN)/python -m bench.conversations_run --conversations 1000
 	$(BIN)/python -m bench.scale_run --prompts 100000,1000000 --to-the-end 100000
 	$(BIN)/python -m bench.versus_seed --prompts 6000 --latencies-ms 300,15000
+	$(BIN)/python -m bench.dedup_run --prompts 1000 --overlap 0.2 --fingerprints 10000000
 
 soak: install  ## chaos soak (not part of test): 10k prompts, faults, worker and Redis SIGKILLs
 	$(BIN)/python -m bench.soak --prompts 10000
