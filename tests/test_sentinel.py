@@ -331,6 +331,7 @@ def _answering(app: Celery, command: str, expected: int) -> set[str]:
 
 
 @pytest.mark.fleet
+@pytest.mark.long
 @pytest.mark.parametrize("attempt", range(REPEAT))
 def test_control_answers_from_every_worker_after_each_failover(tmp_path: Path, cluster: SentinelCluster,
                                                                attempt: int) -> None:
