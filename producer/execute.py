@@ -62,7 +62,6 @@ def execute(
     from producer.window import WindowBounds
 
     client = connect(redis_url, settings.redis_retry_window_s)
-    require_supported(client)  # RedisTooOld (a ConfigError): one line, exit 2, before anything is written
     if metrics_port:
         from producer.metrics import start_metrics_server
 
@@ -81,6 +80,9 @@ def execute(
     threading.Thread(target=_stop_while_away, args=(runner, redis_url, cfg.output.dir), name="stop-watch",
                      daemon=True).start()
     try:
+        # RedisTooOld (a ConfigError: one line, exit 2) before the run writes anything; in this try, a
+        # Redis that is not there is the outage it always was (exit 4), and a metrics port taken was told first.
+        require_supported(client)
         summaries = runner.run()
     except Interrupted:
         print("interrupted: state is kept in Redis; run the same command again to resume", file=sys.stderr)
