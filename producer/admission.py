@@ -149,6 +149,10 @@ class AdmissionControl:
             log.info("%s: %s tokens of budget left, less than a full batch's worst cases (%s): tail = \"stop\"",
                      run.name, f"{st.limit - st.kept_tokens:,}", f"{self.full_batch_tokens(run):,}")
             self.end(run, EndReason.BUDGET)
+            # The budget says stopped, not only the queue: requests parked on a full budget would
+            # otherwise be admitted once the batches out land. Their results still settle.
+            self.lock.refresh()
+            self.hold(run.budget.close)
             return
         if not run.enqueue_done:
             return
@@ -186,6 +190,13 @@ class AdmissionControl:
         batch's worst cases (its submitted batches still land)."""
         return (self.cfg.request.tail == "stop" and self.batched(run) and st.state == "active"
                 and st.limit - st.kept_tokens < self.full_batch_tokens(run))
+
+    def in_live_tail(self, run: DatasetRun, st: DatasetState) -> bool:
+        """``tail = "live"``: a batch-mode dataset whose room is under a full batch's worst cases has
+        its last round out and sends the rest live (workers/batch/tail.py): it needs no more of the
+        fleet than a few live requests, so the next dataset need not wait for that round to land."""
+        return (self.cfg.request.tail == "live" and self.batched(run) and st.state == "active"
+                and st.limit > 0 and st.limit - st.kept_tokens < self.full_batch_tokens(run))
 
     def only_batches_out(self, run: DatasetRun, st: DatasetState) -> bool:
         """A batch-mode dataset has nothing left to admit: its file is queued to the end, its queue is

@@ -277,17 +277,26 @@ class Runner:
         if previous is not None and previous.admission_ended_s is not None and previous.switch_s is None:
             previous.switch_s = time.time() - previous.admission_ended_s
         # The window is refilled on each tick (``_fill``), until the file's end or admission's, or
-        # (batch mode) until only its submitted batches are out: they settle while the next one runs.
-        while run.admitting and not self._only_batches_out(run):
+        # (batch mode) until only its submitted batches and its live tail are out: they settle while
+        # the next one runs.
+        while run.admitting and not self._only_tail_left(run):
             self._tick()
             if run.admitting:  # ended in this tick: the next dataset starts now, not a tick later (the switch)
                 time.sleep(TICK_S)
 
-    def _only_batches_out(self, run: DatasetRun) -> bool:
+    def _only_tail_left(self, run: DatasetRun) -> bool:
+        """A batch-mode dataset lets the next one start once it has nothing left but its submitted
+        batches and (``tail = "live"``) the few live requests of its tail; it stays admitting, checked
+        on each tick, its results settling into its own rows and budget."""
         if not self.admission.batched(run):
             return False
-        if self.admission.only_batches_out(run, read_state(self.client, run.name)):
+        st = read_state(self.client, run.name)
+        if self.admission.only_batches_out(run, st):
             log.info("%s: every prompt left waits in a submitted batch: the next dataset starts", run.name)
+            return True
+        if self.admission.in_live_tail(run, st):
+            log.info("%s: %s tokens of room, its last round out and the rest live: the next dataset starts",
+                     run.name, f"{st.limit - st.kept_tokens:,}")
             return True
         return False
 

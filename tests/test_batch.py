@@ -172,7 +172,9 @@ def test_an_expired_batch_settles_what_it_returned_and_gives_the_rest_back(
 def test_a_hard_budget_stops_inside_a_batch_never_over(fleet: Fleet, redis_client: redis.Redis) -> None:
     fleet.start_simulator(*FAST)
     budget = 30_000
-    config = fleet.one_dataset("H", 400, budget_tokens=budget, request=BATCH_REQUEST)
+    # tail = "batch": the batch path's own stop (under the default, a budget of less than a full
+    # batch's worst cases goes live from the start: tests/test_batch_tail.py).
+    config = fleet.one_dataset("H", 400, budget_tokens=budget, request=BATCH_REQUEST + '\ntail = "batch"')
     fleet.start_worker("w1", concurrency=60)
     fleet.run_producer(config, timeout_s=300)
     s = read_summary(fleet.out, "H")

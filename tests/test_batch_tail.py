@@ -126,3 +126,24 @@ def test_the_next_dataset_starts_while_the_last_ones_batches_are_out(fleet: Flee
     run_spent = int(redis_client.hget(keys.RUN_BUDGET, "nusd_spent") or 0) / 1e9
     assert run_spent == pytest.approx(costs, abs=1e-5), (run_spent, costs)
     assert _batches(fleet)["repeated_custom_ids"] == {}
+
+
+def test_tail_stop_ends_admission_a_full_batch_short_and_sends_nothing_live(
+        fleet: Fleet, redis_client: redis.Redis) -> None:
+    """``tail = "stop"``: admission ends once the room is under a full batch's worst cases; what was
+    submitted lands, nothing is sent live, and the hard cap holds."""
+    fleet.start_simulator(*FIVE_S)
+    budget, size = 40_000, 12
+    config = fleet.one_dataset("S", 300, budget_tokens=budget, request=_request(size, "stop"))
+    fleet.start_worker("w1", concurrency=300)
+    fleet.run_producer(config, timeout_s=240)
+    s = read_summary(fleet.out, "S")
+    fleet.assert_exactly_once(redis_client, "S")
+    assert s["end_reason"] == "budget", s
+    assert budget - size * WORST - WORST < s["tokens"] <= budget, s
+    assert fleet.sim_stats()["requests"] == 0 and s["batch_tail_live"] == 0, s
+    assert all(r["generation_id"].startswith("gen-batch-") for r in read_rows(fleet.out, "S"))
+    # Nothing admitted after the stop: no batch starts once the room is under a full batch.
+    tail_s = next(p["t_s"] for p in _timeline(redis_client, "S") if budget - p["kept_tokens"] < size * WORST)
+    late = [b for b in _records(redis_client, "S") if b["created_s"] > tail_s + 3.0]
+    assert not late, (late, s)

@@ -32,7 +32,9 @@ def room_tokens(budget: Budget) -> int:
     seen = _ROOM.get(budget.keys.dataset)
     if seen is None or now - seen[0] >= READ_EVERY_S:
         snap = budget.snapshot()
-        seen = _ROOM[budget.keys.dataset] = (now, snap.limit - snap.kept_tokens)
+        # A budget not opened (no limit yet) is no tail: its room is unknown, not empty.
+        room = snap.limit - snap.kept_tokens if snap.limit > 0 else 1 << 62
+        seen = _ROOM[budget.keys.dataset] = (now, room)
     return seen[1]
 
 
