@@ -315,10 +315,11 @@ class FencedTransaction(redis.client.Pipeline):
     def __init__(self, client: redis.Redis) -> None:
         super().__init__(client.connection_pool, client.response_callbacks, transaction=True, shard_hint=None)
         self.fence: object = None
+        self._fence_command: tuple[Any, ...] = ()
 
     def _execute_transaction(self, connection: Any, commands: Any, raise_on_error: bool) -> list[Any]:
         replies = super()._execute_transaction(connection, commands, raise_on_error)
-        connection.send_command(*fence_command(self))
+        connection.send_command(*self._fence_command)
         try:
             self.fence = connection.read_response()
         except redis.ResponseError as error:
@@ -327,6 +328,9 @@ class FencedTransaction(redis.client.Pipeline):
 
     def execute_fenced(self) -> list[Any]:
         """The transaction's replies once durable; raises its first error, or the fence's."""
+        # Built before a connection is taken: behind Sentinel it may read the replica count on
+        # another connection of the same (bounded) pool.
+        self._fence_command = fence_command(self)
         replies = self.execute(raise_on_error=False)
         if fence_failed(self.fence):
             raise self.fence  # type: ignore[misc]  # fence_failed: an Exception

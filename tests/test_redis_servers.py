@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from common.batches import open_batches
+from common.redis_client import FencedTransaction, connect
 from common.redis_server import Server as ServerInfo
 from common.redis_server import server_of
 from harness.servers import KINDS, Kind, Server
@@ -67,6 +68,30 @@ def test_every_server_kind_is_supported_and_named(on: tuple[Fleet, Server, redis
     found = server_of(client)
     assert found.supported, found
     assert str(found).endswith(server.version()), (found, server.version())
+
+
+def test_a_fenced_transaction_applies_on_every_server_and_fences_after_exec_where_it_can(server: Server) -> None:
+    client = connect(server.url, 5)
+
+    def fences() -> int:
+        return int(client.info("commandstats").get("cmdstat_waitaof", {}).get("calls", 0))
+
+    before = fences()
+    pipe = FencedTransaction(client)
+    pipe.hset("h", mapping={"a": 1})
+    pipe.zadd("z", {"m": 1})
+    pipe.set("s", "v", px=60_000)
+    assert pipe.execute_fenced() == [1, 1, True]  # applied: no EXECABORT
+    assert client.hget("h", "a") == b"1" and client.zscore("z", "m") == 1.0
+    if server_of(client).version[:2] >= (7, 2):  # WAITAOF: sent once, after EXEC, and answered
+        assert pipe.fence == [1, 0] and fences() == before + 1
+    else:  # no WAITAOF: its refusal came after EXEC, and the writes stand
+        assert isinstance(pipe.fence, redis.ResponseError) and "unknown command" in str(pipe.fence)
+    bad = FencedTransaction(client)
+    bad.set("k", "v")
+    bad.incr("h")  # WRONGTYPE inside the transaction: raised, as before the fence moved
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        bad.execute_fenced()
 
 
 def test_a_live_run_keeps_every_prompt_once(on: tuple[Fleet, Server, redis.Redis]) -> None:
