@@ -3,9 +3,11 @@
 Layout (``<ds>`` is a dataset name, ``<cid>`` a run-config id):
 
     specfleet:config:<cid>          STRING  run config as JSON (secrets stripped), written by the producer
-    specfleet:usage:<cid>           HASH    the run config's usage check (common/usage_check.lua): answers checked, the
-                                            billed-minus-counted differences of the first ones, the learned offset and
-                                            the mismatches that halt the run; expires 30 days after its last answer
+    specfleet:usage:<cid>:<mid>     HASH    the usage check of a run config under one manifest (<mid>: its id, which
+                                            hashes the tokenizer files: fixed ones learn afresh; usage_check.lua):
+                                            answers checked, the billed-minus-counted differences of the first ones, the
+                                            learned offset and the mismatches that halt the run; expires 30 days after
+                                            its last answer
     specfleet:active                HASH    queue name -> run-config id: what workers consume now (they poll it)
     specfleet:ds:<ds>:budget        HASH    the dataset's budget counters (fields: see budget.lua)
     specfleet:ds:<ds>:done          SET     prompt ids whose row was kept (the exactly-once guard)
@@ -109,8 +111,8 @@ def config(config_id: str) -> str:
     return f"{PREFIX}:config:{config_id}"
 
 
-def usage_check(config_id: str) -> str:
-    return f"{PREFIX}:usage:{config_id}"
+def usage_check(config_id: str, manifest: str) -> str:
+    return f"{PREFIX}:usage:{config_id}:{manifest}"
 
 
 def tokenizer_files(handoff: str) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from common.config import ModelConfig
+from common.config import ModelConfig, WorkerView
 from common.contract import Usage, halt_message
 from common.keys import usage_check
 
@@ -93,9 +93,12 @@ def halt_text(verdict: UsageVerdict, model: ModelConfig, where: str) -> str:
     return halt_message(what, USAGE_FIX)
 
 
-def check_usage(client: redis.Redis, config_id: str, model: ModelConfig, usage: Usage, *,
+def check_usage(client: redis.Redis, config_id: str, view: WorkerView, usage: Usage, *,
                 prompt_tokens: int, completion_tokens: int, ended: bool) -> UsageVerdict | None:
-    """The verdict on one answer (None: not checked: ``usage_check = "off"``, or no usage billed)."""
+    """The verdict on one answer of the run ``config_id`` (None: not checked: ``usage_check = "off"``,
+    or no usage billed). Learned per run config and manifest: a resume whose tokenizer files were
+    fixed (another manifest id) learns afresh; one with the same files meets its halt again."""
+    model = view.model
     if model.usage_check == "off" or (usage["prompt_tokens"] == 0 and usage["completion_tokens"] == 0):
         return None
     script = _SCRIPTS.get(client)
@@ -105,7 +108,7 @@ def check_usage(client: redis.Redis, config_id: str, model: ModelConfig, usage: 
     declared = "" if offset is None else f"{offset.prompt}:{offset.completion}"
     p = usage["prompt_tokens"] - prompt_tokens
     c = usage["completion_tokens"] - completion_tokens
-    reply = script(keys=[usage_check(config_id)],
+    reply = script(keys=[usage_check(config_id, view.manifest)],
                    args=[p, c, 1 if ended else 0, model.usage_check_answers, allowed_mismatches(model), declared,
                          USAGE_CHECK_TTL_S])
     match, ep, ec, mismatches, over = (int(x) for x in reply)

@@ -56,7 +56,7 @@ class World:
     def start(self, upstream: str = "openrouter", **model: Any) -> WorkerContext:
         cfg = _config(upstream, **model)
         self.config_id = cfg.config_id()
-        self.client.delete(keys.usage_check(self.config_id), keys.HALT, *keys.DatasetKeys(DS).budget_keys)
+        self.client.delete(keys.usage_check(self.config_id, ""), keys.HALT, *keys.DatasetKeys(DS).budget_keys)
         self.client.set(keys.config(self.config_id), cfg.worker_view().model_dump_json())
         Budget(self.client, DS).open(10_000_000)
         settings = Settings(redis_url=self.url, openrouter_api_key=TEST_KEY, worker_concurrency=4,
@@ -186,7 +186,7 @@ def test_flag_keeps_the_rows_and_counts_them(world: World) -> None:
     # Each row is held to the most common difference of its moment; after the window (10) the
     # offset is frozen at the window's most common one.
     window = [rows[f"f{i}"]["usage_check"]["completion_diff"] for i in range(10)]
-    frozen = int(world.client.hget(keys.usage_check(world.config_id), "cm") or 99)
+    frozen = int(world.client.hget(keys.usage_check(world.config_id, ""), "cm") or 99)
     assert window.count(frozen) >= window.count(1 - frozen) and flagged
     for pid in flagged:
         check = rows[pid]["usage_check"]
@@ -211,13 +211,13 @@ def test_the_learned_offset_is_the_modal_difference_and_a_cut_answer_may_lack_th
         redis_client: redis.Redis) -> None:
     """The script alone: a server that does not count the end token learns -1, and its cut answers
     (no end token on either side) agree at 0 as at -1; the window's count never goes down."""
-    model = _config(usage_check_answers=6, usage_mismatch_max=0.34).model  # 2 allowed
+    view = _config(usage_check_answers=6, usage_mismatch_max=0.34).worker_view(manifest="m1")  # 2 allowed
     cid = "learned-test"
-    redis_client.delete(keys.usage_check(cid))
+    redis_client.delete(keys.usage_check(cid, "m1"), keys.usage_check(cid, "m2"))
 
     def check(p: int, c: int, ended: bool = True) -> tuple[bool, int, bool]:
         usage = {"prompt_tokens": 100 + p, "completion_tokens": 50 + c, "reasoning_tokens": 0, "cost": 0.0}
-        v = check_usage(redis_client, cid, model, usage, prompt_tokens=100, completion_tokens=50,  # type: ignore[arg-type]
+        v = check_usage(redis_client, cid, view, usage, prompt_tokens=100, completion_tokens=50,  # type: ignore[arg-type]
                         ended=ended)
         assert v is not None
         return v.match, v.mismatches, v.over_limit
@@ -229,8 +229,12 @@ def test_the_learned_offset_is_the_modal_difference_and_a_cut_answer_may_lack_th
     assert check(1, -1) == (False, 2, False)
     assert check(0, -1) == (True, 2, False)  # window full (6): the offset is frozen at 0/-1
     assert check(0, 7) == (False, 2, False)  # past the window: flagged, the halt rule no longer counts
-    assert redis_client.hmget(keys.usage_check(cid), "pm", "cm") == [b"0", b"-1"]
-    assert 0 < redis_client.ttl(keys.usage_check(cid)) <= 30 * 86_400
+    assert redis_client.hmget(keys.usage_check(cid, "m1"), "pm", "cm") == [b"0", b"-1"]
+    assert 0 < redis_client.ttl(keys.usage_check(cid, "m1")) <= 30 * 86_400
+    # Other tokenizer files (another manifest id) under the same run config: learned afresh.
+    view = view.model_copy(update={"manifest": "m2"})
+    assert check(0, 7) == (True, 0, False)
+    assert redis_client.hmget(keys.usage_check(cid, "m2"), "pm", "cm") == [b"0", b"7"]
 
 
 def test_validate_reports_the_rate_of_rows_whose_usage_disagrees(world: World, tmp_path: Path,

@@ -561,7 +561,7 @@ def _check_usage(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> UsageVerdict
     which spools it (the check is evidence, not accounting; the lease's slack is the settle's)."""
     try:
         with deadline(LEASE_RENEW_WAIT_S):
-            verdict = check_usage(job.ctx.redis, job.payload["run"], job.view.model, answer.usage,
+            verdict = check_usage(job.ctx.redis, job.payload["run"], job.view, answer.usage,
                                   prompt_tokens=rebuilt.prompt_tokens, completion_tokens=rebuilt.completion_tokens,
                                   ended=answer.finish_reason in ENDED_FINISH_REASONS)
     except redis.RedisError as exc:
