@@ -86,7 +86,8 @@ class RunFilter:
         with self._lock:
             if k in self._indexed:
                 return
-            seen.copy_into(self.index, k)
+            if k < len(self.datasets) - 1:  # the last dataset's are no later one's first copies
+                seen.copy_into(self.index, k)
             self._indexed.add(k)
 
 
@@ -123,4 +124,5 @@ class DatasetScreen:
     def done(self) -> None:
         if self._dedup:
             self._run._indexed_now(self._k, self._seen)
+            self._seen = FingerprintIndex()  # read to its end: a kept stream need not keep its index
 

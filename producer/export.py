@@ -33,6 +33,8 @@ from common.manifest import MANIFEST, Manifest, read_manifests
 log = logging.getLogger(__name__)
 
 TRUNCATED_FILE = "truncated.jsonl"
+#: producer/share.py's (not imported: the export reads a folder, the run's modules need not load).
+SHARED_FILE = "shared.jsonl"
 DATA_DIR = "data"
 ARROW_DIR = "arrow"
 #: Row fields kept as typed columns; the rest of a row goes to ``extra`` (a JSON object string).
@@ -111,10 +113,13 @@ class SplitStats:
 
 
 def splits_of(out: Path) -> list[SplitStats]:
-    """The splits of an output folder: each dataset's shards, and its truncated.jsonl apart."""
+    """The splits of an output folder: each dataset's shards (and the rows its duplicates were given,
+    shared.jsonl: producer/share.py), and its truncated.jsonl apart."""
     splits = []
     for sub in sorted(p for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")):
         shards = sorted(sub.glob("shard-*.jsonl"))
+        if (sub / SHARED_FILE).is_file() and (sub / SHARED_FILE).stat().st_size:
+            shards.append(sub / SHARED_FILE)
         if shards:
             splits.append(SplitStats(sub.name, sub.name, files=shards))
         if (sub / TRUNCATED_FILE).is_file():

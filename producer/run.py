@@ -19,6 +19,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -55,7 +56,7 @@ from producer.plan_gate import PlanGate
 from producer.provenance import finish_manifest
 from producer.providers import require_pin
 from producer.refusals import WriteHold
-from producer.rows import disk_generation, output_error
+from producer.rows import disk_generation, is_truncated, output_error
 from producer.share import write_shared
 from producer.state import DatasetState, read_state
 from producer.summary import Summary, throttle_summary
@@ -400,8 +401,13 @@ class Runner:
         if self.cfg.run.duplicates == "share" and run.duplicate_prompts:
             if not all(r.ended for r in self._runs[:self._runs.index(run)]):
                 return  # the first copies' rows: every earlier dataset's, all of them kept
-            run.shared = write_shared(dataset_dir(self.out_dir, run), self.admission.prompt_filter, run.cfg,
-                                      lambda name: self.collector.add(name).writer.iter_kept())
+            # The first copies' rows a trainer reads: the shards' (a truncated row only where they keep it).
+            keep_cut = self.cfg.request.truncated == "keep"
+
+            def rows(name: str) -> Iterator[dict[str, Any]]:
+                return (r for r in self.collector.add(name).writer.iter_kept() if keep_cut or not is_truncated(r))
+
+            run.shared = write_shared(dataset_dir(self.out_dir, run), self.admission.prompt_filter, run.cfg, rows)
         self.lock.refresh()  # what follows (the budget's close, the summary) is this producer's to write
         self.hold(run.budget.close)
         run.finished_s = now

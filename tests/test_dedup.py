@@ -18,6 +18,7 @@ from common.datasets import ReadStats
 from common.decontam import EvalIndex, EvalItem, prompt_words
 from common.dedup import FingerprintIndex, fingerprint
 from common.prompt_filter import RunFilter
+from producer.export import export
 from simulator.seeding import prompt_hash
 from tests.chaos import read_shards
 from tests.fleet import Fleet, prompts, read_summary, write_jsonl
@@ -71,6 +72,8 @@ def test_duplicates_across_and_within_datasets_every_read_the_same(tmp_path: Pat
     fresh = RunFilter(cfg)
     assert _ids(fresh, cfg, "A")[0] == [f"a{i}" for i in range(10)]
     assert _ids(fresh, cfg, "B")[0] == ids_b
+    skip = _cfg(tmp_path, {"A": a, "B": b}, duplicates="skip")
+    assert _ids(RunFilter(skip), skip, "B")[0] == ids_b
     ask = _cfg(tmp_path, {"A": a, "B": b}, duplicates="ask")
     assert _ids(RunFilter(ask), ask, "B")[0] == [r["id"] for r in b]
 
@@ -165,6 +168,9 @@ def test_two_overlapping_datasets_ask_each_prompt_once_through_a_worker_kill(
     assert sa["tokens"] == sum(rows[0]["num_tokens"] for rows in a_by_id.values())
     manifest = json.loads((fleet.out / "manifest.json").read_text())
     assert manifest["duplicates_policy"] == "share"
+    # The export's B split is every B prompt's row, its own and the shared ones.
+    rows_of = {s.name: s.rows for s in export(fleet.out, fleet.tmp / "export").splits}
+    assert (rows_of["A"], rows_of["B"]) == (100, 101), rows_of
     assert manifest["datasets"]["B"]["duplicate_prompts"] == 21 and manifest["datasets"]["B"]["shared_rows"] == 21
 
 
