@@ -9,7 +9,7 @@ UV     := $(BIN)/uv
 # uv uses the interpreter of the venv it is given, never one it would download.
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: install lock test-latest compose-smoke demo test test-faults redis-server lint check bench soak mutants clean
+.PHONY: install lock test-latest compose-smoke demo test test-faults redis-server tour docs reference lint check bench soak mutants clean
 
 install: $(STAMP)
 
@@ -67,6 +67,19 @@ test: install $(QWEN3)/tokenizer_config.json redis-server  ## every feature end 
 test-faults: install $(QWEN3)/tokenizer_config.json redis-server  ## the fault tier: Redis killed/refusing, failover, stops, property searches
 	-$(BIN)/python -m compileall -q common workers producer simulator harness tests
 	$(PYTEST) -m faults $(PYTEST_ARGS)
+
+# The tutorial (docs/tutorial.md) walked verbatim against the simulator; part of `make test` too.
+tour: install  ## the manual's tutorial, every command verbatim, against the simulator (tests/test_tour.py)
+	$(PYTEST) tests/test_tour.py $(PYTEST_ARGS)
+
+# The manual: the reference pages must be what the code generates (else: make reference, commit),
+# then MkDocs with --strict (mkdocs.yml): a broken link or anchor, or a page outside the nav, fails.
+docs: install  ## the manual (MkDocs, Material) with strict checks, into build/site
+	$(BIN)/python -m ops.gen_reference --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+reference: install  ## regenerate docs/reference/*.md and .env.example from the code
+	$(BIN)/python -m ops.gen_reference
 
 # The tests on the newest releases the ranges allow, not the lock's: an upstream release that breaks
 # us shows here before a user meets it. A venv of its own; prints what differs from the lock first.

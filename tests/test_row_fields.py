@@ -1,7 +1,8 @@
-"""Every row field README.md documents is in the rows a real fleet writes.
+"""Every row field the manual documents is in the rows a real fleet writes.
 
-The table is read from README.md's Output section, so the test follows the docs: a field added to
-the table must reach every row, and a field the code stops writing (``reasoning_end`` dropped from
+The table is read from the manual's row-field reference (docs/reference/rows.md, generated from the
+row contract by ops/gen_reference.py), so the test follows the docs: a field the contract marks as in
+every row must reach every row, and a field the code stops writing (``reasoning_end`` dropped from
 the row, say) fails here though every row still loads and trains.
 """
 
@@ -16,25 +17,21 @@ from tests.fleet import REPO, Fleet, prompts, write_jsonl
 #: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
 WARM_FLEET = True
 
-_FIELD_ROW = re.compile(r"^\| (?P<fields>`[^|]+`) \| (?P<where>[^|]+) \|")
-
 
 def documented_fields() -> dict[str, str]:
-    """README's row-field table: field -> the rows it is in ("every row", "prompts with tools", …)."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Output\n", 1)[1].split("\n## ", 1)[0]
+    """The reference's row-field table: field -> the rows it is in ("every row", "prompts with tools", …)."""
     fields: dict[str, str] = {}
-    for line in section.splitlines():
-        if m := _FIELD_ROW.match(line):
-            for name in re.findall(r"`([^`]+)`", m["fields"]):
-                fields[name] = m["where"].strip()
+    for line in (REPO / "docs" / "reference" / "rows.md").read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 4 and (m := re.fullmatch(r"`([^`]+)`", cells[0])):
+            fields[m[1]] = cells[2]
     return fields
 
 
-def test_the_readme_table_is_found() -> None:
+def test_the_reference_table_is_found() -> None:
     fields = documented_fields()
     every = [f for f, where in fields.items() if where == "every row"]
-    assert {"id", "input_ids", "loss_mask", "reasoning_end", "usage"} <= set(every), fields
+    assert {"id", "input_ids", "loss_mask", "reasoning_end", "usage", "where", "manifest"} <= set(every), fields
     assert fields["tools"] == "prompts with tools"
 
 
