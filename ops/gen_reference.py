@@ -83,7 +83,35 @@ NOTES: dict[str, str] = {
                      "or a `save_to_disk` folder; relative to the run file.",
     "datasets.length": "Which `[lengths.*]` class its requests use.",
     "datasets.budget_tokens": "Kept tokens (the rows' `loss_mask` ones): a request is admitted only if it fits.",
+    "request.max_in_flight": "Not sent: requests the whole fleet (all workers, all hosts) has in flight at most.",
+    "request.adaptive_backoff": "Not sent: 429/503s above the provider's background share cut the fleet's in-flight "
+                                "limit (AIMD) and their `Retry-After` pauses every worker; random 429s are learned as "
+                                "background. Off: a 429 delays only its own request.",
+    "request.start_in_flight": "Not sent: where the fleet's in-flight limit starts; default: what the account's "
+                               "balance covers in worst cases (the plan), else unbounded.",
+    "lengths.timeout_s": "Wall-clock limit of one attempt: connect, headers and the whole answer, however slowly "
+                         "its bytes come; then a retryable timeout (possibly billed).",
     # environment
+    "SPECFLEET_CONCURRENCY": "Upstream requests in flight per worker process, its share of the fleet. Its pool (and "
+                             "HTTP pool) runs a quarter more greenlets, so tasks waiting on Redis never hold a request "
+                             "slot; it takes from the queue only what it can send within about a second. Under a fixed "
+                             "`[request] max_in_flight` it borrows, up to its pool's size, the share other workers "
+                             "leave unused.",
+    "SPECFLEET_ANSWER_BYTES_IN_FLIGHT": "Answer bytes a worker turns into rows at once; the next answer waits for "
+                                        "room (one larger goes alone). A worker's memory for answers is about 180x "
+                                        "this (a 300,000-character answer took ~60 MB while rebuilt), plus the answers "
+                                        "waiting and the bodies arriving; answers of a few KB never wait.",
+    "SPECFLEET_REDIS_RETRY_WINDOW_S": "How long every process rides out Redis being away before it gives up: the "
+                                      "producer then exits 4, or 6 if Redis answered but refused writes; the same "
+                                      "command resumes.",
+    "SPECFLEET_VISIBILITY_TIMEOUT_S": "Redelivery delay of a dead worker's tasks: must exceed the longest task with "
+                                      "its retries, and be the same in every process (the shortest wins).",
+    "SPECFLEET_QUEUE_WINDOW_PROMPTS": "Producer: prompts of a dataset kept queued in Redis at once, refilled as "
+                                      "workers take them (4x a 2,000-in-flight fleet's share; raise it for a bigger "
+                                      "fleet). Redis then holds a window, not the dataset.",
+    "SPECFLEET_UNACKED_RESTORE_S": "How often a worker puts dead workers' expired messages back in their queue (kombu "
+                                   "does it only after an empty poll): a SIGKILLed worker's tasks come back within "
+                                   "`SPECFLEET_VISIBILITY_TIMEOUT_S` + this.",
     "REDIS_URL": "Broker, budget and results: `redis://[:password@]host:6379/0` (`rediss://`, `unix://`), or "
                  "Sentinels, `sentinel://[:password@]s1:26379;sentinel://s2:26379/0?master_name=mymaster`. "
                  "Unset: `run` and `demo` start a private Valkey under the output folder; the others need it.",
