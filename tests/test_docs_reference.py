@@ -114,3 +114,10 @@ def test_a_flag_added_to_the_parser_is_caught() -> None:
     with pytest.raises(gen.Undocumented, match="--new-flag"):
         gen.cli_page(lambda: with_flag(None))
     assert gen.cli_page(lambda: with_flag("a new flag")) != (gen.REFERENCE / "cli.md").read_text()
+
+
+def test_the_product_never_imports_the_generator() -> None:
+    """ops/gen_reference.py reads the product; the product (a worker image, the producer) never needs it."""
+    importers = [str(p.relative_to(REPO)) for pkg in ("common", "workers", "producer", "simulator")
+                 for p in (REPO / pkg).rglob("*.py") if "gen_reference" in p.read_text()]
+    assert not importers, importers
