@@ -3,13 +3,17 @@
 --
 -- KEYS[1] check  HASH  the run config's usage check (keys.usage_check(cid)):
 --                        n        answers checked so far, counted up to `window`
---                        pm:<d>   how many of them were billed d prompt tokens more than the fleet counts
---                        cm:<d>   how many that ended (stop, tool_calls) were billed d completion tokens more
---                        pm, pm_n the most common prompt difference so far (the learned offset; the first to
---                                 reach a count wins ties) and its count; cm, cm_n the completion's
+--                        pm|<provider>:<d>  how many of them the provider billed d prompt tokens more than the
+--                                           fleet counts
+--                        cm|<provider>:<d>  how many of them that ended (stop, tool_calls) it billed d completion
+--                                           tokens more
+--                        pm|<provider>, pm|<provider>_n  its most common prompt difference so far (the learned
+--                                           offset; the first to reach a count wins ties) and its count; cm|… the
+--                                           completion's. Per provider: one serving the model may count the end
+--                                           token and another not, and a run's answers come from several
 --                        miss     answers within the window that disagreed with the offset of their moment
 --
--- ARGV: p c ended window allowed declared ttl_s
+-- ARGV: p c ended window allowed declared ttl_s provider
 --   p, c      the answer's billed prompt/completion tokens minus the fleet's counts of its prompt ids and
 --             rebuilt completion ids (with the end-of-turn token the fleet appends to an ended answer)
 --   ended     1: the answer ended (the fleet appended its end-of-turn token); 0: cut (finish_reason length)
@@ -17,6 +21,7 @@
 --   allowed   mismatches among them that do not halt the run
 --   declared  "<p>:<c>" ([model] usage_offset) or "" (learned)
 --   ttl_s     the hash's expiry, renewed by every call
+--   provider  who answered (the learned offsets are its own; "" when unnamed)
 --
 -- The prompt offset is learned from every answer, the completion's from the ended ones only: a cut
 -- answer has no end-of-turn token, which the offset may hold (a server that does not count it
@@ -29,6 +34,7 @@
 local key = KEYS[1]
 local p, c, ended = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == "1"
 local window, allowed, declared, ttl_s = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ARGV[7]
+local provider = ARGV[8]
 
 local n = tonumber(redis.call("HGET", key, "n") or "0")
 local in_window = n < window
@@ -37,7 +43,8 @@ if in_window then
 end
 
 -- The mode of one difference after counting `d` (when `learn`): the offset it is held to, or nil.
-local function mode(field, d, learn)
+local function mode(name, d, learn)
+  local field = name .. "|" .. provider
   local current = redis.call("HGET", key, field)
   if learn then
     local count = redis.call("HINCRBY", key, field .. ":" .. d, 1)

@@ -4,8 +4,8 @@ The provider counts the tokens its model read and wrote; the fleet counts the id
 rebuilt with the run's tokenizer. They differ by a constant that belongs to the model and its
 server: an end-of-turn token the provider does not count (``completion = -1``), a BOS it adds to the
 prompt (``prompt = 1``). ``[model] usage_offset = {prompt = …, completion = …}`` declares it; absent,
-it is learned: the most common difference among the answers checked so far, frozen after the
-first ``usage_check_answers`` (the run config's hash ``keys.usage_check``, ``usage_check.lua``). Any
+it is learned, per provider: the most common difference among its answers checked so far, frozen
+after the run's first ``usage_check_answers`` (the run config's hash ``keys.usage_check``, ``usage_check.lua``). Any
 other difference means the ids differ from what the model read or wrote: another tokenizer
 revision, a converted tokenizer, another chat template. The row keeps its ids and says so
 (``usage_check``); past ``usage_mismatch_max`` of the first ``usage_check_answers`` the run halts
@@ -94,10 +94,11 @@ def halt_text(verdict: UsageVerdict, model: ModelConfig, where: str) -> str:
 
 
 def check_usage(client: redis.Redis, config_id: str, view: WorkerView, usage: Usage, *,
-                prompt_tokens: int, completion_tokens: int, ended: bool) -> UsageVerdict | None:
+                prompt_tokens: int, completion_tokens: int, ended: bool, provider: str = "") -> UsageVerdict | None:
     """The verdict on one answer of the run ``config_id`` (None: not checked: ``usage_check = "off"``,
-    or no usage billed). Learned per run config and manifest: a resume whose tokenizer files were
-    fixed (another manifest id) learns afresh; one with the same files meets its halt again."""
+    or no usage billed). Learned per run config and manifest (a resume whose tokenizer files were
+    fixed, another manifest id, learns afresh; one with the same files meets its halt again) and
+    per ``provider`` (each counts in its own way; the halt counts them all)."""
     model = view.model
     if model.usage_check == "off" or (usage["prompt_tokens"] == 0 and usage["completion_tokens"] == 0):
         return None
@@ -110,7 +111,7 @@ def check_usage(client: redis.Redis, config_id: str, view: WorkerView, usage: Us
     c = usage["completion_tokens"] - completion_tokens
     reply = script(keys=[usage_check(config_id, view.manifest)],
                    args=[p, c, 1 if ended else 0, model.usage_check_answers, allowed_mismatches(model), declared,
-                         USAGE_CHECK_TTL_S])
+                         USAGE_CHECK_TTL_S, provider])
     match, ep, ec, mismatches, over = (int(x) for x in reply)
     return UsageVerdict(p, c, ep, ec, bool(match), mismatches, bool(over))
 

