@@ -19,6 +19,7 @@ from common.decontam import EvalIndex, EvalItem, prompt_words
 from common.dedup import FingerprintIndex, fingerprint
 from common.prompt_filter import RunFilter
 from producer.export import export
+from producer.share import write_shared
 from simulator.seeding import prompt_hash
 from tests.chaos import read_shards
 from tests.fleet import Fleet, prompts, read_summary, write_jsonl
@@ -76,6 +77,27 @@ def test_duplicates_across_and_within_datasets_every_read_the_same(tmp_path: Pat
     assert _ids(RunFilter(skip), skip, "B")[0] == ids_b
     ask = _cfg(tmp_path, {"A": a, "B": b}, duplicates="ask")
     assert _ids(RunFilter(ask), ask, "B")[0] == [r["id"] for r in b]
+
+
+def test_shared_rows_once_each_and_a_first_copy_never_kept_counted(tmp_path: Path) -> None:
+    """shared.jsonl from what the first copies' datasets kept: each duplicate once however often it is
+    written (a resumed run writes it again), and a duplicate whose first copy has no kept row (its
+    budget stopped first, it failed) counted as not kept, never given another's row."""
+    a = [_user(f"question {i}", f"a{i}") for i in range(6)]
+    b = [_user(f"question {i}", f"b{i}") for i in range(3, 8)] + [_user("question 7", "b-again")]
+    cfg = _cfg(tmp_path, {"A": a, "B": b})
+    filt = RunFilter(cfg)
+    kept = {"A": [{"id": "a3", "num_tokens": 5}, {"id": "a5", "num_tokens": 7}],  # a4 never kept
+            "B": [{"id": "b7", "num_tokens": 9}]}
+    folder = tmp_path / "out" / "B"
+    folder.mkdir(parents=True)
+    for _ in range(2):
+        shared = write_shared(folder, filt, cfg.datasets[1], lambda name: iter(kept[name]), chunk=2)
+        rows = [json.loads(line) for line in (folder / "shared.jsonl").read_text().splitlines()]
+        assert sorted((r["id"], r["duplicate_of"]["dataset"], r["duplicate_of"]["id"], r["num_tokens"])
+                      for r in rows) == [("b-again", "B", "b7", 9), ("b3", "A", "a3", 5), ("b5", "A", "a5", 7)]
+        assert (shared.prompts, shared.rows, shared.not_kept) == (3, 3, 1)  # b4: a4 was never kept
+        assert rows[0]["where"].startswith(str(tmp_path / "B.jsonl:"))
 
 
 def test_an_eval_runs_words_match_and_name_the_item(tmp_path: Path) -> None:
