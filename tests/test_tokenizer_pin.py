@@ -11,14 +11,17 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from common import keys
 from common.config import TokenizerPin
+from common.contract import IDLE_QUEUE
 from common.errors import TokenizerError
 from common.manifest import read_manifest
 from common.target import TargetTokenizer
@@ -26,9 +29,11 @@ from common.tokenizer_pin import HANDOFF_TTL_S, check, fetch, handoff_id
 from common.worker_cmd import worker_argv
 from harness.zygote import Process
 from producer.validate import validate
-from tests.fleet import DEMO_TOKENIZER, Fleet, prompts, write_jsonl
+from tests.fleet import DEMO_TOKENIZER, Fleet, read_rows, read_summary, write_jsonl
 
 N_PROMPTS = 60
+#: A run killed after its first row: enough left for the resumed run.
+KILLED_RUN_PROMPTS = 200
 
 needs_namespaces = pytest.mark.skipif(
     subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0,
@@ -48,24 +53,39 @@ def _other_template(folder: Path) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def _worker_in_namespace(fleet: Fleet, name: str, setup: str, args: list[str], **env: str) -> Process:
-    """A worker (as ``specfleet worker`` starts it) in a mount namespace of its own, after ``setup``
-    (a shell line given ``args`` as $1…) changed what that namespace sees: another host's files."""
+def _worker_in_namespace(fleet: Fleet, name: str, setup: str, args: list[str], *queues: str, **env: str) -> Process:
+    """A worker (as ``specfleet worker`` starts it, also consuming ``queues`` if given) in a mount
+    namespace of its own, after ``setup`` (a shell line given ``args`` as $1…) changed what that
+    namespace sees: another host's files."""
+    extra = ("-n", f"{name}@%h", *(("-Q", ",".join([IDLE_QUEUE, *queues])) if queues else ()))
     cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", f'{setup} && shift {len(args)} && exec "$@"',
-           "sh", *args, *worker_argv(10, extra=("-n", f"{name}@%h"))]
+           "sh", *args, *worker_argv(10, extra=extra)]
     return fleet._spawn(name, cmd, fleet.env(SPECFLEET_CONCURRENCY="10", **env))
 
 
-def _config(fleet: Fleet, tokenizer: Path) -> Path:
-    data = write_jsonl(fleet.tmp / "t.jsonl", prompts(N_PROMPTS, "t"))
+def _prompts(n: int) -> list[dict[str, Any]]:
+    return [{"id": f"t{i:05d}", "messages": [{"role": "user", "content": f"Question {i}, said plainly ✓"}]}
+            for i in range(n)]
+
+
+def _config(fleet: Fleet, tokenizer: Path, n: int = N_PROMPTS) -> Path:
+    data = write_jsonl(fleet.tmp / "t.jsonl", _prompts(n))
     return fleet.write_config([{"name": "T", "path": data, "length": "short"}], tokenizer=tokenizer)
 
 
-def _assert_rows_are_the_manifests(fleet: Fleet) -> None:
+def _assert_rows_are_the_manifests(fleet: Fleet, n: int = N_PROMPTS) -> None:
     """Every prompt has its row, and each row's ids are what the manifest's tokenizer makes of it."""
     result = validate(fleet.out)
     assert result.ok, [str(d) for d in result.defects[:5]]
-    assert sum(d.rows for d in result.datasets) == N_PROMPTS, result.datasets
+    assert sorted(row["id"] for row in read_rows(fleet.out, "T")) == [p["id"] for p in _prompts(n)]
+
+
+def _one_refusal(fleet: Fleet, name: str, tok: Path, other: Path) -> None:
+    """The worker's log says it once, naming the file and both hashes (short)."""
+    refusals = [line for line in fleet.log(name).splitlines() if "refusing run" in line]
+    assert len(refusals) == 1, fleet.log(name)
+    short = (_sha(tok / "tokenizer_config.json")[:12], _sha(other / "tokenizer_config.json")[:12])
+    assert "tokenizer_config.json" in refusals[0] and f"here {short[1]}, manifest {short[0]}" in refusals[0], refusals
 
 
 @pytest.mark.fleet
@@ -78,7 +98,7 @@ def test_a_worker_seeing_other_tokenizer_files_at_the_run_path_refuses_with_one_
     shutil.copytree(DEMO_TOKENIZER, other)
     _other_template(other)
     # The difference matters: the other files render the run's prompts into other ids.
-    messages = prompts(1)[0]["messages"]
+    messages = _prompts(1)[0]["messages"]
     assert (TargetTokenizer.load(str(tok), trust_remote_code=False).prompt_ids(messages, None)
             != TargetTokenizer.load(str(other), trust_remote_code=False).prompt_ids(messages, None))
     fleet.start_simulator("--latency-median-ms", "40")
@@ -92,12 +112,43 @@ def test_a_worker_seeing_other_tokenizer_files_at_the_run_path_refuses_with_one_
     fleet.run_producer(config, timeout_s=150)
 
     fleet.wait_for(lambda: stranger.poll() is not None, 30, "the refusing worker to leave")
-    refusals = [line for line in fleet.log("stranger").splitlines() if "refusing run" in line]
-    assert len(refusals) == 1, fleet.log("stranger")
-    short = (_sha(tok / "tokenizer_config.json")[:12], _sha(other / "tokenizer_config.json")[:12])
-    assert "tokenizer_config.json" in refusals[0] and f"here {short[1]}, manifest {short[0]}" in refusals[0], refusals
+    _one_refusal(fleet, "stranger", tok, other)
     assert "following specfleet.q.T" not in fleet.log("stranger")
     _assert_rows_are_the_manifests(fleet)
+
+
+@pytest.mark.fleet
+@needs_namespaces
+@pytest.mark.timeout(300)
+def test_a_worker_still_following_the_queue_of_a_killed_run_refuses_its_resumption_with_other_files(
+        fleet: Fleet, tmp_path: Path) -> None:
+    """The queue is the dataset's, not the run's: a worker that follows it for a run whose producer
+    was killed (the queue still active) is checked again when the run is resumed naming a path where
+    it sees other files, and the resumed run loses no prompt to it."""
+    same, tok, other = tmp_path / "same", tmp_path / "tok", tmp_path / "other"
+    for folder in (same, tok, other):
+        shutil.copytree(DEMO_TOKENIZER, folder)
+    _other_template(other)
+    fleet.start_simulator("--latency-median-ms", "300")
+    stranger = _worker_in_namespace(fleet, "stranger", 'mount --bind "$1" "$2"', [str(other), str(tok)],
+                                    SPECFLEET_TOKENIZER_FROM="local")
+    fleet.wait_ready("stranger")
+    # Its files: the stranger follows the queue. A window of 20 leaves most prompts to the resumed run.
+    fleet.start_producer(_config(fleet, same, n=KILLED_RUN_PROMPTS), env={"SPECFLEET_QUEUE_WINDOW_PROMPTS": "20"})
+    fleet.wait_for(lambda: "settle: kept" in fleet.log("stranger"), 60, "the stranger's first row")
+    fleet.signal("producer", signal.SIGKILL)
+
+    fleet.start_worker("w1", concurrency=10)
+    fleet.wait_ready("w1")
+    fleet.run_producer(_config(fleet, tok, n=KILLED_RUN_PROMPTS), timeout_s=150, name="resumed")
+    fleet.wait_for(lambda: stranger.poll() is not None, 30, "the refusing worker to leave")
+    _one_refusal(fleet, "stranger", tok, other)
+    assert "resuming with" in fleet.log("resumed")
+    # What the stranger took went straight back to the queue: no prompt waited for the producer's sweep.
+    assert "lacking an outcome" not in fleet.log("resumed")
+    assert fleet.log("w1").count("settle: kept") >= KILLED_RUN_PROMPTS // 2  # the resumed run's: w1's
+    _assert_rows_are_the_manifests(fleet, n=KILLED_RUN_PROMPTS)
+    assert read_summary(fleet.out, "T")["failed"] == 0
 
 
 @pytest.mark.fleet

@@ -42,13 +42,26 @@ def serving(queue: str) -> str | None:
     return _serving.get(queue)
 
 
+#: Runs this worker refused: it is leaving, and follows none of their queues meanwhile.
+_refused: set[str] = set()
+
+
+def refuse_run(config_id: str, exc: Exception) -> None:
+    """This worker cannot make the run's rows (a tokenizer that is not the manifest's, a setting
+    missing here): it leaves, saying why in one line; what it holds goes back for another worker."""
+    if config_id in _refused:
+        return
+    _refused.add(config_id)
+    log.critical("refusing run %s, shutting this worker down: %s", config_id, exc)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 class FollowActiveQueues(bootsteps.StartStopStep):
     requires = {"celery.worker.consumer.tasks:Tasks"}
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self._timer: Any = None
-        self._refused: set[str] = set()
         self._syncing = False
 
     def start(self, c: Any) -> None:
@@ -90,15 +103,16 @@ class FollowActiveQueues(bootsteps.StartStopStep):
         _serving.update(active)
         consuming = {q.name for q in c.task_consumer.queues}
         for queue, config_id in sorted(active.items()):
-            if queue in consuming or config_id in self._refused:
+            if config_id in _refused:
                 continue
             try:
+                # A queue followed already may serve a new run (the same dataset name): checked too.
                 ctx.prepare(config_id)
             except SpecfleetError as exc:
-                self._refused.add(config_id)
-                log.critical("refusing run %s, shutting this worker down: %s", config_id, exc)
-                os.kill(os.getpid(), signal.SIGTERM)
+                refuse_run(config_id, exc)
                 return
+            if queue in consuming:
+                continue
             try:
                 c.add_task_queue(queue)
             except REFUSED_WRITES as exc:

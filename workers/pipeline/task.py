@@ -13,13 +13,13 @@ from celery import Task
 from celery.exceptions import Reject
 
 from common.contract import TASK_NAME, TaskPayload
-from common.errors import ConfigError
+from common.errors import ConfigError, SpecfleetError
 from common.outcomes import Outcome
 from common.redis_client import REFUSED_WRITES
 from workers.celery import app
 from workers.fleet import poison, server, writes
 from workers.fleet.context import WorkerContext, context
-from workers.fleet.queues import serving
+from workers.fleet.queues import refuse_run, serving
 from workers.fleet.send_room import SendRoom, process_room
 from workers.pipeline.conversation import handle
 from workers.pipeline.generate import Busy
@@ -39,6 +39,11 @@ def generate_task(self: Task, payload: TaskPayload) -> str:
             raise Reject("this worker is leaving a Redis it did not serve", requeue=True)
         if _refused(ctx, payload, self.request.delivery_info):
             return str(Outcome.DEAD_LETTER)
+        try:
+            ctx.tokenizer(ctx.run(payload["run"]))  # loaded and checked once per run; then a lookup
+        except SpecfleetError as exc:  # not the manifest's tokenizer here: the message is another worker's
+            refuse_run(payload["run"], exc)
+            raise Reject(f"run {payload['run']}: {exc}", requeue=True) from None
         outcome = _handle(ctx, payload, room)
         while isinstance(outcome, Busy):
             # Another delivery of this prompt holds a live lease (a copy kombu put back when a
