@@ -25,15 +25,11 @@
 -- KEYS[8] orphans  HASH   lease -> nano-usd held for a reaped lease whose answer may still be billed
 -- KEYS[9] turns    HASH   row key "<id>#<turn>" -> msgpack {message, end}: regenerate = "all" only
 -- KEYS[10] ended   SET    conversation ids that ended with a kept turn: regenerate = "all" only
--- KEYS[11] stats   HASH   the dataset's usage counters (common/accounting.py's COUNTERS; a test checks
---                         these lists against it). Added here from the usage ARGV of settle, fail and
---                         release (common/stats.answer_counts): requests, billed_prompt_tokens,
---                         billed_completion_tokens, billed_reasoning_tokens, cost_micro_usd, truncated
---                         (answers cut by max_tokens). Added by
---                         workers (common/stats.py): duplicates, skipped, engine_rows, engine_mismatch,
---                         engine_prompt_mismatch, usage_checked, usage_mismatch; the batch path's (workers/batch/): batch_requests,
---                         batch_results, batch_failed, batch_returned, batch_tail_live, batch_cost_micro_usd,
---                         batch_rows_cost_micro_usd.
+-- KEYS[11] stats   HASH   the dataset's usage counters: common/accounting.py's COUNTERS, by their source
+--                         field (a test checks that this script writes no other). Added here: a billed
+--                         answer's, from the usage ARGV of settle, fail and release (the counters whose
+--                         `usage` is set, common/stats.answer_counts), and any a line add(stats, "<field>", n)
+--                         below adds; the others by workers (common/stats.py's DatasetStats.add).
 -- KEYS[12] settled HASH   "<lease>:<id>" -> "<answer>|<over_hold>": that lease's settle, fail or release of the
 --                         prompt was applied
 --

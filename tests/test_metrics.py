@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from common import contract, stats
+from common import contract
+from common.accounting import BY_NAME
 from common.budget import Ask, Budget, open_run
 from common.config import ThrottleLimits
 from common.keys import CURRENT_RUN, DatasetKeys
@@ -79,11 +80,11 @@ def midrun(redis_client: redis.Redis) -> redis.Redis:
     redis_client.hset(
         k.stats,
         mapping={
-            stats.REQUESTS: 9,
-            stats.BILLED_PROMPT: 900,
-            stats.BILLED_COMPLETION: 260,
-            stats.BILLED_REASONING: 40,
-            stats.COST_MICRO_USD: 1_250_000,
+            BY_NAME["requests"].source: 9,
+            BY_NAME["billed_prompt_tokens"].source: 900,
+            BY_NAME["billed_completion_tokens"].source: 260,
+            BY_NAME["billed_reasoning_tokens"].source: 40,
+            BY_NAME["cost_usd"].source: 1_250_000,
             "err:http_429": 6,
             "err:timeout": 1,
             f"fail:{contract.FAIL_RETRIES_EXHAUSTED}": 1,
