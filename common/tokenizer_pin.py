@@ -119,6 +119,7 @@ def fetch(client: redis.Redis, pin: TokenizerPin, cache_dir: Path) -> Path | Non
     # Written beside its place and renamed into it: processes of one host fetching at once never
     # see a half-written folder.
     staging = Path(tempfile.mkdtemp(prefix=f".{pin.handoff}-", dir=cache_dir))
+    staging.chmod(0o755)  # mkdtemp's 0700 would keep the folder from the host's other users' workers
     try:
         for raw_name, data in blobs.items():
             name = raw_name.decode()

@@ -193,6 +193,7 @@ def test_the_cache_is_written_from_redis_checked_and_rewritten_when_damaged(
     try:
         folder = fetch(redis_client, pin, tmp_path)
         assert folder == tmp_path / (pin.handoff or "") and {p.name: _sha(p) for p in folder.iterdir()} == files
+        assert folder.stat().st_mode & 0o777 == 0o755  # every user's workers on the host read it
         (folder / "tokenizer.json").write_text("{}")
         assert fetch(redis_client, pin, tmp_path) == folder
         assert _sha(folder / "tokenizer.json") == files["tokenizer.json"]
