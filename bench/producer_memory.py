@@ -6,7 +6,7 @@ window takes (``PromptStream`` to the end of the file, as a run that goes to its
 messages Redis holds are bounded by the window, not by this). ``--dict`` puts back the reader's old
 duplicate-id dict (id string -> line) for the figures before.
 
-    .venv/bin/python bench/producer_memory.py 100000 400000 [--dict]
+    .venv/bin/python -m bench.producer_memory 100000 400000 [--dict]   (from the repo's root)
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def write_data(path: Path, n: int) -> None:
@@ -86,7 +85,8 @@ def main() -> None:
                 '[lengths.short]\nmax_tokens = 1024\ntimeout_s = 60\n\n'
                 f'[output]\ndir = "{folder / "out"}"\n\n[[datasets]]\nname = "D"\npath = "{data}"\n'
                 'length = "short"\nbudget_tokens = 1_000_000\n')
-            cmd = [sys.executable, __file__, "--child", str(data), *(["--dict"] if args.dict else [])]
+            cmd = [sys.executable, "-m", "bench.producer_memory", "--child", str(data),
+                   *(["--dict"] if args.dict else [])]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
             result = json.loads(out)
             print(f"{n:>9,} prompts ({data.stat().st_size / 2**20:.0f} MiB): peak RSS {result['peak_rss_mib']:.1f} MiB "

@@ -22,8 +22,9 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from common.config import Pricing
 from common.contract import HALT_MESSAGE_MAX_CHARS, Usage
+from common.errors import ScriptReplyError
 from common.keys import HALT, RUN_BUDGET, DatasetKeys
-from common.outcomes import Outcome, reply_outcome
+from common.outcomes import REPLIES, Outcome
 from common.redis_client import fence_command, fence_failed
 from common.stats import answer_counts, queue_answered
 
@@ -40,6 +41,14 @@ FIELDS = (
 Mode = Literal["hard", "projected"]
 
 NUSD_PER_USD = 1_000_000_000
+
+
+def reply_outcome(op: str, word: str) -> Outcome:
+    """budget.lua's reply word for ``op`` as its member (common/outcomes.py's ``REPLIES``);
+    ``ScriptReplyError`` (a ValueError) for a word ``op`` does not answer (a script newer than the table)."""
+    if word not in REPLIES[op]:
+        raise ScriptReplyError(f"budget.lua {op} answered {word!r}, not one of {sorted(REPLIES[op])}")
+    return Outcome(word)
 
 
 def to_nusd(usd: float) -> int:

@@ -40,7 +40,7 @@ from typing import Any, BinaryIO, Protocol
 
 import orjson
 
-from common.errors import DatasetPathError, DatasetRowError
+from common.errors import DatasetFieldError, DatasetPathError, DatasetRowError
 
 _ROLES = {"system", "user", "assistant", "tool"}
 #: The default byte limit of one dataset line (``max_line_bytes`` of a dataset in the run file).
@@ -75,13 +75,13 @@ def _messages(row: dict[str, Any]) -> list[dict[str, Any]]:
     if "messages" in row:
         raw = row["messages"]
         if not isinstance(raw, list) or not raw:
-            raise ValueError("field 'messages': must be a non-empty list")
+            raise DatasetFieldError("field 'messages': must be a non-empty list")
         out = []
         for i, m in enumerate(raw):
             if not isinstance(m, dict):
-                raise ValueError(f"field 'messages[{i}]': must be an object")
+                raise DatasetFieldError(f"field 'messages[{i}]': must be an object")
             if m.get("role") not in _ROLES:
-                raise ValueError(f"field 'messages[{i}].role': {m.get('role')!r} is not one of {sorted(_ROLES)}")
+                raise DatasetFieldError(f"field 'messages[{i}].role': {m.get('role')!r} is not one of {sorted(_ROLES)}")
             content = m.get("content")
             if content is None:
                 # A tool-calling turn's null (or missing) content: Qwen3's own template fails on it,
@@ -94,38 +94,39 @@ def _messages(row: dict[str, Any]) -> list[dict[str, Any]]:
     if "conversations" in row:
         raw = row["conversations"]
         if not isinstance(raw, list) or not raw:
-            raise ValueError("field 'conversations': must be a non-empty list")
+            raise DatasetFieldError("field 'conversations': must be a non-empty list")
         out = []
         for i, turn in enumerate(raw):
             if not isinstance(turn, dict):
-                raise ValueError(f"field 'conversations[{i}]': must be an object")
+                raise DatasetFieldError(f"field 'conversations[{i}]': must be an object")
             role = _SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
             if role is None:
-                raise ValueError(f"field 'conversations[{i}].from': unknown speaker {turn.get('from')!r}")
+                raise DatasetFieldError(f"field 'conversations[{i}].from': unknown speaker {turn.get('from')!r}")
             value = turn.get("value")
             if not isinstance(value, str):
-                raise ValueError(f"field 'conversations[{i}].value': must be a string")
+                raise DatasetFieldError(f"field 'conversations[{i}].value': must be a string")
             out.append({"role": role, "content": value})
         return out
-    raise ValueError("no 'messages' (OpenAI form) or 'conversations' (ShareGPT form) field")
+    raise DatasetFieldError("no 'messages' (OpenAI form) or 'conversations' (ShareGPT form) field")
 
 
 def _joined_text(content: Any, field: str) -> str:
     """OpenAI text parts as one string; anything else is the row's error, named by field."""
     if not isinstance(content, list):
-        raise ValueError(f"{field}: must be a string, a list of text parts or null, not {type(content).__name__}")
+        raise DatasetFieldError(f"{field}: must be a string, a list of text parts or null, "
+                                f"not {type(content).__name__}")
     if not content:
-        raise ValueError(f"{field}: an empty list of parts")
+        raise DatasetFieldError(f"{field}: an empty list of parts")
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict):
-            raise ValueError(f"{field}[{j}]: a part must be an object like {{'type': 'text', 'text': ...}}, "
-                             f"not {type(part).__name__}")
+            raise DatasetFieldError(f"{field}[{j}]: a part must be an object like {{'type': 'text', 'text': ...}}, "
+                                    f"not {type(part).__name__}")
         kind = part.get("type")
         if kind != "text":
-            raise ValueError(f"{field}[{j}].type: {kind!r} parts are not supported (text models: 'text' only)")
+            raise DatasetFieldError(f"{field}[{j}].type: {kind!r} parts are not supported (text models: 'text' only)")
         if not isinstance(part.get("text"), str):
-            raise ValueError(f"{field}[{j}].text: must be a string")
+            raise DatasetFieldError(f"{field}[{j}].text: must be a string")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -138,17 +139,17 @@ def _tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"field 'tools': string is not JSON ({exc.msg})") from None
+            raise DatasetFieldError(f"field 'tools': string is not JSON ({exc.msg})") from None
     if not isinstance(tools, list):
-        raise ValueError("field 'tools': must be a list of tool definitions")
+        raise DatasetFieldError("field 'tools': must be a list of tool definitions")
     out = []
     for i, tool in enumerate(tools):
         if isinstance(tool, dict) and "function" not in tool and "name" in tool:
             tool = {"type": "function", "function": tool}  # bare function schemas
         if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
-            raise ValueError(f"field 'tools[{i}]': expected {{'type': 'function', 'function': {{...}}}}")
+            raise DatasetFieldError(f"field 'tools[{i}]': expected {{'type': 'function', 'function': {{...}}}}")
         if not tool["function"].get("name"):
-            raise ValueError(f"field 'tools[{i}].function.name': missing")
+            raise DatasetFieldError(f"field 'tools[{i}].function.name': missing")
         out.append(tool)
     return out
 
@@ -177,7 +178,7 @@ def parse_object(row: Any, where: str) -> Prompt:
     try:
         messages = _messages(row)
         tools = _tools(row)
-    except ValueError as exc:
+    except DatasetFieldError as exc:
         raise DatasetRowError(where, str(exc)) from None
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()

@@ -4,12 +4,13 @@ Every failure the product reports is a ``SpecfleetError``. Foreign exceptions (r
 tokenizers) are translated at the boundary that meets them, so callers decide on a class, never on
 a library's exception or a message string. The tree (httpx's ``_exceptions.py`` is the model)::
 
-    SpecfleetError
+    SpecfleetError                     any failure ending a command, unless its class says otherwise: exit 2
     ├── ConfigError                    a run file or environment variable is wrong: exit 2
     │   ├── PlanRefused                the plan says the run must not start
     │   ├── UnknownModel               the models endpoint does not list the run file's model
     │   └── RedisTooOld                REDIS_URL names a server older than the supported minimum
     ├── DatasetRowError                one dataset row is unusable (file:line); the rest runs
+    ├── DatasetFieldError              a row's field is not in a form specfleet reads (also a ValueError)
     ├── DatasetPathError               a dataset's path names nothing readable (also a ValueError)
     ├── ModelsUnavailable              the models endpoint could not be read
     ├── UpstreamError                  no usable answer (workers/pipeline/retry.py decides on the class)
@@ -34,7 +35,8 @@ a library's exception or a message string. The tree (httpx's ``_exceptions.py`` 
     ├── Interrupted                    SIGTERM/SIGINT: the run stopped, resumable: exit 130
     ├── Halted                         the fleet stopped admitting (account, URL, model): exit 3
     ├── IllegalTransition              a dataset run asked for a phase move its table forbids (a bug)
-    ├── PatchDrift                     a library changed code specfleet patches: the worker refuses, exit 7
+    ├── ScriptReplyError               a Lua script answered a word its Python face lacks (also a ValueError)
+    ├── PatchDrift                     a library changed code specfleet patches: the worker refuses, exit 8
     └── OutputError                    the output folder refused a write
 
     redis.exceptions.ConnectionError
@@ -45,11 +47,16 @@ a library's exception or a message string. The tree (httpx's ``_exceptions.py`` 
 kombu's and Celery's reconnects, ``except redis.ConnectionError``) must keep catching it, and the
 clauses that catch ``SpecfleetError`` (a worker refusing a run it cannot prepare, the CLI's exit 2)
 must not take an outage for a bad run file.
+
+Exit codes: each class's ``exit_code`` (the "exit N" above; tests/test_errors.py holds the two
+equal), the one table the CLI (``producer/cli.py``), the run (``producer/execute.py``) and the
+worker (``workers/runtime``, ``workers/fleet/consumer.py``) exit by. The producer's one code that is
+no error, 7 (stopped while Redis was unreachable), is ``producer/execute.EXIT_STOPPED_REDIS_AWAY``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -60,6 +67,9 @@ if TYPE_CHECKING:
 
 class SpecfleetError(Exception):
     """Base of every error specfleet raises on purpose."""
+
+    #: The process's exit code when this error ends a command (a class that means another says so).
+    exit_code: ClassVar[int] = 2
 
 
 # --- input the user gave us -------------------------------------------------------------------
@@ -89,6 +99,11 @@ class RedisTooOld(ConfigError):
 
 class DatasetPathError(SpecfleetError, ValueError):
     """A dataset's ``path`` names nothing the reader can read (the message says why)."""
+
+
+class DatasetFieldError(SpecfleetError, ValueError):
+    """A row's field is not in a form the reader takes; the message names the field
+    (``messages[2].role``), and the reader turns it into a ``DatasetRowError`` naming file:line."""
 
 
 class DatasetRowError(SpecfleetError):
@@ -277,10 +292,14 @@ class RedisOutage(RedisConnectionError):
         super().__init__(f"Redis unreachable for {window_s:.0f} s ({cause})")
         self.window_s = window_s
 
+    exit_code: ClassVar[int] = 4
+
 
 class RedisRefusesWrites(SpecfleetError):
     """Redis answers but refuses writes (maxmemory reached with noeviction, or a read-only replica)
     for longer than the retry window. ``what`` is the one line that says which and what to do."""
+
+    exit_code: ClassVar[int] = 6
 
     def __init__(self, what: str, window_s: float) -> None:
         super().__init__(f"{what} (refused for {window_s:.0f} s)")
@@ -292,6 +311,8 @@ class ProducerFenced(SpecfleetError):
     """Another producer took the producer lock (a newer generation) while this one was paused or
     cut off: this one must not write again, in Redis or in the output folder."""
 
+    exit_code: ClassVar[int] = 5
+
 
 # --- how a run ends short of done --------------------------------------------------------------
 
@@ -299,10 +320,14 @@ class ProducerFenced(SpecfleetError):
 class Interrupted(SpecfleetError):
     """SIGTERM/SIGINT: the run stopped where it was; running it again resumes."""
 
+    exit_code: ClassVar[int] = 130
+
 
 class Halted(SpecfleetError):
     """A worker found the OpenRouter account refused (bad key, no credits) or the URL/model wrong:
     the fleet stopped admitting; nothing was marked failed, and running again after the fix resumes."""
+
+    exit_code: ClassVar[int] = 3
 
 
 # --- the output folder --------------------------------------------------------------------------
@@ -313,9 +338,17 @@ class IllegalTransition(SpecfleetError):
     not join: a bug in the runner, refused before it could act on a state it never planned for."""
 
 
+class ScriptReplyError(SpecfleetError, ValueError):
+    """budget.lua or throttle.lua answered a word ``common/outcomes.py`` does not list for the
+    operation: the script and the code that reads it are of two versions."""
+
+
 class PatchDrift(SpecfleetError):
     """An installed library's source differs where specfleet patches it (``common/runtime.py``):
     the process refuses to run on code nobody verified. The message is the whole one-line reason."""
+
+    #: Not 7: that is the producer's stop while Redis was unreachable (producer/execute.py).
+    exit_code: ClassVar[int] = 8
 
     def __init__(self, message: str, *, patch: str, dist: str) -> None:
         super().__init__(message)
@@ -329,3 +362,13 @@ class OutputError(SpecfleetError):
     Nothing is lost: rows not yet written stay in Redis, and running the same command again
     (once the folder is writable) writes them exactly once.
     """
+
+
+def exit_classes() -> list[type[SpecfleetError] | type[RedisOutage]]:
+    """The classes that set their own ``exit_code``, in the tree's order: the table of exit codes."""
+    tree: list[type[SpecfleetError] | type[RedisOutage]] = [SpecfleetError, *_subclasses(SpecfleetError), RedisOutage]
+    return [cls for cls in tree if "exit_code" in vars(cls)]
+
+
+def _subclasses(cls: type[SpecfleetError]) -> list[type[SpecfleetError]]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]

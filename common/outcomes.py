@@ -3,7 +3,8 @@
 ``Outcome`` is a ``StrEnum``: a member is its word (``Outcome.KEPT == "kept"``), so what Celery logs
 and Flower shows as a task's result, and what a spool entry or a log line says, stays the word.
 Budget replies are decoded into members once, in ``common/budget.py`` (``reply_outcome``); past it the
-code compares members, never strings.
+code compares members, never strings. throttle.lua's acquire answers a ``Grant``, decoded once in
+``common/throttle.py`` (``grant_of``). This module is the words alone: it imports nothing of ours.
 
 Who answers what:
 
@@ -65,13 +66,11 @@ REPLIES: dict[str, frozenset[Outcome]] = {
 SKIPPED: dict[Outcome, Outcome] = {Outcome.STOPPED: Outcome.SKIPPED_STOPPED, Outcome.OVER: Outcome.SKIPPED_OVER}
 
 
-def reply_outcome(op: str, word: str) -> Outcome:
-    """budget.lua's reply word for ``op`` as its member; ValueError for a word ``op`` does not answer
-    (a script newer than this table)."""
-    outcome = Outcome(word)
-    if outcome not in REPLIES[op]:
-        raise ValueError(f"budget.lua {op} answered {word!r}, not one of {sorted(REPLIES[op])}")
-    return outcome
+class Grant(enum.StrEnum):
+    """throttle.lua acquire's first word (tests/test_outcomes.py checks the script answers these only)."""
+
+    OK = "ok"  # slots granted: how many follows
+    WAIT = "wait"  # none: how long until asking again makes sense, and why (hold | pause | limit | rate)
 
 
-__all__ = ["REPLIES", "SKIPPED", "Outcome", "reply_outcome"]
+__all__ = ["REPLIES", "SKIPPED", "Grant", "Outcome"]

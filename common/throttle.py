@@ -16,7 +16,9 @@ from typing import Any, Literal
 import redis
 
 from common.config import ThrottleLimits
+from common.errors import ScriptReplyError
 from common.keys import THROTTLE, THROTTLE_SLOTS
+from common.outcomes import Grant
 
 _SCRIPT = files("common").joinpath("throttle.lua").read_text(encoding="utf-8")
 
@@ -132,6 +134,13 @@ class ThrottleSnapshot:
         return self.throttled / total if total else 0.0
 
 
+def grant_of(word: str) -> Grant:
+    """throttle.lua acquire's first word as its member; ``ScriptReplyError`` for another."""
+    if word not in set(Grant):
+        raise ScriptReplyError(f"throttle.lua acquire answered {word!r}, not one of {sorted(Grant)}")
+    return Grant(word)
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -163,7 +172,7 @@ class FleetThrottle:
         leaving ``keep_free`` of the limit's slots free for others."""
         reply = self._call("acquire", self._clock_ms(), ttl_ms, limits.max_in_flight or 0,
                            limits.max_requests_per_s or 0, self.policy.window_ms, keep_free, *slots)
-        if reply[0] == "ok":
+        if grant_of(reply[0]) is Grant.OK:
             return SlotGrant(True, granted=int(reply[1]))
         return SlotGrant(False, int(reply[1]), str(reply[2]))
 

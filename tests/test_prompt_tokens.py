@@ -11,7 +11,7 @@ import pytest
 from common.datasets import parse_row
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer
 from common.target import TargetTokenizer
-from tests.tokenizer_factory import FAMILIES, KIMI_K25, write_remote_tokenizer, write_tokenizer
+from harness.tokenizer_factory import FAMILIES, KIMI_K25, write_remote_tokenizer, write_tokenizer
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function",

@@ -22,8 +22,8 @@ import pytest
 from common.errors import TokenizerError, TokenMismatch
 from common.rebuild import RebuiltRow, rebuild
 from common.target import StrippedEdges, TargetTokenizer
-from tests.tokenizer_factory import CHATML as CHATML_FAMILY
-from tests.tokenizer_factory import (
+from harness.tokenizer_factory import CHATML as CHATML_FAMILY
+from harness.tokenizer_factory import (
     FAMILIES,
     KIMI_K2_THINKING,
     KIMI_K25,

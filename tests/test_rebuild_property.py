@@ -1,4 +1,4 @@
-"""Properties of the rebuild on every test tokenizer family (``tests/tokenizer_factory.py``).
+"""Properties of the rebuild on every test tokenizer family (``harness/tokenizer_factory.py``).
 
 1. Any answer OpenRouter can return rebuilds into a row that passes every self-check (``rebuild``
    raises ``TokenMismatch`` otherwise), and its prompt part is what transformers' own

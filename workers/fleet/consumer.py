@@ -25,8 +25,8 @@ from common.redis_server import require_supported
 from workers.fleet import writes
 from workers.fleet.context import context
 
-#: The CLI's exit code for a wrong setting (``specfleet``'s ConfigError): REDIS_URL names a server too old.
-EXIT_REDIS_TOO_OLD = 2
+#: REDIS_URL names a server too old: the exit code of its class, as the CLI's (common/errors.py's table).
+EXIT_REDIS_TOO_OLD = RedisTooOld.exit_code
 
 
 class Consumer(CeleryConsumer):

@@ -31,8 +31,8 @@ from workers.runtime import celery_pidbox, dns, kombu_redis, kombu_sleep, urllib
 PATCHES: tuple[Patch, ...] = (*common_runtime.PATCHES, *kombu_redis.PATCHES, *kombu_sleep.PATCHES, *dns.PATCHES,
                               *urllib3_pool.PATCHES, *celery_pidbox.PATCHES)
 
-#: A worker refusing a library nobody verified exits with this (common/errors.py's PatchDrift).
-EXIT_PATCH_DRIFT = 7
+#: A worker refusing a library nobody verified exits with this (common/errors.py's table).
+EXIT_PATCH_DRIFT = PatchDrift.exit_code
 
 
 def install(room: SendRoom | None = None, admit: kombu_redis.Admit | None = None) -> None:
