@@ -1,6 +1,6 @@
 """Engine-ids mode: answer like vLLM's OpenAI server does for ``return_token_ids: true``.
 
-vLLM (``tests/entrypoints/openai/test_return_token_ids.py``) puts ``prompt_token_ids`` at the top
+vLLM (``vllm-project/vllm:tests/entrypoints/openai/test_return_token_ids.py``) puts ``prompt_token_ids`` at the top
 level of a chat completion and ``token_ids`` in each choice:
 
 - ``prompt_token_ids``: the tokenizer's chat template rendered with the generation prompt
