@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from common.datasets import DEFAULT_MAX_LINE_BYTES
 from common.errors import ConfigError
@@ -93,6 +93,11 @@ class ModelConfig(_Strict):
     #: soon as the limit is passed: at the 11th disagreeing answer by default).
     usage_check_answers: int = Field(default=200, gt=0)
     usage_mismatch_max: float = Field(default=0.05, ge=0, le=1)
+    #: Go on with a model whose author does not allow its outputs to train other models (the models
+    #: list's ``is_trainable_text`` false), and send requests without
+    #: ``provider.enforce_distillable_text``. False: such a model is refused before any request, and
+    #: every request carries the flag (OpenRouter then routes only to models that allow distillation).
+    allow_non_distillable: bool = False
 
 
 class LengthClass(_Strict):
@@ -138,6 +143,16 @@ def _default_lengths() -> dict[LengthName, LengthClass]:
     }
 
 
+class Distillation(_Strict):
+    """A model's distillation permission as read from the models list (``is_trainable_text``)."""
+
+    model: str
+    #: None: the list did not say (or could not be read).
+    is_trainable_text: bool | None
+    read_at: str
+    source: str
+
+
 class ThrottleLimits(_Strict):
     """Fleet-wide caps on upstream requests (``common/throttle.py``), held in Redis for every worker
     of every host. None: no fixed cap; the adaptive limit that 429s cut applies either way."""
@@ -176,6 +191,11 @@ class RequestConfig(_Strict):
     #: in ``<dataset>/truncated.jsonl`` (full rows), ``drop`` (a stub per row in dropped.jsonl). The
     #: budget counts them as before either way: billed is billed, kept tokens are kept.
     truncated: TruncatedPolicy = "separate"
+    #: Rows marked degenerate (``quality``: a looping answer, empty content after reasoning, reasoning
+    #: never closed; common/quality.py): ``keep`` in the shards, ``separate`` in
+    #: ``<dataset>/degenerate.jsonl``, ``drop`` (a stub in dropped.jsonl). Billed and counted as
+    #: ``truncated`` rows are: the budget counts their tokens as kept either way.
+    degenerate: TruncatedPolicy = "separate"
     #: Any other body keys, sent as they are (e.g. ``transforms``).
     extra: dict[str, Any] = Field(default_factory=dict)
     #: Requests the whole fleet may have in flight / start per second (``ThrottleLimits``).
@@ -199,7 +219,8 @@ class RequestConfig(_Strict):
     tail: BatchTail = "live"
 
     def body(self) -> dict[str, Any]:
-        exclude = {"extra", "providers", "provider_pin", "truncated", *_BATCH_FIELDS, *ThrottleLimits.model_fields}
+        exclude = {"extra", "providers", "provider_pin", "truncated", "degenerate", *_BATCH_FIELDS,
+                   *ThrottleLimits.model_fields}
         out = {k: v for k, v in self.model_dump(exclude=exclude).items() if v is not None}
         out.update(self.extra)
         if self.providers == "pin" and self.provider_pin:
@@ -237,6 +258,27 @@ class BatchView(_Strict):
     tail: BatchTail = "live"
 
 
+class SamplingRecipe(_Strict):
+    """One recipe of a dataset's ``sampling`` mixture: the sampling parameters its share of prompts
+    is asked with (over ``[request]``'s), chosen per prompt by a stable hash of its id."""
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    share: float = Field(gt=0, le=1)
+    #: What rows, the report and ``specfleet export --recipe`` call it (default: its parameters,
+    #: ``temperature=0.8,top_p=0.95``).
+    name: str | None = Field(default=None, min_length=1)
+
+    def params(self) -> dict[str, Any]:
+        """The body keys it sets."""
+        return self.model_dump(exclude={"share", "name"}, exclude_none=True)
+
+    def label(self) -> str:
+        return self.name or ",".join(f"{k}={v:g}" for k, v in self.params().items()) or "default"
+
+
 class RetryConfig(_Strict):
     max_attempts: int = Field(default=6, ge=1)
     backoff_base_s: float = Field(default=1.0, gt=0)
@@ -270,12 +312,28 @@ class DatasetConfig(_Strict):
     regenerate: Regenerate = "last"
     #: ``live`` | ``batch`` | ``auto`` for this dataset (None: ``[request] mode``).
     mode: RequestMode | None = None
+    #: A mixture of sampling recipes (shares summing to 1): each prompt is asked with the recipe a
+    #: stable hash of its id picks (``common/sampling.py``), the same on every rerun; its row names it.
+    sampling: list[SamplingRecipe] | None = Field(default=None, min_length=1)
 
     @field_validator("name")
     @classmethod
     def _name_is_a_key(cls, v: str) -> str:
         if not _DATASET_NAME.match(v):
             raise ValueError("use letters, digits, '_', '-', '.' (it names a queue and a folder)")
+        return v
+
+    @field_validator("sampling")
+    @classmethod
+    def _shares_make_one(cls, v: list[SamplingRecipe] | None) -> list[SamplingRecipe] | None:
+        if v is None:
+            return v
+        total = sum(r.share for r in v)
+        if abs(total - 1) > 1e-6:
+            raise ValueError(f"the recipes' shares sum to {total:g}, not 1")
+        labels = [r.label() for r in v]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"two recipes share a name: {', '.join(labels)} (give each a name)")
         return v
 
 
@@ -329,6 +387,8 @@ class WorkerView(_Strict):
     provider_pin: str | None = None
     #: The Batch API datasets and their settings (None: every dataset is live).
     batch: BatchView | None = None
+    #: Dataset -> its sampling mixture (``DatasetConfig.sampling``); absent: ``request`` as it is.
+    sampling: dict[str, list[SamplingRecipe]] = Field(default_factory=dict)
 
     def batched(self, dataset: str) -> bool:
         return self.batch is not None and dataset in self.batch.datasets
@@ -351,6 +411,30 @@ class RunConfig(_Strict):
     retry: RetryConfig = RetryConfig()
     output: OutputConfig = OutputConfig()
     datasets: list[DatasetConfig] = Field(min_length=1)
+    #: The model's distillation permission as the plan read it from the models list (not a run file
+    #: key: ``producer/plan.py`` sets it), for the manifest; None: not read.
+    _distillation: Distillation | None = PrivateAttr(default=None)
+
+    @property
+    def distillation(self) -> Distillation | None:
+        return self._distillation
+
+    def with_distillation(self, read: Distillation) -> RunConfig:
+        out = self.model_copy()
+        out._distillation = read
+        return out
+
+    def enforces_distillable(self) -> bool:
+        """Requests carry ``provider.enforce_distillable_text``: OpenRouter's routing flag, unless
+        the owner went on with a model that does not allow distillation."""
+        return self.model.upstream == "openrouter" and not self.model.allow_non_distillable
+
+    def request_body(self) -> dict[str, Any]:
+        """``[request]``'s body keys with the distillation routing flag in ``provider``."""
+        body = self.request.body()
+        if self.enforces_distillable():
+            body["provider"] = {**(body.get("provider") or {}), "enforce_distillable_text": True}
+        return body
 
     @field_validator("lengths", mode="before")
     @classmethod
@@ -368,6 +452,10 @@ class RunConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"dataset names must be unique, repeated: {', '.join(dupes)}")
+        asked = (self.request.provider or {}).get("enforce_distillable_text")
+        if asked is not None and asked != (not self.model.allow_non_distillable):
+            raise ValueError("[request.provider] enforce_distillable_text contradicts [model] "
+                             "allow_non_distillable: set only allow_non_distillable (it decides the flag)")
         return self
 
     def worker_view(self, manifest: str = "", tokenizer_pin: TokenizerPin | None = None) -> WorkerView:
@@ -379,13 +467,14 @@ class RunConfig(_Strict):
             tokenizer_pin=tokenizer_pin,
             provider_pin=self.request.provider_pin if self.request.providers == "pin" else None,
             model=self.model,
-            request=self.request.body(),
+            request=self.request_body(),
             lengths={k: self.length_for(k) for k in _LENGTHS},
             retry=self.retry,
             datasets={d.name: d.length for d in self.datasets},
             regenerate={d.name: d.regenerate for d in self.datasets if d.regenerate != "last"},
             throttle=self.request.throttle(),
             batch=self.batch_view(),
+            sampling={d.name: d.sampling for d in self.datasets if d.sampling},
         )
 
     def asked_mode(self, dataset: DatasetConfig) -> RequestMode:

@@ -83,6 +83,11 @@ class ResultRow(TypedDict):
     turn: NotRequired[int]
     key: NotRequired[str]
     conversation_end: NotRequired[str]
+    #: ``[[datasets]] sampling``: the recipe the prompt was asked with, ``{"recipe": name, <params>}``
+    #: (common/sampling.py).
+    sampling: NotRequired[dict[str, Any]]
+    #: A degenerate answer's mark, ``{"degenerate": reason, …}`` (common/quality.py); absent: none.
+    quality: NotRequired[dict[str, Any]]
 
 
 #: Why a regenerated conversation ended at a turn: its last assistant turn was produced; the turn

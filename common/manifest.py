@@ -72,6 +72,10 @@ class DatasetProvenance(_Model):
     duplicate_prompts: int = 0
     excluded: int = 0
     shared_rows: int = 0
+    #: Rows marked degenerate by reason (``quality``), wherever ``[request] degenerate`` put them.
+    degenerate: dict[str, int] = Field(default_factory=dict)
+    #: Sampling recipe -> kept tokens (``[[datasets]] sampling``).
+    recipe_tokens: dict[str, int] = Field(default_factory=dict)
 
 
 class Manifest(_Model):
@@ -89,12 +93,20 @@ class Manifest(_Model):
     providers_policy: str = "route"
     #: ``keep`` | ``separate`` | ``drop``: where rows cut by max_tokens go.
     truncated_policy: str = "keep"
+    #: ``keep`` | ``separate`` | ``drop``: where rows marked degenerate go (``[request] degenerate``).
+    degenerate_policy: str = "keep"
     #: ``[run] duplicates`` (share | skip | ask), and the eval sets kept out (``[run] exclude``,
     #: matched on runs of ``exclude_ngram`` words).
     duplicates_policy: str = "share"
     exclude: list[str] = Field(default_factory=list)
     exclude_ngram: int = 13
     datasets: dict[str, DatasetProvenance] = Field(default_factory=dict)
+    #: The model's distillation permission as read from the models list (``is_trainable_text``, when,
+    #: where), whether the owner went on without it (``[model] allow_non_distillable``) and whether
+    #: requests carried ``provider.enforce_distillable_text``. None: a manifest from before it.
+    distillation: dict[str, Any] | None = None
+    #: Dataset -> its sampling recipes (name -> parameters and share), as rows name them.
+    sampling: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict)
     started_at: str
     ended_at: str | None = None
 
@@ -212,7 +224,7 @@ def request_params(cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any] | Non
     """The request parameters a manifest records, and the provider preferences as sent: the
     chat completions body without ``provider``, with the upstream kind and ``max_tokens`` of each
     length class the datasets use."""
-    body = cfg.request.body()
+    body = cfg.request_body()
     provider = body.pop("provider", None)
     lengths = sorted({d.length for d in cfg.datasets})
     body["max_tokens"] = {name: cfg.length_for(name).max_tokens for name in lengths}
@@ -227,8 +239,17 @@ def manifest_for(cfg: RunConfig) -> Manifest:
         model=cfg.model.name, tokenizer_source=cfg.model.tokenizer, revision=cfg.model.revision, request=request,
         provider=provider, providers_policy=cfg.request.providers, truncated_policy=cfg.request.truncated,
         budgets=[(d.name, d.budget_tokens, d.budget_usd) for d in cfg.datasets])
+    read = cfg.distillation
+    distillation = {"model": cfg.model.name, "is_trainable_text": read.is_trainable_text if read else None,
+                    "read_at": read.read_at if read else None, "source": read.source if read else None,
+                    "allow_non_distillable": cfg.model.allow_non_distillable,
+                    "enforce_distillable_text": cfg.enforces_distillable()}
+    sampling = {d.name: {r.label(): {**r.params(), "share": r.share} for r in d.sampling}
+                for d in cfg.datasets if d.sampling}
     return manifest.model_copy(update={"duplicates_policy": cfg.run.duplicates, "exclude": list(cfg.run.exclude),
-                                       "exclude_ngram": cfg.run.exclude_ngram})
+                                       "exclude_ngram": cfg.run.exclude_ngram, "distillation": distillation,
+                                       "degenerate_policy": cfg.request.degenerate,
+                                       "sampling": sampling})
 
 
 def read_manifest(path: Path) -> Manifest:

@@ -355,18 +355,23 @@ class Fleet:
     def write_config(self, datasets: list[dict[str, Any]], *, timeout_s: float = 10, max_attempts: int = 4,
                      estimate_tokens: int | None = None, request: str = "", tokenizer: Path = DEMO_TOKENIZER,
                      trust_remote_code: bool = False, truncated: str | None = "keep",
-                     duplicates: str | None = "ask", run: str = "") -> Path:
+                     duplicates: str | None = "ask", run: str = "", model: str = "",
+                     degenerate: str | None = "keep") -> Path:
         """``truncated``: ``[request] truncated``, unless ``request`` sets it. The harness keeps rows
         cut by max_tokens in the shards (``keep``), as every test written before the policy expects
         (the simulator cuts a share of answers at the harness' max_tokens); None: the product's
         default. ``duplicates``: ``[run] duplicates``, unless ``run`` (more ``[run]`` lines) sets it:
         ``ask`` (every prompt asked) as every test written before the policy expects (``prompts``
-        gives each dataset the same questions under its own ids); None: the product's default."""
+        gives each dataset the same questions under its own ids); None: the product's default.
+        ``degenerate``: ``[request] degenerate``, unless ``request`` sets it: ``keep``, as tests of
+        scripted answers (reasoning then no content) expect; ``model``: more ``[model]`` lines."""
         policy = [] if truncated is None or "truncated" in request else [f'truncated = "{truncated}"']
+        if degenerate is not None and "degenerate" not in request:
+            policy.append(f'degenerate = "{degenerate}"')
         run_lines = [] if duplicates is None or "duplicates" in run else [f'duplicates = "{duplicates}"']
         lines = [
             "[model]", 'name = "moonshotai/kimi-k2.5"', f'tokenizer = "{tokenizer}"',
-            f"trust_remote_code = {str(trust_remote_code).lower()}", "",
+            f"trust_remote_code = {str(trust_remote_code).lower()}", model, "",
             "[request]", request or "temperature = 1.0", *policy, "",
             "[lengths.short]", "max_tokens = 1024", f"timeout_s = {timeout_s}",
             f"estimate_tokens = {estimate_tokens}" if estimate_tokens else "",

@@ -234,7 +234,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from producer.export import export, push_to_hub
 
-    result = export(args.out, args.dest, overwrite=args.overwrite)
+    result = export(args.out, args.dest, overwrite=args.overwrite, recipes=args.recipe)
     for split in result.splits:
         print(f"{split.name}: {split.rows:,} rows, {split.kept_tokens:,} kept tokens, {split.truncated:,} truncated")
     print(f"dataset in {result.dest} (load_from_disk: {result.dest / 'arrow'}; Parquet: {result.dest / 'data'}; "
@@ -301,6 +301,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("out", type=Path, help="the run's output folder")
     exp.add_argument("dest", type=Path, help="where the dataset goes (empty or new)")
     exp.add_argument("--overwrite", action="store_true", help="replace what dest holds")
+    exp.add_argument("--recipe", action="append", metavar="NAME", default=None,
+                     help="only rows asked with this sampling recipe (as the manifest names it; repeatable)")
     exp.add_argument("--push-to-hub", metavar="REPO", default=None,
                      help="also upload it to this Hub dataset repo (token: HF_TOKEN or huggingface-cli login)")
     exp.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")

@@ -99,10 +99,12 @@ class Collector:
     """One thread draining the results streams of every open dataset."""
 
     def __init__(self, client: redis.Redis, out_dir: Path, shard_rows: int, row_format: str = "jsonl",
-                 fence: FencedWriter | None = None, truncated: str = "keep") -> None:
+                 fence: FencedWriter | None = None, truncated: str = "keep", degenerate: str = "keep") -> None:
         """``fence``: the producer lock (tests and benches may run a collector without one);
-        ``truncated``: where rows cut by max_tokens go (``[request] truncated``)."""
+        ``truncated``: where rows cut by max_tokens go (``[request] truncated``); ``degenerate``:
+        where rows marked degenerate go (``[request] degenerate``)."""
         self._truncated = truncated
+        self._degenerate = degenerate
         self._client = client
         self._fence = fence
         self._out_dir = out_dir
@@ -121,7 +123,7 @@ class Collector:
             sink = self._sinks.get(dataset)
             if sink is None:
                 writer = open_writer(self._out_dir / dataset, self._shard_rows, self._row_format, self._fence,
-                                     self._truncated)
+                                     self._truncated, self._degenerate)
                 sink = self._sinks[dataset] = DatasetSink(dataset, writer)
             return sink
 

@@ -3,7 +3,9 @@
 ``DIR`` gets three things:
 
 - ``data/<split>-00000-of-00001.parquet``: one split per dataset (its shards), and
-  ``<dataset>_truncated`` for the rows a ``truncated = "separate"`` run set apart;
+  ``<dataset>_truncated`` for the rows a ``truncated = "separate"`` run set apart (and
+  ``<dataset>_degenerate`` for a ``degenerate = "separate"`` run's); ``--recipe NAME`` (repeatable)
+  keeps only the rows asked with those sampling recipes (``row["sampling"]["recipe"]``);
   ``load_dataset("parquet", data_files=…)``, or ``load_dataset(DIR)`` through the card's ``configs``;
 - ``arrow/``: the same splits as a ``datasets.DatasetDict.save_to_disk`` folder (``load_from_disk``);
 - ``README.md``: the dataset card, from ``OUT/manifest.json`` and the rows: model, tokenizer (source,
@@ -33,6 +35,7 @@ from common.manifest import MANIFEST, Manifest, read_manifests
 log = logging.getLogger(__name__)
 
 TRUNCATED_FILE = "truncated.jsonl"
+DEGENERATE_FILE = "degenerate.jsonl"
 #: producer/share.py's (not imported: the export reads a folder, the run's modules need not load).
 SHARED_FILE = "shared.jsonl"
 DATA_DIR = "data"
@@ -124,12 +127,20 @@ def splits_of(out: Path) -> list[SplitStats]:
             splits.append(SplitStats(sub.name, sub.name, files=shards))
         if (sub / TRUNCATED_FILE).is_file():
             splits.append(SplitStats(f"{sub.name}_truncated", sub.name, files=[sub / TRUNCATED_FILE]))
+        if (sub / DEGENERATE_FILE).is_file():
+            splits.append(SplitStats(f"{sub.name}_degenerate", sub.name, files=[sub / DEGENERATE_FILE]))
     if not splits:
         raise ConfigError(f"{out}: no <dataset>/shard-*.jsonl to export")
     return splits
 
 
-def _records(split: SplitStats) -> Iterator[dict[str, Any]]:
+def recipe_of(row: dict[str, Any]) -> str | None:
+    """The sampling recipe a row was asked with (None: its dataset named no mixture)."""
+    sampling = row.get("sampling")
+    return str(sampling.get("recipe")) if isinstance(sampling, dict) else None
+
+
+def _records(split: SplitStats, recipes: frozenset[str] | None = None) -> Iterator[dict[str, Any]]:
     for path in split.files:
         with path.open("rb") as fh:
             for number, raw in enumerate(fh, 1):
@@ -139,6 +150,8 @@ def _records(split: SplitStats) -> Iterator[dict[str, Any]]:
                     row = json.loads(raw)
                 except ValueError as exc:
                     raise ConfigError(f"{path}:{number}: not JSON ({exc}); run specfleet validate") from None
+                if recipes is not None and recipe_of(row) not in recipes:
+                    continue
                 split.rows += 1
                 split.kept_tokens += int(row.get("num_tokens") or 0)
                 split.truncated += row.get("finish_reason") == "length"
@@ -157,9 +170,11 @@ class Export:
         return self.dest / "README.md"
 
 
-def export(out: Path, dest: Path, *, overwrite: bool = False, batch_rows: int = 1_000) -> Export:
+def export(out: Path, dest: Path, *, overwrite: bool = False, batch_rows: int = 1_000,
+           recipes: list[str] | None = None) -> Export:
     """Write ``dest`` (Parquet, save_to_disk, card) from the output folder ``out``. Rows stream
-    through in batches of ``batch_rows``: memory holds one batch, never a split."""
+    through in batches of ``batch_rows``: memory holds one batch, never a split. ``recipes``: only
+    the rows asked with these sampling recipes (names as the manifest and rows give them)."""
     import tempfile
 
     import pyarrow as pa
@@ -174,6 +189,12 @@ def export(out: Path, dest: Path, *, overwrite: bool = False, batch_rows: int = 
         shutil.rmtree(dest)
     manifests = read_manifests(out) if (out / MANIFEST).is_file() else {}
     splits = splits_of(out)
+    wanted = frozenset(recipes) if recipes else None
+    if wanted is not None and manifests:
+        known = {name for m in manifests.values() for by_name in m.sampling.values() for name in by_name}
+        if unknown := sorted(wanted - known):
+            raise ConfigError(f"--recipe {', '.join(unknown)}: not a sampling recipe of {out} "
+                              f"(its recipes: {', '.join(sorted(known)) or 'none'})")
     feats = features()
     schema = feats.arrow_schema
     try:
@@ -183,7 +204,7 @@ def export(out: Path, dest: Path, *, overwrite: bool = False, batch_rows: int = 
             path = dest / DATA_DIR / f"{split.name}-00000-of-00001.parquet"
             with pq.ParquetWriter(str(path), schema) as writer:
                 batch: list[dict[str, Any]] = []
-                for record in _records(split):
+                for record in _records(split, wanted):
                     batch.append(record)
                     if len(batch) >= batch_rows:
                         writer.write_table(pa.Table.from_pylist(batch, schema=schema))
@@ -246,7 +267,11 @@ def dataset_card(result: Export) -> str:
                   f"- chat template sha256 `{m.chat_template_sha256}`",
                   f"- providers policy `{m.providers_policy}`; provider preferences "
                   f"`{json.dumps(m.provider, sort_keys=True)}`",
-                  f"- truncated rows: `{m.truncated_policy}`",
+                  f"- truncated rows: `{m.truncated_policy}`; degenerate rows (`quality`): `{m.degenerate_policy}`",
+                  *_distillation_lines(m),
+                  *[f"- sampling recipes of {name}: "
+                    + ", ".join(f"`{label}` {json.dumps(p, sort_keys=True)}" for label, p in by_name.items())
+                    for name, by_name in m.sampling.items()],
                   f"- request parameters `{json.dumps(m.request, sort_keys=True)}`", "",
                   "| tokenizer file | sha256 |", "| --- | --- |"]
         lines += [f"| {name} | `{digest}` |" for name, digest in sorted(m.tokenizer.files.items())]
@@ -263,6 +288,21 @@ def dataset_card(result: Export) -> str:
               f'ds = load_from_disk("{ARROW_DIR}")  # the same splits, Arrow', "```", "",
               "`tools`, `engine_check` and `extra` (fields without a fixed shape) are JSON strings.", ""]
     return "\n".join(yaml + lines)
+
+
+def _distillation_lines(m: Manifest) -> list[str]:
+    """The model's distillation permission as the run read it."""
+    read = m.distillation
+    if not read:
+        return ["- distillation permission: not recorded (a run from before specfleet read it)"]
+    allowed = {True: "allowed", False: "**not allowed**", None: "not stated"}[read.get("is_trainable_text")]
+    line = (f"- distillation: {allowed} by the model's author per OpenRouter's models list "
+            f"(`is_trainable_text`, {read.get('source') or '-'}, read {read.get('read_at') or 'never'}; "
+            "best-effort information: the licence is yours to check); requests carried "
+            f"`provider.enforce_distillable_text`: {'yes' if read.get('enforce_distillable_text') else 'no'}")
+    if read.get("allow_non_distillable"):
+        line += "; the owner set `allow_non_distillable = true`"
+    return [line]
 
 
 def push_to_hub(result: Export, repo: str, *, private: bool = False, token: str | None = None,

@@ -106,7 +106,8 @@ def build_summary(run: DatasetRun, st: DatasetState, failures: dict[str, Any], *
 
 def finalize(client: redis.Redis, out_dir: Path, run: DatasetRun, st: DatasetState, *,
              run_budget_usd: float | None, throttle: dict[str, Any], shards: list[str],
-             quantizations: dict[str, str] | None = None, truncated_policy: str = "keep") -> Summary:
+             quantizations: dict[str, str] | None = None, truncated_policy: str = "keep",
+             degenerate_policy: str = "keep") -> Summary:
     """failed.jsonl and summary.json of a drained dataset; the summary's line logged, and a warning
     when more than one provider or quantization served its rows."""
     folder = dataset_dir(out_dir, run)
@@ -119,6 +120,8 @@ def finalize(client: redis.Redis, out_dir: Path, run: DatasetRun, st: DatasetSta
     mix = read_mix(folder, quantizations)
     summary.providers, summary.truncated_rows = mix.providers, mix.truncated_rows
     summary.provider_warning, summary.truncated_policy = mix.warning(), truncated_policy
+    summary.degenerate_policy, summary.degenerate_rows = degenerate_policy, mix.degenerate
+    summary.recipe_rows, summary.recipe_tokens = mix.recipe_rows, mix.recipe_tokens
     if summary.provider_warning:
         log.warning("%s: %s", run.name, summary.provider_warning)
     summary.engine_prompt_warning = engine_prompt_warning(summary)

@@ -31,6 +31,9 @@ class ModelInfo:
     pricing: Pricing | None
     #: The price of its Batch API variant (``<id>:batch`` in the list); None: it has none.
     batch_pricing: Pricing | None = None
+    #: ``is_trainable_text``: its author allows its text outputs to train other models (None: the
+    #: list does not say). Best-effort information, recorded with the time it was read.
+    distillable: bool | None = None
 
 
 #: How the models list names a model's Batch API variant (shared/reference/openrouter.md "Batch API").
@@ -59,7 +62,9 @@ def parse_model(entry: dict[str, Any]) -> ModelInfo:
                                    request=_price(raw.get("request", 0) or 0, "request"))
         except ValueError as exc:
             log.warning("model %s: price not usable (%s): prices unknown", entry.get("id"), exc)
-    return ModelInfo(id=str(entry["id"]), context_length=context_length, pricing=pricing)
+    trainable = entry.get("is_trainable_text")
+    return ModelInfo(id=str(entry["id"]), context_length=context_length, pricing=pricing,
+                     distillable=trainable if isinstance(trainable, bool) else None)
 
 
 def _get_json(url: str, timeout_s: float) -> Any:

@@ -50,6 +50,7 @@ from common.errors import DatasetRowError, ModelsUnavailable, PlanRefused, Specf
 from common.prompt_filter import RunFilter
 from common.prompt_tokens import count_prompt_tokens, load_tokenizer, tokens_bound
 from producer.account import Account, fetch_account, fit_in_flight, worst_request_usd
+from producer.distillation import read_permission
 from producer.models import ModelInfo, fetch_model
 from producer.providers import ModelEndpoints, apply_endpoints
 
@@ -695,6 +696,8 @@ def start_plan(cfg: RunConfig, base_url: str, *, yes: bool,
     in-flight limit, and the plan still counting. ``api_key``: the key the account is read with
     (None: the account is not asked)."""
     info, unavailable = read_model(cfg, base_url)
+    # Before the account or anything else is asked: a model not licensed to distill is refused here.
+    cfg = cfg.with_distillation(read_permission(cfg, info, base_url))
     account = fetch_account(base_url, api_key) if api_key else None
     cfg = apply_account(cfg, info, account)
     cfg, endpoints = apply_endpoints(cfg, base_url)

@@ -18,7 +18,8 @@ import orjson
 
 from common.manifest import DatasetProvenance, Manifest, now_iso
 from common.providers import mix_key, quantization_of
-from producer.rows import DROPPED_FILE, TRUNCATED_FILE, is_truncated
+from common.quality import is_degenerate
+from producer.rows import DEGENERATE_FILE, DROPPED_FILE, TRUNCATED_FILE, is_truncated
 from producer.summary import Summary
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,11 @@ class OutputMix:
     providers: dict[str, int] = field(default_factory=dict)
     #: Rows whose finish_reason is ``length``, wherever they went.
     truncated_rows: int = 0
+    #: Rows marked degenerate, by reason (``quality.degenerate``), wherever they went.
+    degenerate: dict[str, int] = field(default_factory=dict)
+    #: Sampling recipe -> rows and kept tokens (the budget's: every row, wherever it went).
+    recipe_rows: dict[str, int] = field(default_factory=dict)
+    recipe_tokens: dict[str, int] = field(default_factory=dict)
 
     def warning(self) -> str | None:
         """Why the rows are a mixture of distributions, if they are: more than one provider, or more
@@ -44,7 +50,8 @@ class OutputMix:
 
 
 def output_files(folder: Path) -> list[Path]:
-    return [*sorted(folder.glob("shard-*.jsonl")), folder / TRUNCATED_FILE, folder / DROPPED_FILE]
+    return [*sorted(folder.glob("shard-*.jsonl")), *(folder / name for name in (TRUNCATED_FILE, DEGENERATE_FILE,
+                                                                                DROPPED_FILE))]
 
 
 def read_mix(folder: Path, quantizations: dict[str, str] | None) -> OutputMix:
@@ -52,6 +59,9 @@ def read_mix(folder: Path, quantizations: dict[str, str] | None) -> OutputMix:
     before it was recorded) take the endpoints list's for their provider."""
     providers: Counter[str] = Counter()
     truncated = 0
+    degenerate: Counter[str] = Counter()
+    recipe_rows: Counter[str] = Counter()
+    recipe_tokens: Counter[str] = Counter()
     for path in output_files(folder):
         if not path.is_file():
             continue
@@ -63,7 +73,14 @@ def read_mix(folder: Path, quantizations: dict[str, str] | None) -> OutputMix:
                 provider = str(row.get("provider") or "")
                 providers[mix_key(provider, row.get("quantization") or quantization_of(quantizations, provider))] += 1
                 truncated += is_truncated(row)
-    return OutputMix(providers=dict(providers), truncated_rows=truncated)
+                if is_degenerate(row):
+                    degenerate[row["quality"]["degenerate"]] += 1
+                if isinstance(sampling := row.get("sampling"), dict):
+                    recipe = str(sampling.get("recipe"))
+                    recipe_rows[recipe] += 1
+                    recipe_tokens[recipe] += int(row.get("num_tokens") or 0)
+    return OutputMix(providers=dict(providers), truncated_rows=truncated, degenerate=dict(degenerate),
+                     recipe_rows=dict(recipe_rows), recipe_tokens=dict(recipe_tokens))
 
 
 def finish_manifest(manifest: Manifest, summaries: list[Summary]) -> Manifest:
@@ -73,7 +90,8 @@ def finish_manifest(manifest: Manifest, summaries: list[Summary]) -> Manifest:
         base = datasets.get(s.dataset) or DatasetProvenance(budget_tokens=s.budget_tokens, budget_usd=s.budget_usd)
         datasets[s.dataset] = base.model_copy(update={
             "providers": dict(s.providers), "truncated": s.truncated_rows, "duplicate_prompts": s.duplicate_prompts,
-            "excluded": s.excluded, "shared_rows": s.shared_rows})
+            "excluded": s.excluded, "shared_rows": s.shared_rows, "degenerate": dict(s.degenerate_rows),
+            "recipe_tokens": dict(s.recipe_tokens)})
     return manifest.model_copy(update={"datasets": datasets, "ended_at": now_iso()})
 
 

@@ -299,6 +299,21 @@ def _provenance(summaries: Sequence[dict[str, Any]], manifest: dict[str, Any] | 
         lines.append(f"- **{s.get('dataset', '?')}**: rows by provider|quantization: {shown} · truncated "
                      f"(finish_reason length) {cut:,} rows, `{s.get('truncated_policy', 'keep')}`"
                      + (f" · **warning**: {s['provider_warning']}" if s.get("provider_warning") else ""))
+        if degenerate := s.get("degenerate_rows") or {}:
+            kinds = ", ".join(f"{k} {int(v):,}" for k, v in sorted(degenerate.items()))
+            lines.append(f"  - degenerate rows (`quality`): {kinds}, `{s.get('degenerate_policy', 'keep')}`")
+        if recipes := s.get("recipe_tokens") or {}:
+            rows_of = s.get("recipe_rows") or {}
+            shown = ", ".join(f"`{k}` {int(v):,} tokens ({int(rows_of.get(k, 0)):,} rows)"
+                              for k, v in sorted(recipes.items()))
+            lines.append(f"  - kept tokens by sampling recipe: {shown}")
+    if manifest is not None and (read := manifest.get("distillation")):
+        allowed = {True: "allowed", False: "NOT allowed", None: "not stated"}[read.get("is_trainable_text")]
+        lines.append(f"- distillation: {allowed} by the model's author (`is_trainable_text` at "
+                     f"{read.get('source') or '-'}, read {read.get('read_at') or 'never'}) · requests enforced it: "
+                     f"{'yes' if read.get('enforce_distillable_text') else 'no'}"
+                     + (" · the owner went on without it (`allow_non_distillable`)" if read.get("allow_non_distillable")
+                        else ""))
     return ["## Provenance", "", *lines, ""] if lines else []
 
 

@@ -33,18 +33,21 @@ import orjson
 
 from common import files
 from common.errors import OutputError, ProducerFenced
+from common.quality import is_degenerate
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT = ".checkpoint.json"
 #: ``[request] truncated = "separate"``: rows cut by max_tokens, full, beside the shards.
 TRUNCATED_FILE = "truncated.jsonl"
-#: ``truncated = "drop"``: one stub per dropped row (its id, tokens, cost, provider: no text, no ids),
-#: so a resumed run counts it as kept (billed is billed) and never asks for it again.
+#: ``[request] degenerate = "separate"``: rows marked degenerate (``quality``), full, beside the shards.
+DEGENERATE_FILE = "degenerate.jsonl"
+#: ``truncated = "drop"`` (or ``degenerate = "drop"``): one stub per dropped row (its id, tokens,
+#: cost, provider: no text, no ids), so a resumed run counts it as kept (billed is billed) and never asks for it again.
 DROPPED_FILE = "dropped.jsonl"
 #: What a dropped row's stub keeps.
 STUB_FIELDS = ("id", "key", "turn", "where", "finish_reason", "num_tokens", "usage", "provider", "quantization",
-               "model", "generation_id", "manifest", "conversation_end")
+               "model", "generation_id", "manifest", "conversation_end", "quality", "sampling")
 #: Held (flock) by a writer around each batch and its checkpoint, and around recovery.
 FOLDER_LOCK = ".lock"
 #: How often a writer waiting for the folder's lock says so.
@@ -125,6 +128,9 @@ class Checkpoint:
     truncated_rows: int = 0
     dropped_offset: int = 0
     dropped_rows: int = 0
+    #: Durable bytes and rows of degenerate.jsonl (part of ``rows``).
+    degenerate_offset: int = 0
+    degenerate_rows: int = 0
 
 
 def stream_id(text: str) -> tuple[int, int]:
@@ -240,14 +246,17 @@ class JsonlShards:
     """
 
     def __init__(self, dataset_dir: Path, shard_rows: int, fence: Fence | None = None,
-                 truncated: str = "keep") -> None:
+                 truncated: str = "keep", degenerate: str = "keep") -> None:
         """``truncated``: where rows cut by max_tokens go (``[request] truncated``): ``keep`` in the
-        shards, ``separate`` in truncated.jsonl, ``drop`` as stubs in dropped.jsonl. Each batch's
-        rows, wherever they go, are durable with its one checkpoint."""
+        shards, ``separate`` in truncated.jsonl, ``drop`` as stubs in dropped.jsonl; ``degenerate``
+        the same for rows marked degenerate (``[request] degenerate``, degenerate.jsonl). A row both
+        cut and degenerate goes the stricter way (drop, then apart: truncated.jsonl when that policy
+        sets cut rows apart). Each batch's rows, wherever they go, are durable with its one checkpoint."""
         self.dir = dataset_dir
         self.shard_rows = shard_rows
         self.fence = fence
         self.truncated = truncated
+        self.degenerate = degenerate
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -322,6 +331,7 @@ class JsonlShards:
             _cut_to(shard_path(self.dir, self.cp.shard), self.cp.offset)
             _cut_to(self.dir / TRUNCATED_FILE, self.cp.truncated_offset)
             _cut_to(self.dir / DROPPED_FILE, self.cp.dropped_offset)
+            _cut_to(self.dir / DEGENERATE_FILE, self.cp.degenerate_offset)
             for stale in self.dir.glob("shard-*.jsonl"):
                 if _shard_number(stale) > self.cp.shard:
                     log.warning("%s: removing %s, opened after the checkpoint", self.dir.name, stale.name)
@@ -347,18 +357,22 @@ class JsonlShards:
         cp = self.cp
         if self.fence is not None:
             cp = replace(cp, generation=self.fence.generation, owner=self.fence.owner)
-        kept, cut = (rows, []) if self.truncated == "keep" else _split(rows)
-        lines = [jsonl_line(r) for r in kept]
+        placed = _place(rows, self.truncated, self.degenerate)
+        lines = [jsonl_line(r) for r in placed[None]]
         path = shard_path(self.dir, cp.shard)
         try:
-            if cut and self.truncated == "separate":
+            if cut := placed[TRUNCATED_FILE]:
                 path = self.dir / TRUNCATED_FILE
                 end = _write_at(path, cp.truncated_offset, b"".join(jsonl_line(r) for r in cut))
                 cp = replace(cp, truncated_offset=end, truncated_rows=cp.truncated_rows + len(cut))
-            elif cut:
+            if apart := placed[DEGENERATE_FILE]:
+                path = self.dir / DEGENERATE_FILE
+                end = _write_at(path, cp.degenerate_offset, b"".join(jsonl_line(r) for r in apart))
+                cp = replace(cp, degenerate_offset=end, degenerate_rows=cp.degenerate_rows + len(apart))
+            if dropped := placed[DROPPED_FILE]:
                 path = self.dir / DROPPED_FILE
-                end = _write_at(path, cp.dropped_offset, b"".join(jsonl_line(dropped_stub(r)) for r in cut))
-                cp = replace(cp, dropped_offset=end, dropped_rows=cp.dropped_rows + len(cut))
+                end = _write_at(path, cp.dropped_offset, b"".join(jsonl_line(dropped_stub(r)) for r in dropped))
+                cp = replace(cp, dropped_offset=end, dropped_rows=cp.dropped_rows + len(dropped))
             while lines:
                 room = self.shard_rows - cp.rows_in_shard
                 if room <= 0:
@@ -394,29 +408,43 @@ class JsonlShards:
         for shard in range(self.cp.shard + 1):
             yield from _read_rows(shard_path(self.dir, shard), self.cp.offset if shard == self.cp.shard else None)
         yield from _read_rows(self.dir / TRUNCATED_FILE, self.cp.truncated_offset)
+        yield from _read_rows(self.dir / DEGENERATE_FILE, self.cp.degenerate_offset)
         yield from _read_rows(self.dir / DROPPED_FILE, self.cp.dropped_offset)
 
     def files(self) -> list[str]:
         return sorted(p.name for p in self.dir.glob("shard-*.jsonl") if _shard_number(p) <= self.cp.shard)
 
 
-def _split(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    kept: list[dict[str, Any]] = []
-    cut: list[dict[str, Any]] = []
+def place_of(row: dict[str, Any], truncated: str, degenerate: str) -> str | None:
+    """Where a row goes under the two policies: None (the shards), ``TRUNCATED_FILE``,
+    ``DEGENERATE_FILE`` or ``DROPPED_FILE`` (a stub)."""
+    cut, bad = is_truncated(row), is_degenerate(row)
+    if (cut and truncated == "drop") or (bad and degenerate == "drop"):
+        return DROPPED_FILE
+    if cut and truncated == "separate":
+        return TRUNCATED_FILE
+    if bad and degenerate == "separate":
+        return DEGENERATE_FILE
+    return None
+
+
+def _place(rows: Sequence[dict[str, Any]], truncated: str, degenerate: str) -> dict[str | None, list[dict[str, Any]]]:
+    placed: dict[str | None, list[dict[str, Any]]] = {place: [] for place in
+                                                      (None, TRUNCATED_FILE, DEGENERATE_FILE, DROPPED_FILE)}
     for row in rows:
-        (cut if is_truncated(row) else kept).append(row)
-    return kept, cut
+        placed[place_of(row, truncated, degenerate)].append(row)
+    return placed
 
 
 #: Output formats by name: a new one is a class with RowWriter's methods and a line here.
-ROW_FORMATS: dict[str, Callable[[Path, int, Fence | None, str], RowWriter]] = {"jsonl": JsonlShards}
+ROW_FORMATS: dict[str, Callable[[Path, int, Fence | None, str, str], RowWriter]] = {"jsonl": JsonlShards}
 
 
 def open_writer(dataset_dir: Path, shard_rows: int, fmt: str = "jsonl", fence: Fence | None = None,
-                truncated: str = "keep") -> RowWriter:
+                truncated: str = "keep", degenerate: str = "keep") -> RowWriter:
     """The writer for one dataset's folder, recovered to its last durable position; ``fence``: the
-    producer lock whose generation the writer checks and records; ``truncated``: the policy for
-    rows cut by max_tokens."""
-    writer = ROW_FORMATS[fmt](dataset_dir, shard_rows, fence, truncated)
+    producer lock whose generation the writer checks and records; ``truncated`` and ``degenerate``:
+    the policies for rows cut by max_tokens and rows marked degenerate."""
+    writer = ROW_FORMATS[fmt](dataset_dir, shard_rows, fence, truncated, degenerate)
     writer.recover()
     return writer

@@ -5,8 +5,9 @@ fit), or when every prompt has an outcome. Then its queue leaves ``specfleet:act
 and the next dataset starts at once; the ended one drains in the background (admitted requests are
 paid for, so they land) and is finalized — summary.json, failed.jsonl — when nothing is in flight.
 
-The runner is the loop: the lock, signals and Redis' outages here; each dataset's phases and their
-moves in ``producer/dataset_run.py``; admission (its start, enqueue, sweeps, its end, top-ups) in
+The runner is the loop: the lock, signals and Redis' outages here, and one handler per phase of a
+dataset that the state machine (``producer/dataset_run.py``) calls on each tick: the handler of the
+phase being left names the move, the machine makes it. Admission (its start, enqueue, sweeps, its end, top-ups) in
 ``producer/admission.py``; the plan's hold on requests in ``producer/plan_gate.py``; the shards'
 truth restored in ``producer/restore.py``; the dataset's files in ``producer/finalize.py``; the
 workers' ping in ``producer/ping.py``.
@@ -19,7 +20,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
@@ -47,7 +48,7 @@ from common.throttle import FleetThrottle
 from producer import redis_memory
 from producer.admission import ENQUEUE_BATCH, AdmissionControl
 from producer.collector import Collector
-from producer.dataset_run import DatasetPhase, DatasetRun, EndReason, Tuning
+from producer.dataset_run import DatasetPhase, DatasetRun, EndReason, Lifecycle, Look, Move, Tuning
 from producer.finalize import dataset_dir, finalize, write_excluded, write_malformed
 from producer.lock import ProducerLock
 from producer.ping import warn_if_no_workers
@@ -56,10 +57,11 @@ from producer.plan_gate import PlanGate
 from producer.provenance import finish_manifest
 from producer.providers import require_pin
 from producer.refusals import WriteHold
-from producer.rows import disk_generation, is_truncated, output_error
+from producer.rows import disk_generation, output_error, place_of
 from producer.share import write_shared
 from producer.state import DatasetState, read_state
 from producer.summary import Summary, throttle_summary
+from producer.window import PromptStream
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +86,11 @@ class Runner:
         progress: Any = None,
         tuning: Tuning | None = None,
         plan: PendingPlan | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """``plan``: the plan still counting (``producer/plan.py``): prompts are queued and workers
-        prepare them meanwhile, and no request starts until it passes."""
+        prepare them meanwhile, and no request starts until it passes. ``sleep``: the wait between
+        two ticks (a test observes when the runner waits)."""
         self.cfg = cfg
         self.client = client
         self.app = app
@@ -100,11 +104,16 @@ class Runner:
                               abort=self._interrupted.is_set)
         self.lock = ProducerLock(client, self.hold)
         self.collector = Collector(client, self.out_dir, cfg.output.shard_rows, fence=self.lock,
-                                   truncated=cfg.request.truncated)
+                                   truncated=cfg.request.truncated, degenerate=cfg.request.degenerate)
         self.throttle = FleetThrottle(client)
         self.gate = PlanGate(plan, self.throttle, self.hold)
         self.admission = AdmissionControl(cfg, client, app, self.lock, self.hold, self.tuning)
         self._batched = cfg.batch_view() is not None
+        self._sleep = sleep
+        P = DatasetPhase
+        self.machine = Lifecycle({P.QUEUED: self._queued, P.PLANNING: self._planning,
+                                  P.ADMITTING: self.admission.check, P.TOPPING_UP: self.admission.check,
+                                  P.DRAINING: self._draining})
         self._runs: list[DatasetRun] = []
         #: The run manifest (``common/manifest.py``), built when the run starts.
         self.manifest: Manifest | None = None
@@ -177,7 +186,7 @@ class Runner:
             self._settle_plan(block=True)  # every dataset ended already (resumed, all done): still print it
             while not all(r.ended for r in self._runs):
                 self._tick()
-                time.sleep(TICK_S)
+                self._sleep(TICK_S)
         except Halted:
             # Workers stop pulling messages that could only end "halted"; the next run re-enqueues.
             self.lock.write(*[("HDEL", keys.ACTIVE_QUEUES, r.budget.keys.queue) for r in self._runs])
@@ -218,9 +227,10 @@ class Runner:
         try:
             self.gate.settle(block=block)
         except BaseException:
+            refused = Look(time.time(), refused=True)
             for r in self._runs:
                 if r.admitting:
-                    self.admission.end(r, EndReason.REFUSED)
+                    self.machine.step(r, refused)
             raise
 
     def _outage_notice(self, elapsed_s: float) -> None:
@@ -259,31 +269,22 @@ class Runner:
     # --- one dataset -----------------------------------------------------------------------
 
     def _run_dataset(self, ds: DatasetConfig) -> None:
-        budget = Budget(self.client, ds.name)
-        run = DatasetRun(cfg=ds, budget=budget)
+        run = DatasetRun(cfg=ds, budget=Budget(self.client, ds.name))
+        previous = self._runs[-1] if self._runs else None
         self._runs.append(run)
-        sink = self.collector.add(ds.name)
-        if budget.snapshot().run_exhausted:
-            # The run's dollars are spent: this dataset gets no request (finalized on the next tick).
-            run.transition(DatasetPhase.DRAINING, EndReason.RUN_BUDGET)
-            run.enqueue_done = True
-            run.admission_ended_s = run.first_stop_s = time.time()
-            log.warning("%s: skipped, the run's dollar budget is spent", ds.name)
-            return
-        self.admission.open(run, sink.writer,
-                            DatasetPhase.ADMITTING if self.gate.cleared() else DatasetPhase.PLANNING)
-        previous = self._runs[-2] if len(self._runs) > 1 else None
-        self.admission.start_window(run)
-        self.admission.fill(run, batches=1)  # the first prompts at once; the ticks fill the rest of the window
+        self.collector.add(ds.name)
+        self.machine.step(run, Look(time.time()))
+        if not run.admitting:
+            return  # skipped: the run's dollars are spent
         if previous is not None and previous.admission_ended_s is not None and previous.switch_s is None:
             previous.switch_s = time.time() - previous.admission_ended_s
-        # The window is refilled on each tick (``_fill``), until the file's end or admission's, or
+        # The window is refilled on each tick (``_feed``), until the file's end or admission's, or
         # (batch mode) until only its submitted batches and its live tail are out: they settle while
         # the next one runs.
         while run.admitting and not self._only_tail_left(run):
             self._tick()
             if run.admitting:  # ended in this tick: the next dataset starts now, not a tick later (the switch)
-                time.sleep(TICK_S)
+                self._sleep(TICK_S)
 
     def _only_tail_left(self, run: DatasetRun) -> bool:
         """A batch-mode dataset lets the next one start once it has nothing left but its submitted
@@ -301,37 +302,52 @@ class Runner:
             return True
         return False
 
-    def _fill(self) -> None:
-        """Each admitting dataset's queue refilled to its window; a first read at its file's end counted."""
+    def _feed(self) -> None:
+        """Each admitting dataset's queue refilled to its window; a first read stopped by admission's
+        end counted to the file's end, and one at the file's end taken into the dataset's counts."""
         for r in self._runs:
-            if r.admitting and r.window is not None:
+            if r.admitting:
                 self.admission.fill(r)
-            elif not r.admitting and r.reading is not None and not (r.reading.exhausted or r.reading.counting):
+            else:
                 # Admission ended before the file's end: the rest counted for the report, in a thread
                 # started here, after the next dataset's first prompts are queued (it takes the GIL).
-                r.reading.count_rest_in_background()
-            if not r.enqueue_done and r.reading is not None and r.reading.exhausted:
-                self._counted(r)
+                r.feed.count_rest()
+            if (read := r.feed.counts_due()) is not None:
+                self._counted(r, read)
 
-    def _counted(self, run: DatasetRun) -> None:
+    def _counted(self, run: DatasetRun, read: PromptStream) -> None:
         """The dataset's file was read to its end: its counts for the report, the exporter and the
         "every prompt has an outcome" check."""
-        assert run.reading is not None
-        stats = run.reading.stats
+        stats = read.stats
         run.prompts, run.malformed = stats.prompts, stats.malformed + stats.duplicates
         run.duplicate_prompts, run.excluded = stats.duplicate_prompts, stats.excluded
         run.enqueue_s = time.time() - run.started_s
         # The exporter's skipped needs the prompts; its left-out gauges the rest.
         DatasetStats(self.client, run.name).record_prompts(run.prompts, run.duplicate_prompts, run.excluded)
-        run.enqueue_done = True
-        write_malformed(self.out_dir, run, run.reading.errors)
-        write_excluded(self.out_dir, run, run.reading.excluded)
+        run.feed.counted = True
+        write_malformed(self.out_dir, run, read.errors)
+        write_excluded(self.out_dir, run, read.excluded)
         log.info("%s: %s prompts queued of %s in the file, read in %.2f s (%s malformed rows)", run.name,
                  f"{run.enqueued:,}", f"{run.prompts:,}", run.enqueue_s, f"{run.malformed:,}")
 
     # --- watching ---------------------------------------------------------------------------
 
     def _tick(self) -> None:
+        """One turn of the loop: the house kept, the queues fed, and each dataset not ended looked at
+        by its phase's handler."""
+        now = self._keep_house()
+        self._feed()
+        states = {r.name: read_state(self.client, r.name) for r in self._runs if not r.ended}
+        for r in self._runs:
+            if (st := states.get(r.name)) is not None:
+                self.machine.step(r, Look(now, st))
+        if now - self._last_sample_s >= SAMPLE_EVERY_S:
+            self._last_sample_s = now
+            self._sample(states)
+
+    def _keep_house(self) -> float:
+        """Stop when told to or halted, the plan's verdict, the lock proved ours, the collector
+        checked, dead workers' leases reclaimed; returns the tick's time."""
         if self._interrupted.is_set():
             raise Interrupted("interrupted")
         self._settle_plan()
@@ -354,58 +370,76 @@ class Runner:
             for r in self._runs:
                 if not r.ended and (n := self.hold(r.budget.reap)):
                     log.warning("%s: reclaimed %d expired lease(s) of dead workers", r.name, n)
-        self._fill()
-        states = {r.name: read_state(self.client, r.name) for r in self._runs if not r.ended}
-        for r in self._runs:
-            st = states.get(r.name)
-            if st is None:
-                continue
-            if r.phase is DatasetPhase.PLANNING and self.gate.cleared():
-                r.transition(DatasetPhase.ADMITTING)
-            if r.admitting:
-                self.admission.check(r, st, now)
-            elif r.phase is DatasetPhase.DRAINING:
-                self._check_drained(r, st, now)
-        if now - self._last_sample_s >= SAMPLE_EVERY_S:
-            self._last_sample_s = now
-            # Not a dataset this tick ended: its final sample (with how it ended) stays the last.
-            ended = {r.name for r in self._runs if r.ended}
-            sampled = [(name, st) for name, st in states.items() if name not in ended]
-            if sampled:
-                self.lock.write(*[("RPUSH", keys.DatasetKeys(name).timeline, json.dumps(st.to_json()))
-                                  for name, st in sampled])
-            taken = bool(self._runs) and all(r.enqueue_done for r in self._runs) and not any(
-                st.queued for st in states.values())
-            self.gate.observe(sum(st.in_flight for st in states.values()), taken)
-            if self.progress is not None and self.gate.passed:  # the plan's table first
-                shown = [states.get(r.name) or r.final_state for r in self._runs]
-                self.progress.update([st for st in shown if st is not None], self.throttle.snapshot(),
-                                     self._open_batches())
+        return now
+
+    def _sample(self, states: dict[str, DatasetState]) -> None:
+        """The timeline's sample of each dataset still running, the plan's view of the fleet, progress."""
+        # Not a dataset this tick ended: its final sample (with how it ended) stays the last.
+        ended = {r.name for r in self._runs if r.ended}
+        sampled = [(name, st) for name, st in states.items() if name not in ended]
+        if sampled:
+            self.lock.write(*[("RPUSH", keys.DatasetKeys(name).timeline, json.dumps(st.to_json()))
+                              for name, st in sampled])
+        taken = bool(self._runs) and all(r.feed.counted for r in self._runs) and not any(
+            st.queued for st in states.values())
+        self.gate.observe(sum(st.in_flight for st in states.values()), taken)
+        if self.progress is not None and self.gate.passed:  # the plan's table first
+            shown = [states.get(r.name) or r.final_state for r in self._runs]
+            self.progress.update([st for st in shown if st is not None], self.throttle.snapshot(),
+                                 self._open_batches())
 
     def _open_batches(self) -> list[dict[str, Any]] | None:
         """The open Batch API batches for the progress view; None (no row) when no dataset is batched."""
         return open_batches(self.client) if self._batched else None
 
-    def _check_drained(self, run: DatasetRun, st: DatasetState, now: float) -> None:
-        assert run.admission_ended_s is not None
-        if not run.enqueue_done:
-            return  # the rest of its file is still being counted (producer/window.py): the summary needs it
+    # --- the phases' handlers (producer/dataset_run.py's Lifecycle calls them) -------------------
+
+    def _queued(self, run: DatasetRun, look: Look) -> Move:
+        """A dataset's start: skipped when the run's dollars are spent, else opened with its first
+        prompts queued at once (the ticks fill the rest of the window), held while the plan counts."""
+        if run.budget.snapshot().run_exhausted:
+            # The run's dollars are spent: this dataset gets no request (finalized on the next tick).
+            run.feed.counted = True  # nothing is read
+            run.admission_ended_s = run.first_stop_s = look.now_s
+            log.warning("%s: skipped, the run's dollar budget is spent", run.name)
+            return Move(DatasetPhase.DRAINING, EndReason.RUN_BUDGET)
+        move = self.admission.open(run, self.collector.add(run.name).writer,
+                                   DatasetPhase.ADMITTING if self.gate.cleared() else DatasetPhase.PLANNING)
+        self.admission.start_window(run)
+        self.admission.fill(run, batches=1)
+        return move
+
+    def _planning(self, run: DatasetRun, look: Look) -> Move | None:
+        """Requests held for the plan: admitting once it clears the run; watched as admitting meanwhile."""
+        if not look.refused and self.gate.cleared():
+            return Move(DatasetPhase.ADMITTING)
+        return self.admission.check(run, look)
+
+    def _draining(self, run: DatasetRun, look: Look) -> Move | None:
+        """Admitted requests landing: once none is left in flight (or the drain timed out), a top-up
+        round for the room a budget stop left, or the dataset finalized."""
+        st = look.state
+        assert run.admission_ended_s is not None and st is not None
+        if not run.feed.counted:
+            return None  # the rest of its file is still being counted (producer/window.py): the summary needs it
+        now = look.now_s
         drained = st.in_flight == 0 and self.collector.pending(run.name) == 0
         timed_out = now - run.admission_ended_s > self.tuning.drain_timeout_s
         if not (drained or timed_out):
-            return
+            return None
         if timed_out and not drained:
             log.error("%s: %d requests still in flight after the drain timeout", run.name, st.in_flight)
-        elif self.admission.top_up(run, st):
-            return
+        elif (top_up := self.admission.top_up(run, st)) is not None:
+            return top_up
         if self.cfg.run.duplicates == "share" and run.duplicate_prompts:
             if not all(r.ended for r in self._runs[:self._runs.index(run)]):
-                return  # the first copies' rows: every earlier dataset's, all of them kept
-            # The first copies' rows a trainer reads: the shards' (a truncated row only where they keep it).
-            keep_cut = self.cfg.request.truncated == "keep"
+                return None  # the first copies' rows: every earlier dataset's, all of them kept
+            # The first copies' rows a trainer reads: the shards' (a truncated or degenerate row only
+            # where they keep it).
+            policies = (self.cfg.request.truncated, self.cfg.request.degenerate)
 
             def rows(name: str) -> Iterator[dict[str, Any]]:
-                return (r for r in self.collector.add(name).writer.iter_kept() if keep_cut or not is_truncated(r))
+                return (r for r in self.collector.add(name).writer.iter_kept() if place_of(r, *policies) is None)
 
             run.shared = write_shared(dataset_dir(self.out_dir, run), self.admission.prompt_filter, run.cfg, rows)
         self.lock.refresh()  # what follows (the budget's close, the summary) is this producer's to write
@@ -418,12 +452,13 @@ class Runner:
         run.summary = finalize(self.client, self.out_dir, run, final, run_budget_usd=self.cfg.run.budget_usd,
                                throttle=throttle_summary(self.throttle.snapshot()),
                                shards=self.collector.add(run.name).writer.files(),
-                               quantizations=self.cfg.model.quantizations, truncated_policy=self.cfg.request.truncated)
+                               quantizations=self.cfg.model.quantizations, truncated_policy=self.cfg.request.truncated,
+                               degenerate_policy=self.cfg.request.degenerate)
         assert run.end_reason is not None
-        run.transition(DatasetPhase.ENDED)
         if self.progress is not None and hasattr(self.progress, "finish"):
             # The last frame shows how it ended, and the fleet's throttle as it is then.
             self.progress.finish(final, run.end_reason.value, self.throttle.snapshot(), self._open_batches())
+        return Move(DatasetPhase.ENDED)
 
 
 def retry_window_s(client: redis.Redis) -> float:

@@ -87,6 +87,13 @@ class Summary(Counted):
     #: dropped (all runs; the ``truncated`` counter is this run's billed answers cut, kept or not).
     truncated_policy: str = "keep"
     truncated_rows: int = 0
+    #: Where rows marked degenerate went (``[request] degenerate``), and how many the folder holds or
+    #: dropped by reason (``repetition``, ``empty_content``, ``unclosed_reasoning``; all runs).
+    degenerate_policy: str = "keep"
+    degenerate_rows: dict[str, int] = field(default_factory=dict)
+    #: ``[[datasets]] sampling``: recipe -> rows and kept tokens in the folder (all runs).
+    recipe_rows: dict[str, int] = field(default_factory=dict)
+    recipe_tokens: dict[str, int] = field(default_factory=dict)
     #: ``[model] engine_prompt_mismatch = "warn"``: the warning when kept rows carry prompt ids the
     #: run's tokenizer does not render (the engine serves another chat template).
     engine_prompt_warning: str | None = None
@@ -158,6 +165,7 @@ def report_line(s: Summary) -> str:
         + (f" ({s.shared_prompts:,} shared, {s.shared_not_kept:,} not kept)" if s.shared_prompts or s.shared_not_kept
            else "")
         + (f" · excluded {s.excluded:,} (eval sets)" if s.excluded else "")
+        + (f" · degenerate {sum(s.degenerate_rows.values()):,} ({s.degenerate_policy})" if s.degenerate_rows else "")
     )
 
 

@@ -25,7 +25,7 @@ from simulator.kimi import (
 from simulator.request import ChatRequest
 from simulator.script import Script
 from simulator.seeding import rng_for
-from simulator.settings import LEAK_IM_END, LengthDistribution, SimSettings
+from simulator.settings import DEGENERATE_KINDS, LEAK_IM_END, LengthDistribution, SimSettings
 from simulator.text import generate_text, schema_value
 from simulator.tokens import TokenCounter
 
@@ -111,9 +111,49 @@ def build_answer(
         left = budget - counter.count(reasoning) - 1  # the </think>
     if script and given & {"content", "tool_calls"}:
         content, calls, finish = _scripted_shape(req, script)
+    elif kind := degenerate_kind(settings, req):
+        return _degenerate(req, settings, script, counter, kind, reasoning, left, klass)
     else:
         content, calls, finish = _generated_shape(req, settings, counter, left, klass)
     return _answer(req, settings, script, reasoning, content, calls, finish)
+
+
+def degenerate_kind(settings: SimSettings, req: ChatRequest) -> str | None:
+    """The degenerate kind this prompt's answer takes (``rates.degenerate_*``), seeded per prompt:
+    every attempt of a prompt the same."""
+    rates = [(k, settings.rates.get(k, 0.0)) for k in DEGENERATE_KINDS]
+    if not any(r for _, r in rates):
+        return None
+    draw = rng_for(settings.seed, req.prompt_hash, "degenerate").random()
+    acc = 0.0
+    for kind, rate in rates:
+        acc += rate
+        if draw < acc:
+            return kind
+    return None
+
+
+#: Sentences of a looping answer: what the repeated n-gram is made of.
+REPEAT_PIECES = 12
+
+
+def _degenerate(
+    req: ChatRequest, settings: SimSettings, script: Script | None, counter: TokenCounter, kind: str,
+    reasoning: str | None, left: int | None, klass: LengthDistribution,
+) -> Answer:
+    rng = rng_for(settings.seed, req.prompt_hash, "content")
+    if kind == "degenerate_repeat":
+        # One sentence again and again, as a looping reasoning model answers, to about the answer's length.
+        sentence = generate_text(rng, REPEAT_PIECES).strip() + " "
+        times = max(6, round(_draw(rng, klass.content_mean, klass.content_sd) / REPEAT_PIECES))
+        content, calls, finish = _fit((sentence * times).strip(), left, counter)
+        return _answer(req, settings, script, reasoning, content, calls, finish)
+    if reasoning is None:  # the kinds below are reasoning's: a model asked not to reason still did
+        reasoning = _text(rng, max(8, round(klass.reasoning_mean)), counter)
+    if kind == "degenerate_empty":  # reasoning closed, then nothing
+        return _answer(req, settings, script, reasoning, "", (), "stop")
+    # The turn ends inside the reasoning: no think-close, content null.
+    return _answer(req, settings, script, reasoning, None, (), "stop")
 
 
 def _answer(

@@ -79,7 +79,14 @@ def model_json(model_id: str, s: SimSettings) -> dict[str, Any]:
         "per_request_limits": None,
         "supported_parameters": list(SUPPORTED_PARAMETERS),
         "default_parameters": {},
+        # Whether the model's author allows its text outputs to train other models (the models
+        # page's "Distillable" filter): what provider.enforce_distillable_text routes on.
+        "is_trainable_text": distillable(model_id.removesuffix(":batch"), s),
     }
+
+
+def distillable(model_id: str, s: SimSettings) -> bool:
+    return model_id not in s.non_distillable_models
 
 
 def batch_model_json(model_id: str, s: SimSettings) -> dict[str, Any]:
@@ -130,6 +137,13 @@ def endpoints_json(model_id: str, s: SimSettings) -> dict[str, Any] | None:
 def no_endpoints_message(model_id: str) -> str:
     """OpenRouter's words for a model id it cannot route (seen with code 404)."""
     return f"No endpoints found for {model_id}."
+
+
+def not_distillable_message(model_id: str) -> str:
+    """The 404 of a request with ``provider.enforce_distillable_text`` for a model whose author does
+    not allow distillation: no endpoint qualifies."""
+    return (f"No endpoints found for {model_id} that allow distillation "
+            "(provider.enforce_distillable_text is set).")
 
 
 def context_error_message(s: SimSettings, prompt_tokens: int, max_tokens: int) -> str:

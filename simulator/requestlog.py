@@ -23,6 +23,8 @@ CHAT_PATH = "/api/v1/chat/completions"
 REQUESTS_PATH = "/_sim/requests"
 RESET_PATH = "/_sim/reset"
 MAX_RECORDS = 1_000_000
+#: The request body's keys a record keeps (sampling and provider routing), not the messages.
+LOGGED_PARAMS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "provider", "max_tokens")
 
 StartResponse = Callable[..., Any]
 
@@ -45,11 +47,14 @@ class RequestLog:
         raw = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
         environ["wsgi.input"] = io.BytesIO(raw)
         try:
-            prompt = prompt_hash(json.loads(raw)["messages"])
+            sent: Any = json.loads(raw)
+            prompt = prompt_hash(sent["messages"])
         except (ValueError, KeyError, TypeError):
-            prompt = ""
+            sent, prompt = {}, ""
         record: dict[str, Any] = {"prompt": prompt, "app": environ.get("HTTP_X_TITLE", ""),
-                                  "start_s": time.time(), "end_s": None, "status": None, "gen_id": None}
+                                  "start_s": time.time(), "end_s": None, "status": None, "gen_id": None,
+                                  # What a test checks the client sent: its sampling and routing.
+                                  "params": {k: sent[k] for k in LOGGED_PARAMS if isinstance(sent, dict) and k in sent}}
 
         def recording_start_response(status: str, headers: list[tuple[str, str]], *rest: Any) -> Any:
             record["status"] = int(status.split(" ", 1)[0])

@@ -32,9 +32,11 @@ from simulator.faults import HTTP_FAULTS, AttemptBook, error_body, http_error, p
 from simulator.kimi import render_prompt
 from simulator.models import (
     context_error_message,
+    distillable,
     endpoints_json,
     models_json,
     no_endpoints_message,
+    not_distillable_message,
 )
 from simulator.providers import NoProvider
 from simulator.providers import choose as choose_provider
@@ -286,6 +288,10 @@ class SimApp:
             # A configuration error, not the prompt's: every request for it answers the same.
             call.status = "404"
             return _json(start_response, 404, error_body(404, no_endpoints_message(req.model)))
+        if (req.provider or {}).get("enforce_distillable_text") is True and not distillable(req.model, s):
+            # Routed only to models whose author allows distillation: none qualifies, nothing is generated.
+            call.status = "404"
+            return _json(start_response, 404, error_body(404, not_distillable_message(req.model)))
         prompt_tokens = self.state.counter.count(render_prompt(req.messages, req.tools))
         wanted = req.max_tokens or 0
         if prompt_tokens + wanted > s.context_length:

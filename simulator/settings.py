@@ -75,6 +75,9 @@ class SimSettings:
     models: tuple[str, ...] = field(default=("moonshotai/kimi-k2.5",), metadata=_meta(
         "model ids served (with ``model``); any other id answers 404 \"No endpoints found for …\""
         " (comma-separated on the CLI)"))
+    non_distillable_models: tuple[str, ...] = field(default=(), metadata=_meta(
+        "served models whose authors do not allow distillation: listed with is_trainable_text false, "
+        "and refused (404) to a request with provider.enforce_distillable_text (comma-separated on the CLI)"))
     context_length: int = field(default=262144, metadata=_meta(
         "context length published and enforced: prompt + max_tokens above it is a 400", lo=1))
     max_completion_tokens: int | None = field(default=65536, metadata=_meta(
@@ -296,6 +299,11 @@ def _check_range(name: str, number: float, lo: float | None, hi: float | None) -
 
 #: A rate that is not a fault: it modifies otherwise good answers, independently of the faults.
 LEAK_IM_END = "leak_im_end"
+#: Degenerate answers (answers.py), one draw per prompt against their cumulative rates, apart from
+#: the faults: a sentence repeated to the answer's length; reasoning then empty content; reasoning
+#: never closed (the model ends its turn inside it: content null, no think-close).
+DEGENERATE_KINDS = ("degenerate_repeat", "degenerate_empty", "degenerate_unclosed")
+_SHAPE_RATES = (LEAK_IM_END, *DEGENERATE_KINDS)
 
 
 def _merge_rates(current: Mapping[str, float], patch: Any) -> Mapping[str, float]:
@@ -303,15 +311,17 @@ def _merge_rates(current: Mapping[str, float], patch: Any) -> Mapping[str, float
         raise SettingsError("rates: expected an object of fault name -> rate")
     merged = dict(current)
     for name, rate in patch.items():
-        if name not in FAULTS and name != LEAK_IM_END:
-            known = ", ".join((*FAULTS, LEAK_IM_END))
+        if name not in FAULTS and name not in _SHAPE_RATES:
+            known = ", ".join((*FAULTS, *_SHAPE_RATES))
             raise SettingsError(f"rates.{name}: unknown fault (known: {known})")
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
             raise SettingsError(f"rates.{name}: must be a number in 0..1")
         merged[name] = float(rate)
     # One draw walks the cumulative fault rates, so their sum is the share of faulted attempts.
-    if sum(v for k, v in merged.items() if k != LEAK_IM_END) > 1 + 1e-9:
+    if sum(v for k, v in merged.items() if k not in _SHAPE_RATES) > 1 + 1e-9:
         raise SettingsError("rates: fault rates must sum to at most 1")
+    if sum(v for k, v in merged.items() if k in DEGENERATE_KINDS) > 1 + 1e-9:
+        raise SettingsError("rates: degenerate_* rates must sum to at most 1")
     return types.MappingProxyType({k: v for k, v in merged.items() if v > 0})
 
 

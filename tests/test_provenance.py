@@ -67,7 +67,7 @@ def test_a_run_writes_its_manifest_with_the_tokenizer_and_template_hashes_and_ev
     assert manifest["model"] == MODEL
     assert manifest["request"] == {"temperature": 0.7, "seed": 7, "max_tokens": {"short": 1024},
                                    "upstream": "openrouter"}
-    assert manifest["provider"] == {"data_collection": "deny"}
+    assert manifest["provider"] == {"data_collection": "deny", "enforce_distillable_text": True}
     assert (manifest["providers_policy"], manifest["truncated_policy"]) == ("route", "separate")
     assert manifest["specfleet_version"] and manifest["started_at"] <= manifest["ended_at"]
     # The id: the first 12 hex of the sha256 of the identity as canonical JSON (common/manifest.py).
@@ -149,7 +149,7 @@ def test_a_pinned_run_keeps_only_the_pinned_providers_rows_and_reports_the_refus
     assert summary["requests"] == 44  # the refused answers were billed and are counted
     manifest = json.loads((fleet.out / "manifest.json").read_text())
     assert manifest["providers_policy"] == "pin"
-    assert manifest["provider"] == {"only": ["Beta"], "allow_fallbacks": False}
+    assert manifest["provider"] == {"only": ["Beta"], "allow_fallbacks": False, "enforce_distillable_text": True}
     assert manifest["datasets"]["P"]["providers"] == {"Beta|bf16": 40}
     assert "provider_refused" in (fleet.out / "report.md").read_text()
 

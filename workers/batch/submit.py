@@ -40,6 +40,7 @@ from common.contract import FAIL_BATCH_INVALID, HALT_MISCONFIGURED, TaskPayload
 from common.errors import BatchRefused, BatchSubmitError, ConfigError, PromptFailed
 from common.keys import DatasetKeys
 from common.outcomes import Outcome
+from common.sampling import sampled
 from common.stats import DatasetStats
 from workers import WORKER_ID
 from workers.batch import records, tail
@@ -87,8 +88,9 @@ def batch_price(view: WorkerView) -> Price | None:
 def body_of(view: WorkerView, payload: TaskPayload) -> dict[str, Any]:
     """The chat completions body of one batch request: the live request's, less what a batch names once."""
     length = view.length(payload["dataset"])
+    params = sampled(view, payload["dataset"], payload["id"])[0]  # the prompt's recipe, as a live request's
     body = request_body(Request(model=view.model.name, messages=payload["messages"], tools=payload.get("tools"),
-                                max_tokens=length.max_tokens, params=view.request, timeout_s=length.timeout_s))
+                                max_tokens=length.max_tokens, params=params, timeout_s=length.timeout_s))
     body.pop("stream", None)
     return body
 

@@ -65,8 +65,10 @@ from common.errors import (
 )
 from common.outcomes import SKIPPED, Outcome
 from common.providers import UNKNOWN_QUANTIZATION, quantization_of, same_provider
+from common.quality import quality_of
 from common.rebuild import ENDED_FINISH_REASONS, RebuiltRow, RenderedPrompt, rebuild, render_prompt
 from common.redis_client import UNREACHABLE, deadline
+from common.sampling import sampled
 from common.stats import DatasetStats
 from common.target import TargetTokenizer
 from common.usage_check import UsageVerdict, check_usage, halt_text
@@ -312,7 +314,7 @@ def call(job: _Job, prepared: Prepared) -> Answer | Outcome:
         messages=job.payload["messages"],
         tools=job.payload.get("tools"),
         max_tokens=job.length.max_tokens,
-        params=job.view.request,
+        params=sampled(job.view, job.dataset, job.payload["id"])[0],
         timeout_s=job.length.timeout_s,
         prompt_ids=prepared.prompt.ids,
         max_answer_bytes=job.ctx.settings.max_answer_bytes,
@@ -599,4 +601,8 @@ def _row(payload: TaskPayload, rebuilt: RebuiltRow, answer: Answer, attempts: in
         row["tools"] = tools
     if rebuilt.engine_check is not None:
         row["engine_check"] = rebuilt.engine_check
+    if (recipe := sampled(view, payload["dataset"], payload["id"])[1]) is not None:
+        row["sampling"] = recipe
+    if (mark := quality_of(answer)) is not None:
+        row["quality"] = mark
     return row
