@@ -17,7 +17,7 @@ import requests
 
 from common.config import Pricing
 from common.endpoints import Endpoints
-from common.errors import ModelsUnavailable, UnknownModel
+from common.errors import ModelsUnavailable, PriceUnusable, UnknownModel
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,9 @@ def _price(raw: Any, field: str) -> float:
     try:
         value = float(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"pricing.{field} {raw!r} is not a number") from None
+        raise PriceUnusable(f"pricing.{field} {raw!r} is not a number") from None
     if value < 0:  # OpenRouter lists "-1" for router models whose price is not fixed
-        raise ValueError(f"pricing.{field} {raw!r} is negative")
+        raise PriceUnusable(f"pricing.{field} {raw!r} is negative")
     return value
 
 
@@ -60,7 +60,7 @@ def parse_model(entry: dict[str, Any]) -> ModelInfo:
             pricing = Pricing(prompt=_price(raw.get("prompt"), "prompt"),
                                    completion=_price(raw.get("completion"), "completion"),
                                    request=_price(raw.get("request", 0) or 0, "request"))
-        except ValueError as exc:
+        except ValueError as exc:  # PriceUnusable, or a Pricing the model refuses
             log.warning("model %s: price not usable (%s): prices unknown", entry.get("id"), exc)
     trainable = entry.get("is_trainable_text")
     return ModelInfo(id=str(entry["id"]), context_length=context_length, pricing=pricing,
