@@ -18,7 +18,7 @@ import requests
 
 from common import keys
 from common.batches import Intent
-from common.budget import POLICY
+from common.budget import POLICY, Budget
 from common.keys import DatasetKeys
 from tests.fleet import Fleet, prompts, read_rows, read_summary, write_jsonl
 
@@ -123,7 +123,7 @@ def test_the_next_dataset_starts_while_the_last_ones_batches_are_out(fleet: Flee
     b_started = min(x["created_s"] for x in b_batches)
     assert b_started < a_settled, f"B's first batch {b_started - a_settled:+.1f} s after A's last one settled"
     costs = sum(read_summary(fleet.out, name)["cost_usd"] for name in ("A", "B"))
-    run_spent = int(redis_client.hget(keys.RUN_BUDGET, "nusd_spent") or 0) / 1e9
+    run_spent = Budget(redis_client, "A").snapshot().run_spent_nusd / 1e9
     assert run_spent == pytest.approx(costs, abs=1e-5), (run_spent, costs)
     assert _batches(fleet)["repeated_custom_ids"] == {}
 
