@@ -120,6 +120,8 @@ class Plan:
     start_in_flight: int | None = None
     #: The run's own cap ([request] max_in_flight), when set.
     max_in_flight: int | None = None
+    #: The models list's ``is_trainable_text`` (None: not stated; producer/distillation.py refuses False).
+    distillable: bool | None = None
 
     def total(self, attr: str) -> float | None:
         values = [getattr(d, attr) for d in self.datasets]
@@ -374,6 +376,7 @@ def count_plan(cfg: RunConfig, base_url: str, info: ModelInfo | None, unavailabl
         pricing=cfg.model.pricing or (info.pricing if info else None),
         datasets=datasets, unavailable=unavailable, account=account,
         start_in_flight=cfg.request.start_in_flight, max_in_flight=cfg.request.max_in_flight,
+        distillable=info.distillable if info else None,
     )
 
 
@@ -393,7 +396,8 @@ def render(plan: Plan) -> str:
         price = (f"{_per_mtok(plan.pricing.prompt)} prompt · {_per_mtok(plan.pricing.completion)} completion"
                  f" · ${plan.pricing.request:g}/request") if plan.pricing else "price unknown"
         context = f"context {plan.context_length:,}" if plan.context_length else "context unknown"
-        lines.append(f"model {plan.model} ({plan.url}): {context} · {price}")
+        allowed = {True: "allowed", False: "not allowed", None: "not stated"}[plan.distillable]
+        lines.append(f"model {plan.model} ({plan.url}): {context} · {price} · distillation {allowed}")
     header = ("dataset", "prompts", "prompt tok", "max tok", "expect tok", "rows to budget", "expected $",
               "worst $")
     rows = [header]

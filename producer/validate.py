@@ -51,6 +51,7 @@ from common.manifest import (
     resolve_tokenizer,
     template_sha256,
 )
+from common.quality import is_degenerate
 from common.rebuild import ENDED_FINISH_REASONS, rebuild, render_prompt
 from common.target import TargetTokenizer
 from common.usage_check import differences_disagreeing
@@ -58,6 +59,7 @@ from common.usage_check import differences_disagreeing
 #: Files beside the shards that hold no rows (or stubs of rows, not rows).
 NOT_ROWS = frozenset({"failed.jsonl", "malformed.jsonl", "dropped.jsonl"})
 TRUNCATED_FILE = "truncated.jsonl"
+DEGENERATE_FILE = "degenerate.jsonl"
 #: ShareGPT speakers → roles (SpecForge and speculators read both spellings).
 _SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
              "system": "system", "tool": "tool"}
@@ -121,7 +123,7 @@ class Validation:
 
 
 def dataset_files(out: Path) -> dict[str, list[Path]]:
-    """Dataset name → its row files: specfleet's ``OUT/<dataset>/shard-*.jsonl`` (+ truncated.jsonl),
+    """Dataset name → its row files: specfleet's ``OUT/<dataset>/shard-*.jsonl`` (+ truncated.jsonl, degenerate.jsonl),
     else any ``*.jsonl`` in a folder, or one file."""
     if out.is_file():
         return {out.stem: [out]}
@@ -129,7 +131,7 @@ def dataset_files(out: Path) -> dict[str, list[Path]]:
         raise ConfigError(f"{out}: no such file or folder")
     found: dict[str, list[Path]] = {}
     for sub in sorted(p for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        files = sorted(sub.glob("shard-*.jsonl")) + sorted(sub.glob(TRUNCATED_FILE))
+        files = sorted(sub.glob("shard-*.jsonl")) + sorted(sub.glob(TRUNCATED_FILE)) + sorted(sub.glob(DEGENERATE_FILE))
         if files:
             found[sub.name] = files
     if not found:
@@ -362,6 +364,16 @@ class Validator:
                 f"(its place is {TRUNCATED_FILE})")
         elif in_truncated and not cut:
             bad(f'a row in {TRUNCATED_FILE} that was not cut (finish_reason {data.get("finish_reason")!r})')
+        # Degenerate rows (``quality``) as [request] degenerate placed them; a cut one set apart as truncated
+        # stays in truncated.jsonl (producer/rows.py place_of).
+        marked, in_degenerate = is_degenerate(data), row.path.name == DEGENERATE_FILE
+        if marked and manifest.degenerate_policy == "drop":
+            bad(f'a degenerate row ({data["quality"]["degenerate"]}) kept under degenerate = "drop"')
+        elif marked and manifest.degenerate_policy == "separate" and not (in_degenerate or in_truncated):
+            bad(f'a degenerate row ({data["quality"]["degenerate"]}) in a shard under degenerate = "separate" '
+                f"(its place is {DEGENERATE_FILE})")
+        elif in_degenerate and not marked:
+            bad(f"a row in {DEGENERATE_FILE} without a degenerate quality mark")
 
     def _counts(self, dataset: str, report: DatasetReport, defects: list[Defect]) -> None:
         """A one-run folder's manifest counts of this dataset against its rows (once the run wrote

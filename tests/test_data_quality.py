@@ -20,6 +20,7 @@ from common.quality import quality_of, repeated_share
 from common.sampling import position, recipe_for
 from producer.export import export
 from producer.rows import DEGENERATE_FILE, DROPPED_FILE, TRUNCATED_FILE, JsonlShards
+from producer.validate import validate
 from simulator.answers import degenerate_kind
 from simulator.seeding import prompt_hash
 from simulator.settings import SimSettings
@@ -145,6 +146,13 @@ def test_each_degenerate_kind_is_marked_and_set_apart(fleet: Fleet, redis_client
     assert summary["tokens"] == sum(r["num_tokens"] for r in shards + apart)  # counted as kept, as truncated
     manifest = json.loads((fleet.out / "manifest.json").read_text())
     assert manifest["degenerate_policy"] == "separate" and manifest["datasets"]["Q"]["degenerate"] == counts
+    # specfleet validate re-reads degenerate.jsonl too, and tells a marked row out of its place.
+    checked = validate(fleet.out)
+    assert checked.ok and sum(d.rows for d in checked.datasets) == 80, [str(d) for d in checked.defects[:5]]
+    with (fleet.out / "Q" / "shard-00000.jsonl").open("a") as fh:
+        fh.write(json.dumps(apart[0]) + "\n")
+    defects = [str(d) for d in validate(fleet.out).defects]
+    assert any("in a shard under degenerate = \"separate\"" in d for d in defects), defects
 
 
 # --- licensed to distill ----------------------------------------------------------------------------
@@ -153,6 +161,19 @@ def test_each_degenerate_kind_is_marked_and_set_apart(fleet: Fleet, redis_client
 def _run(fleet: Fleet, config: Path, name: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(fleet.producer_cmd(config), env=fleet.env(), capture_output=True, text=True, timeout=120,
                           check=False)
+
+
+def test_the_routing_flag_follows_allow_non_distillable_only() -> None:
+    def cfg(model: dict[str, Any], provider: dict[str, Any] | None = None) -> RunConfig:
+        return RunConfig.model_validate({"model": {"name": "m", "tokenizer": "t", **model},
+                                         "request": {"provider": provider}, "datasets": [{"name": "a", "path": "x"}]})
+
+    assert cfg({}, {"order": ["A"]}).worker_view().request["provider"] == {
+        "order": ["A"], "enforce_distillable_text": True}
+    assert "provider" not in cfg({"allow_non_distillable": True}).worker_view().request
+    assert "provider" not in cfg({"upstream": "vllm"}).worker_view().request  # an engine routes nothing
+    with pytest.raises(ValueError, match="contradicts"):
+        cfg({}, {"enforce_distillable_text": False})
 
 
 @pytest.mark.fleet
@@ -184,7 +205,8 @@ def test_a_model_not_licensed_to_distill_is_refused_before_any_request(fleet: Fl
     # The owner's explicit choice: the run goes on, without the flag, and the manifest says so.
     config = fleet.write_config([{"name": "D", "path": data, "length": "short"}],
                                 model="allow_non_distillable = true")
-    fleet.run_producer(config)
+    log = fleet.run_producer(config)
+    assert "· distillation not allowed" in log  # the plan's model line
     sent = fleet.sim_requests()
     assert len(sent) >= 10 and all("enforce_distillable_text" not in (r["params"].get("provider") or {})
                                    for r in sent)
