@@ -13,7 +13,7 @@ a library's exception or a message string. The tree (httpx's ``_exceptions.py`` 
     ├── DatasetFieldError              a row's field is not in a form specfleet reads (also a ValueError)
     ├── DatasetPathError               a dataset's path names nothing readable (also a ValueError)
     ├── ModelsUnavailable              the models endpoint could not be read
-    ├── PriceUnusable                  a listed price is not a number, or negative: taken as unknown (a ValueError)
+    ├── PriceUnusable                  a listed price is not a number, or negative (also a ValueError)
     ├── UpstreamError                  no usable answer (workers/pipeline/retry.py decides on the class)
     │   ├── RetryableUpstreamError     try again: 408, 429, 5xx, resets, bad JSON
     │   │   ├── UpstreamTimeoutError   the attempt's timeout_s passed
