@@ -1,18 +1,17 @@
-"""The per-dataset counters (``DatasetKeys.stats``): the only code that names their fields.
+"""The per-dataset counters (``DatasetKeys.stats``): the only Python that writes and parses them, by
+the names of the accounting record (``common/accounting.COUNTERS``, which names their fields).
 
-Workers write through ``DatasetStats`` (one HINCRBY per event); a kept or failed answer's usage is
-added by budget.lua itself with its settle or fail (``answer_counts``), so a settle executed twice
-(a lost reply: a spool replay, a resent pipeline) counts its request once; the
-producer's progress, metrics and reports read through ``DatasetStats.read`` or ``parse`` (for a
-caller that already pipelined the HGETALL). Counters only ever grow, so any read is consistent
-enough for a progress bar.
+Workers write through ``DatasetStats`` (``add``: any counter by name, one round trip per event); a
+kept or failed answer's usage is added by budget.lua itself with its settle or fail
+(``answer_counts``, from the counters' ``usage``), so a settle executed twice (a lost reply: a spool
+replay, a resent pipeline) counts its request once; the producer's progress, metrics and reports
+read through ``DatasetStats.read`` or ``parse`` (for a caller that already pipelined the HGETALL).
+Counters only ever grow, so any read is consistent enough for a progress bar.
 
-Fields: the counters of the accounting record (``common/accounting.COUNTERS``: ``requests`` and
-``billed_*``/``cost_micro_usd`` per answer received, billed whether kept or not, ``truncated`` per
-billed answer cut by max_tokens, ``duplicates`` and ``skipped`` per outcome, ``engine_*`` per kept
-row with an engine's ids, ``usage_*`` per kept row whose billed usage was compared), ``err:<reason>``
-per failed upstream attempt (``err:http_429`` …) and ``fail:<reason>`` per prompt that ended failed
-(``fail:token_mismatch`` …).
+Fields: the record's counters (each under its ``source``), ``err:<reason>`` per failed upstream
+attempt (``err:http_429`` …) and ``fail:<reason>`` per prompt that ended failed
+(``fail:token_mismatch`` …); ``prompts``, ``duplicate_prompts`` and ``excluded_prompts`` the
+producer sets once it has read the file (not counters).
 
 Also the fleet-wide misconfiguration streak (``keys.MISCONFIG_STREAK``): prompts that met a
 "wrong URL or model" answer since the last answer anywhere (``workers/pipeline/retry.py`` halts on it).
