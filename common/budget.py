@@ -184,9 +184,9 @@ def _run(hash_field: str, *, state: str | None = "") -> Any:
     return field(metadata={"hash": "run", "field": hash_field, "state": state})
 
 
-def _leases(*, state: str | None = "") -> Any:
-    """The number of live leases (HLEN of the dataset's leases)."""
-    return field(metadata={"hash": "leases", "field": None, "state": state})
+def _leases() -> Any:
+    """The number of live leases (HLEN of the dataset's leases), under the same name in ``DatasetState``."""
+    return field(metadata={"hash": "leases", "field": None, "state": ""})
 
 
 @dataclass(frozen=True)
