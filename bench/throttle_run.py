@@ -44,6 +44,13 @@ from harness.fleet import Fleet, read_summary, write_jsonl
 from producer.celery_app import make_app
 
 DATASET = "T"
+#: The account as the plan reads it: the balance unknown (/credits answers 403 to a key that is not
+#: the management key), known and far from binding, or a key with a $30 spending limit.
+ACCOUNTS = {
+    "balance-unknown": ("--balance-usd", "1000000", "--management-key", "not-the-runs-key"),
+    "balance-known": ("--balance-usd", "1000000"),
+    "key-limit-30usd": ("--credit-limit-usd", "30", "--management-key", "not-the-runs-key"),
+}
 STEADY_AFTER_S = 30.0
 LINE_EVERY_S = 5.0
 
@@ -113,6 +120,8 @@ def main() -> int:
     ap.add_argument("--greenlets", type=int, default=500)
     ap.add_argument("--capacity", type=int, default=300)
     ap.add_argument("--latency-median-ms", type=int, default=2000)
+    ap.add_argument("--account", choices=sorted(ACCOUNTS), default="balance-unknown",
+                    help="what the plan can read of the account (issue 36: a known balance once collapsed the fleet)")
     ap.add_argument("--join-at-s", type=float, default=None,
                     help="seconds after the first request (0: no join; default: halfway through the steady state)")
     args = ap.parse_args()
@@ -130,7 +139,7 @@ def main() -> int:
                 "--latency-median-ms", str(args.latency_median_ms),
                 "--latency-p99-ms", str(args.latency_median_ms * 2),
                 "--capacity-in-flight", str(args.capacity), "--capacity-retry-after-s", "1",
-                "--series-interval-s", "0.1")
+                "--series-interval-s", "0.1", *ACCOUNTS[args.account])
             data = write_jsonl(tmp / "t.jsonl", prompts(args.prompts))
             config = fleet.write_config([{"name": DATASET, "path": data, "length": "short",
                                           "budget_tokens": 10**12}], timeout_s=60, max_attempts=6,
@@ -183,7 +192,8 @@ def main() -> int:
             break
 
     print(f"{args.workers} workers × {args.greenlets} greenlets, simulator capacity {args.capacity} in flight "
-          f"(429 + Retry-After 1 s above it), median latency {args.latency_median_ms} ms, {args.prompts:,} prompts"
+          f"(429 + Retry-After 1 s above it), median latency {args.latency_median_ms} ms, {args.prompts:,} prompts, "
+          f"account {args.account}"
           + (f"; worker {args.workers + 1} joins at {join_t - t0:.1f} s" if join_t is not None else ""))
     print("    t_s   in flight (mean / min)   requests   429s   throttle limit   slots held")
     t = t0
