@@ -2,7 +2,9 @@
 followed and filled, watched for its end (the budget, every prompt's outcome, a stall after sweeps),
 ended, and reopened for a top-up.
 
-Each move of the dataset's phase (``producer/dataset_run.py``) that admission makes is here.
+The moves out of the admitting phases and into a top-up round are named here (``check``, ``end``,
+``top_up`` return them); the runner's handlers hand them to the state machine
+(``producer/dataset_run.py``), which makes them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from common.contract import CONTRACT_VERSION, FOLLOW_COMMAND, TaskPayload, conve
 from common.datasets import Prompt
 from common.prompt_filter import RunFilter
 from common.seal import ensure_key
-from producer.dataset_run import BUDGET_END_REASONS, DatasetPhase, DatasetRun, EndReason, Tuning
+from producer.dataset_run import BUDGET_END_REASONS, DatasetPhase, DatasetRun, EndReason, Look, Move, Tuning
 from producer.enqueue import Pushed, push_batch
 from producer.lock import ProducerLock
 from producer.refusals import WriteHold
@@ -52,10 +54,10 @@ class AdmissionControl:
         #: Duplicates and eval leaks, left out of every read of the run (common/prompt_filter.py).
         self.prompt_filter = RunFilter(cfg)
 
-    def open(self, run: DatasetRun, writer: RowWriter, phase: DatasetPhase) -> None:
+    def open(self, run: DatasetRun, writer: RowWriter, phase: DatasetPhase) -> Move:
         """Start the dataset: Redis made to agree with its shards, its failures given another
-        chance, its budget opened, its queue followed; ``phase``: planning (requests held for the
-        plan) or admitting."""
+        chance, its budget opened, its queue followed; the move into ``phase``: planning (requests
+        held for the plan) or admitting."""
         ds, budget = run.cfg, run.budget
         k = budget.keys
         self.lock.refresh()  # the budget's calls are not fenced in their script: checked just before
@@ -69,8 +71,8 @@ class AdmissionControl:
             f"{ds.budget_tokens:,}", f", ${ds.budget_usd:,.2f}" if ds.budget_usd else "",
             f", resuming with {kept:,} tokens in {rows:,} rows" if rows else "",
         )
-        run.transition(phase)
         self.follow(k.queue)
+        return Move(phase)
 
     def follow(self, queue: str) -> None:
         """Make ``queue`` active; workers hear it at once (a broadcast), or at their next poll."""
@@ -82,19 +84,17 @@ class AdmissionControl:
 
     def start_window(self, run: DatasetRun, *, skip: frozenset[str] = frozenset(), sweep: bool = False) -> QueueWindow:
         """A new read of the dataset's file, queued through the window from its start; the first
-        read of a dataset is also its count (``run.reading``)."""
+        read of a dataset is also its count (``Feed.first``)."""
         key = self.hold(lambda: ensure_key(self.client, run.name))
         stream = PromptStream(run.cfg, self.prompt_filter if self.prompt_filter.active else None)
         window = QueueWindow(stream, self.tuning.window, key, skip, sweep=sweep)
-        if run.reading is None:
-            run.reading = window.stream
-        run.window = window
+        run.feed.open(window)
         return window
 
     def fill(self, run: DatasetRun, *, batches: int = FILL_BATCHES) -> int:
         """Refill the dataset's queue up to its window (at most ``batches`` batches read, so a tick
         stays short while a resumed run skips what is done); returns how many were queued."""
-        w = run.window
+        w = run.feed.window
         if w is None or w.stream.exhausted:
             return 0
         queued = int(self.client.llen(run.budget.keys.queue))
@@ -139,44 +139,46 @@ class AdmissionControl:
         return push_batch(self.client, self.app, run.budget.keys.queue, payloads, fence=self.lock,
                           seal_key=w.seal_key)
 
-    def check(self, run: DatasetRun, st: DatasetState, now: float) -> None:
-        """One look at an admitting dataset: ends its admission when the budget or the outcomes say
-        so; sweeps a queue idle with prompts lacking an outcome; gives up after the last sweep."""
+    def check(self, run: DatasetRun, look: Look) -> Move | None:
+        """One look at an admitting dataset (planning, admitting or topping up): its admission ends
+        when the plan refused the run, or the budget or the outcomes say so; a queue idle with
+        prompts lacking an outcome is swept; after the last sweep it gives up."""
+        if look.refused:
+            return self.end(run, EndReason.REFUSED)
+        st = look.state
+        assert st is not None, "an admitting dataset is looked at with its state"
         if st.state == "exhausted":
-            self.end(run, BUDGET_END_REASONS.get(st.ended_by, EndReason.BUDGET))
-            return
+            return self.end(run, BUDGET_END_REASONS.get(st.ended_by, EndReason.BUDGET))
         if self._tail_stops(run, st):
             log.info("%s: %s tokens of budget left, less than a full batch's worst cases (%s): tail = \"stop\"",
                      run.name, f"{st.limit - st.kept_tokens:,}", f"{self.full_batch_tokens(run):,}")
-            self.end(run, EndReason.BUDGET)
+            move = self.end(run, EndReason.BUDGET)
             # The budget says stopped, not only the queue: requests parked on a full budget would
             # otherwise be admitted once the batches out land. Their results still settle.
             self.lock.refresh()
             self.hold(run.budget.close)
-            return
-        if not run.enqueue_done:
-            return
+            return move
+        if not run.feed.counted:
+            return None
         outcomes = int(self.client.scard(run.outcome_key)) + st.failed
         if outcomes >= run.prompts:
-            self.end(run, EndReason.COMPLETE)
-            return
-        if st.queued or st.in_flight or (run.window is not None and not run.window.stream.exhausted):
-            run.idle_since_s = None
-            return
-        if run.idle_since_s is None:
-            run.idle_since_s = now
-        if now - run.idle_since_s < self.tuning.stall_s:
-            return
-        run.idle_since_s = None
-        if run.sweeps >= self.tuning.max_sweeps:
+            return self.end(run, EndReason.COMPLETE)
+        stall = run.stall
+        if st.queued or st.in_flight or run.feed.queuing:
+            stall.busy()
+            return None
+        if stall.idle_for_s(look.now_s) < self.tuning.stall_s:
+            return None
+        stall.busy()
+        if stall.sweeps >= self.tuning.max_sweeps:
             log.error("%s: %d prompts never got an outcome after %d sweeps", run.name, run.prompts - outcomes,
-                      run.sweeps)
-            self.end(run, EndReason.STALLED)
-            return
-        run.sweeps += 1
+                      stall.sweeps)
+            return self.end(run, EndReason.STALLED)
+        stall.sweeps += 1
         requeued = self.sweep(run)
         log.warning("%s: queue idle with %d prompts lacking an outcome; re-enqueued %d (sweep %d)",
-                    run.name, run.prompts - outcomes, requeued, run.sweeps)
+                    run.name, run.prompts - outcomes, requeued, stall.sweeps)
+        return None
 
     def batched(self, run: DatasetRun) -> bool:
         return self.cfg.dataset_mode(run.cfg) == "batch"
@@ -203,9 +205,7 @@ class AdmissionControl:
         empty, and every prompt without an outcome waits in a submitted batch. The next dataset
         starts now (its queue, its batches) while these settle into this one's rows and budget: the
         runner keeps checking it as admitting (a batch that gives prompts back gets them swept)."""
-        if not (self.batched(run) and run.enqueue_done and not st.queued):
-            return False
-        if run.window is not None and not run.window.stream.exhausted:
+        if not (self.batched(run) and run.feed.counted and not st.queued) or run.feed.queuing:
             return False
         batched = int(self.client.hlen(run.budget.keys.batched))
         outcomes = int(self.client.scard(run.outcome_key)) + st.failed
@@ -220,8 +220,9 @@ class AdmissionControl:
         self.start_window(run, skip=failed, sweep=True)
         return self.fill(run)
 
-    def end(self, run: DatasetRun, reason: EndReason) -> None:
-        run.transition(DatasetPhase.DRAINING, reason)
+    def end(self, run: DatasetRun, reason: EndReason) -> Move:
+        """Admission's end: workers stop following the queue and what is queued goes; the move
+        into draining for ``reason``."""
         run.admission_ended_s = time.time()
         if run.first_stop_s is None:
             run.first_stop_s = run.admission_ended_s
@@ -234,14 +235,15 @@ class AdmissionControl:
             self.lock.refresh()
             self.hold(run.budget.close)
         purged = int(self.lock.write(("LLEN", k.queue), ("DEL", k.queue))[0])
-        run.window = None  # the rest of its file is counted on the runner's next tick (Runner._fill)
+        run.feed.close()  # the rest of its file is counted on the runner's next tick (Runner._feed)
         try:
             self.app.control.cancel_consumer(k.queue)
         except Exception as exc:  # workers also drop it on their next poll
             log.debug("cancel_consumer broadcast failed: %s", exc)
         log.info("%s: admission ended (%s), %s queued prompts removed", run.name, reason.value, f"{purged:,}")
+        return Move(DatasetPhase.DRAINING, reason)
 
-    def top_up(self, run: DatasetRun, st: DatasetState) -> bool:
+    def top_up(self, run: DatasetRun, st: DatasetState) -> Move | None:
         """Give the room a budget stop left another round, while the next dataset runs.
 
         Projected rule only (BudgetPolicy.should_top_up): its stop projects in-flight requests with
@@ -250,22 +252,21 @@ class AdmissionControl:
         rule stops only when less than one worst case is left, which no round could use.
         """
         if run.end_reason is not EndReason.BUDGET or run.top_ups >= self.tuning.max_top_ups:
-            return False
+            return None
         length = self.cfg.length_for(run.cfg.length)
         prior = run.budget.policy.prior_tokens(length.max_tokens, length.estimate_tokens)
         if not run.budget.policy.should_top_up(run.budget.snapshot(), prior):
-            return False
+            return None
         room = st.limit - st.kept_tokens
         self.lock.refresh()
         self.hold(lambda: run.budget.open(run.cfg.budget_tokens, run.cfg.budget_usd, self.cfg.run.budget_mode))
         self.follow(run.budget.keys.queue)
         queued = self.sweep(run)
-        if not queued and run.window is not None and run.window.stream.exhausted:
-            run.window = None
+        if not queued and not run.feed.queuing:
+            run.feed.close()
             self.lock.write(("HDEL", keys.ACTIVE_QUEUES, run.budget.keys.queue))
-            return False
+            return None
         run.top_ups += 1
-        run.transition(DatasetPhase.TOPPING_UP)
         log.info("%s: %s tokens of budget left once in-flight work landed: top-up round %d",
                  run.name, f"{room:,}", run.top_ups)
-        return True
+        return Move(DatasetPhase.TOPPING_UP)

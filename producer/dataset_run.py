@@ -19,11 +19,18 @@ and the shortcuts: queued ──> admitting (the plan had cleared the run alread
 - draining: admission ended for ``end_reason``; admitted requests land (they are paid for).
 - topping_up: a round that refills the room a budget stop left (projected rule); ends as admitting does.
 - ended: finalized (summary.json written); nothing more happens to the dataset in this run.
+
+Who moves it: ``Lifecycle`` (below) is the one place a move is made. Each phase has one handler (the
+runner's, ``producer/run.py``); the handler of the phase being left looks at the dataset and names
+the move, and the machine makes it. What is not a phase belongs to the object that owns it: how far
+the file is queued and counted to ``Feed`` (``producer/window.py``), an idle queue's sweeps to
+``Stall``; the rest of ``DatasetRun`` is the record summary.json is written from.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -33,7 +40,7 @@ from common.errors import IllegalTransition
 from producer.share import Shared
 from producer.state import DatasetState
 from producer.summary import Summary
-from producer.window import PromptStream, QueueWindow, WindowBounds
+from producer.window import Feed, WindowBounds
 
 
 class DatasetPhase(StrEnum):
@@ -100,6 +107,24 @@ class Tuning:
 
 
 @dataclass
+class Stall:
+    """An admitting dataset's queue idle (nothing queued, in flight or left to queue) while prompts
+    lack an outcome: since when, and how many sweeps re-enqueued them (producer/admission.py's check)."""
+
+    idle_since_s: float | None = None
+    sweeps: int = 0
+
+    def busy(self) -> None:
+        self.idle_since_s = None
+
+    def idle_for_s(self, now_s: float) -> float:
+        """How long the queue has been idle, its first idle look counted as the start."""
+        if self.idle_since_s is None:
+            self.idle_since_s = now_s
+        return now_s - self.idle_since_s
+
+
+@dataclass
 class DatasetRun:
     cfg: DatasetConfig
     budget: Budget
@@ -121,19 +146,16 @@ class DatasetRun:
     first_stop_s: float | None = None
     rows_at_first_stop: int | None = None
     finished_s: float | None = None
-    sweeps: int = 0
-    enqueue_done: bool = False
     top_ups: int = 0
     #: The state it was finalized with: what progress keeps showing for a finished dataset.
     final_state: DatasetState | None = None
-    idle_since_s: float | None = None
     switch_s: float | None = None
     enqueue_s: float | None = None
     summary: Summary | None = None
-    #: The first read of the file, which counts it (``prompts``, ``malformed``) as it is queued.
-    reading: PromptStream | None = None
-    #: The read being queued now (the first, or a sweep's); None once admission ended.
-    window: QueueWindow | None = None
+    #: Its file on the way to its queue: the reads, the window, the counts.
+    feed: Feed = field(default_factory=Feed)
+    #: Its queue idle with prompts lacking an outcome: since when, and the sweeps so far.
+    stall: Stall = field(default_factory=Stall)
 
     @property
     def name(self) -> str:
@@ -155,7 +177,8 @@ class DatasetRun:
         return k.ended if self.cfg.regenerate == "all" else k.done
 
     def transition(self, to: DatasetPhase, reason: EndReason | None = None) -> None:
-        """Move to ``to``; ``reason`` goes with (and only with) a move into draining."""
+        """Move to ``to``; ``reason`` goes with (and only with) a move into draining. Only
+        ``Lifecycle.step`` calls it in a run."""
         if to not in TRANSITIONS[self.phase] or (reason is None) == (to is DatasetPhase.DRAINING):
             raise IllegalTransition(f"{self.name}: {self.phase.value} -> {to.value}"
                                     + (f" ({reason.value})" if reason else ""))
@@ -164,3 +187,46 @@ class DatasetRun:
             self.end_reason = reason
         elif to is DatasetPhase.TOPPING_UP:
             self.end_reason = None
+
+
+@dataclass(frozen=True)
+class Move:
+    """The move a handler names for the dataset it looked at: where to, and (into draining only) why."""
+
+    to: DatasetPhase
+    reason: EndReason | None = None
+
+
+@dataclass(frozen=True)
+class Look:
+    """What a handler sees: the time, the dataset's state this tick (None at its opening, and when the
+    plan refused the run), and the plan's refusal, which ends every admission."""
+
+    now_s: float
+    state: DatasetState | None = None
+    refused: bool = False
+
+
+#: A phase's handler: looks at a dataset in that phase, does what the phase does, and names the move
+#: out of it (None: it stays). What a move out of the phase needs done (admission's end, a top-up's
+#: reopening, the finalizing) the handler does before it names the move.
+Handler = Callable[[DatasetRun, Look], "Move | None"]
+
+
+class Lifecycle:
+    """The state machine: one handler per phase that a dataset leaves (every phase but ended), and
+    the one place a move is made."""
+
+    def __init__(self, handlers: Mapping[DatasetPhase, Handler]) -> None:
+        missing = set(TRANSITIONS) - {DatasetPhase.ENDED} - set(handlers)
+        if missing:
+            raise IllegalTransition("no handler for " + ", ".join(sorted(p.value for p in missing)))
+        self._handlers = dict(handlers)
+
+    def step(self, run: DatasetRun, look: Look) -> Move | None:
+        """One look at ``run`` by its phase's handler; the move it names is made here."""
+        handler = self._handlers.get(run.phase)
+        move = handler(run, look) if handler is not None else None
+        if move is not None:
+            run.transition(move.to, move.reason)
+        return move

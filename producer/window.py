@@ -110,3 +110,43 @@ class QueueWindow:
         self.pushed += messages
         self.pushed_bytes += size_bytes
         self.passed += read - messages
+
+
+@dataclass
+class Feed:
+    """A dataset's prompts on their way to its queue: the first read of its file (which counts it),
+    the window queued now (the first read's, or a sweep's or top-up's own read), and whether the
+    file's counts are in. The run's phase says whether it is fed; this says how far the feeding is."""
+
+    #: The first read of the file, which counts it (``prompts``, ``malformed``) as it is queued.
+    first: PromptStream | None = None
+    #: The read being queued now; None once admission ended (or a top-up found nothing to queue).
+    window: QueueWindow | None = None
+    #: The file's counts are in (read to its end, or the dataset skipped before any read).
+    counted: bool = False
+
+    def open(self, window: QueueWindow) -> None:
+        """Queue through ``window`` from now on; the first one opened is the file's count."""
+        if self.first is None:
+            self.first = window.stream
+        self.window = window
+
+    def close(self) -> None:
+        """Nothing more is queued: admission ended (the rest of the file is counted, see ``count_rest``)."""
+        self.window = None
+
+    @property
+    def queuing(self) -> bool:
+        """A window is open with prompts of its read still to take."""
+        return self.window is not None and not self.window.stream.exhausted
+
+    def count_rest(self) -> None:
+        """The first read stopped before the file's end (admission ended): the rest counted in a thread."""
+        if self.first is not None and not (self.first.exhausted or self.first.counting):
+            self.first.count_rest_in_background()
+
+    def counts_due(self) -> PromptStream | None:
+        """The first read, once it has reached the file's end and its counts are not taken yet."""
+        if self.counted or self.first is None or not self.first.exhausted:
+            return None
+        return self.first

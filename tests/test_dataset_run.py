@@ -1,5 +1,6 @@
 """The dataset run's state machine (``producer/dataset_run.py``): every move its table names is
-taken, every other one raises, and a move into draining (only that one) carries its end reason."""
+taken, every other one raises, a move into draining (only that one) carries its end reason, and the
+machine makes the move the handler of the phase being left names (one handler per phase)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import pytest
 
 from common.config import DatasetConfig
 from common.errors import IllegalTransition
-from producer.dataset_run import ADMITTING_PHASES, TRANSITIONS, DatasetPhase, DatasetRun, EndReason
+from producer.dataset_run import (
+    ADMITTING_PHASES,
+    TRANSITIONS,
+    DatasetPhase,
+    DatasetRun,
+    EndReason,
+    Lifecycle,
+    Look,
+    Move,
+)
 
 P = DatasetPhase
 
@@ -72,3 +82,37 @@ def test_a_top_up_round_clears_the_reason_and_the_next_end_sets_it_again() -> No
 def test_end_reasons_keep_summary_jsons_words_and_which_leave_requests_to_land() -> None:
     assert [r.value for r in EndReason] == ["budget", "budget_usd", "run_budget", "complete", "stalled", "refused"]
     assert {r for r in EndReason if r.by_budget} == {EndReason.BUDGET, EndReason.BUDGET_USD, EndReason.RUN_BUDGET}
+
+
+def test_the_machine_makes_the_move_the_phase_being_left_names() -> None:
+    seen: list[tuple[DatasetPhase, Look]] = []
+
+    def stay(run: DatasetRun, look: Look) -> Move | None:
+        seen.append((run.phase, look))
+        return None
+
+    def end(run: DatasetRun, look: Look) -> Move | None:
+        seen.append((run.phase, look))
+        return Move(P.DRAINING, EndReason.STALLED)
+
+    machine = Lifecycle({P.QUEUED: stay, P.PLANNING: stay, P.ADMITTING: end, P.TOPPING_UP: stay, P.DRAINING: stay})
+    run, look = _run(P.ADMITTING), Look(1.0)
+    assert machine.step(run, look) == Move(P.DRAINING, EndReason.STALLED)
+    assert run.phase is P.DRAINING and run.end_reason is EndReason.STALLED
+    assert machine.step(run, look) is None and run.phase is P.DRAINING  # draining's handler: it stays
+    assert seen == [(P.ADMITTING, look), (P.DRAINING, look)]
+    assert machine.step(_run(P.ENDED), look) is None  # nothing leaves ended: no handler is asked
+    assert len(seen) == 2
+
+
+def test_a_move_the_table_does_not_name_is_refused_whoever_names_it() -> None:
+    machine = Lifecycle({p: (lambda run, look: Move(P.ENDED)) for p in P if p is not P.ENDED})
+    run = _run(P.ADMITTING)
+    with pytest.raises(IllegalTransition, match="admitting -> ended"):
+        machine.step(run, Look(1.0))
+    assert run.phase is P.ADMITTING
+
+
+def test_every_phase_that_is_left_has_its_handler() -> None:
+    with pytest.raises(IllegalTransition, match="no handler for draining"):
+        Lifecycle({p: (lambda run, look: None) for p in P if p not in (P.DRAINING, P.ENDED)})
