@@ -534,6 +534,9 @@ def settle(job: _Job, answer: Answer, rebuilt: RebuiltRow, turn: TurnHook | None
     row = _row(job.payload, rebuilt, answer, job.attempts, job.view)
     if verdict is not None:
         row["usage_check"] = verdict.row_field()
+    # The repetition scan is ~35 ms for a 22k-word answer: a long one is scanned off the hub.
+    if (mark := _off_hub(quality_of, (answer,), len(answer.content or "") + len(answer.reasoning or ""))) is not None:
+        row["quality"] = mark
     keep = None if turn is None else turn.finish(row, rebuilt, answer)
     usage, job.usage = job.usage, None
     settled = settle_or_spool(job.ctx.redis, job.ctx.settings.spool_dir, job.payload["run"], job.budget, job.pid,
@@ -603,6 +606,4 @@ def _row(payload: TaskPayload, rebuilt: RebuiltRow, answer: Answer, attempts: in
         row["engine_check"] = rebuilt.engine_check
     if (recipe := sampled(view, payload["dataset"], payload["id"])[1]) is not None:
         row["sampling"] = recipe
-    if (mark := quality_of(answer)) is not None:
-        row["quality"] = mark
     return row
