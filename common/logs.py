@@ -6,9 +6,9 @@ Library modules only do ``logging.getLogger(__name__)``; entry points call ``con
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
+from collections.abc import Collection
 
 # OpenRouter keys look like sk-or-v1-<64 hex>; any bearer token is scrubbed too.
 _KEY_PATTERN = re.compile(r"(sk-or-[A-Za-z0-9-]{8,}|Bearer\s+[A-Za-z0-9._~+/=-]{8,})")
@@ -55,13 +55,14 @@ class _CurrentStderr(logging.StreamHandler):
         super().emit(record)
 
 
-def configure(level: str = "INFO") -> None:
+def configure(level: str, secrets: Collection[str]) -> None:
+    """The root logger's one handler, scrubbing ``secrets`` (``Settings.secrets``: the process's
+    API keys, handed over by its entry point, never re-read from the environment here)."""
     handler = _CurrentStderr()
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     )
-    keys = [os.environ.get(name, "") for name in ("OPENROUTER_API_KEY", "SPECFLEET_ENGINE_API_KEY")]
-    handler.addFilter(RedactSecrets(keys))
+    handler.addFilter(RedactSecrets(list(secrets)))
     # No format field needs the caller's file/line or the thread: skip the stack walk and the
     # current-thread lookup (gevent makes one per greenlet) that every record would pay for.
     logging._srcfile = None

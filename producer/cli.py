@@ -68,7 +68,7 @@ def usable_output_dir(path: Path) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    settings = Settings.from_env()
+    settings: Settings = args.settings
     cfg = load_config(args.config)
     if args.out is not None:
         cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"dir": args.out.resolve()})})
@@ -88,7 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     if {"-h", "--help"} & set(args.celery_args):  # help needs no environment: ours, then where celery's is
         parser().parse_args(["worker", "--help"])
-    settings = Settings.from_env()
+    settings: Settings = args.settings
     settings.require_redis_url()
     argv = worker_argv(settings.worker_concurrency, extra=args.celery_args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -109,7 +109,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from producer.progress import ProgressView, batch_lines
     from producer.state import current_run, read_state
 
-    client = connect(Settings.from_env().require_redis_url(), SCRAPE_REDIS_WINDOW_S)
+    client = connect(args.settings.require_redis_url(), SCRAPE_REDIS_WINDOW_S)
     run = current_run(client)
     if run is None:
         print("no run in this Redis")
@@ -168,7 +168,7 @@ def _dead_letters(client: redis.Redis) -> str:
 def cmd_exporter(args: argparse.Namespace) -> int:
     from producer.metrics import start_metrics_server
 
-    settings = Settings.from_env()
+    settings: Settings = args.settings
     client = connect(settings.require_redis_url(), SCRAPE_REDIS_WINDOW_S)
     port = settings.metrics_port if args.port is None else args.port
     start_metrics_server(client, port)
@@ -202,7 +202,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from producer.plan import check_plan
 
-    settings = Settings.from_env()
+    settings: Settings = args.settings
     cfg = load_config(args.config)
     check_plan(cfg, settings.openrouter_base_url, yes=args.yes, api_key=settings.openrouter_api_key)
     if settings.redis_url:  # the Redis the run will use: does its maxmemory hold what the run needs?
@@ -247,7 +247,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from producer.demo import run_demo
 
-    return run_demo(out_dir=Path(args.out), workers=args.workers, concurrency=args.concurrency)
+    return run_demo(args.settings, out_dir=Path(args.out), workers=args.workers, concurrency=args.concurrency)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -334,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = parser().parse_args(argv)
     try:
-        settings = Settings.from_env()
-        logs.configure(settings.log_level)
+        # Read once per process: every command takes these (``args.settings``), never reads them again.
+        args.settings = Settings.from_env()
+        logs.configure(args.settings.log_level, args.settings.secrets)
         return int(args.func(args) or 0)
     except SpecfleetError as exc:  # each class's exit code (common/errors.py's table)
         print(f"specfleet: {exc}", file=sys.stderr)

@@ -108,11 +108,11 @@ def clear_demo_folder(out_dir: Path) -> None:
     shutil.rmtree(out_dir)
 
 
-def run_demo(out_dir: Path, workers: int, concurrency: int) -> int:
+def run_demo(settings: Settings, out_dir: Path, workers: int, concurrency: int) -> int:
+    """``settings``: the CLI's, read once (the workers it starts read their own)."""
     from producer.embedded import EmbeddedValkey
     from producer.plan import start_plan
 
-    settings = Settings.from_env()
     if settings.openrouter_api_key:
         print("OPENROUTER_API_KEY is set, but the demo never spends money: it runs on the local "
               "OpenRouter simulator. Use `specfleet run your.toml` for a real run.")

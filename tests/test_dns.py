@@ -54,7 +54,10 @@ def test_a_gevent_worker_process_looks_names_up_through_the_cache() -> None:
     import sys
 
     code = ("from gevent import monkey; monkey.patch_all()\n"
-            "import socket, workers.celery, workers.runtime.dns\n"
+            "import socket, workers.runtime.dns, workers.pipeline.task\n"
+            "from workers.celery import app\n"
+            "from workers.bootstrap import boot\n"
+            "boot(app.settings, app)\n"
             "print(type(socket.getaddrinfo).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={"REDIS_URL": "redis://127.0.0.1:1/0", "PATH": "/usr/bin:/bin"}, check=True)

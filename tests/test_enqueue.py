@@ -55,7 +55,7 @@ def _app(redis_client: redis.Redis) -> Celery:
 
 
 def _worker_task(monkeypatch: pytest.MonkeyPatch, app: Celery) -> Task:
-    monkeypatch.setenv("REDIS_URL", app.conf.broker_url)  # workers.celery reads it on import
+    monkeypatch.setenv("REDIS_URL", app.conf.broker_url)  # the workers app reads it when its conf is first read
     from workers.pipeline.task import generate_task
 
     assert generate_task.name == TASK_NAME

@@ -5,8 +5,8 @@ import sleep``: its ``retry_over_time``, which Celery's consumer runs to reconne
 (2 s, 4 s, 6 s… between tries), then held the whole process. In the chaos soak a Redis SIGKILL
 froze every greenlet of a worker for 6 s: attempts whose answers had arrived passed their deadline
 (``timeout``), were thrown away and asked again (paid twice). The process is started as
-``python -m celery -A workers worker -P gevent`` starts it: the patch first, then the app (whose
-``workers.runtime.install`` rebinds kombu's ``sleep``).
+``python -m celery -A workers worker -P gevent`` starts it: the patch first, then the app and its
+task, then workers/bootstrap.py's ``boot`` (whose ``workers.runtime.install`` rebinds kombu's ``sleep``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import sys
 sys.argv = ["celery", "-A", "workers", "worker", "-P", "gevent"]
 from celery import maybe_patch_concurrency
 maybe_patch_concurrency()
-import workers.celery  # what -A workers loads: it installs workers/runtime/'s patches
+from workers.celery import app  # what -A workers loads (it installs nothing)
+import workers.pipeline.task  # the app's include, imported before the worker boots
+from workers.bootstrap import boot
+boot(app.settings, app)  # what the worker's celeryd_init runs: it installs workers/runtime/'s patches
 import time, gevent
 from kombu.utils.functional import retry_over_time
 ticks = []

@@ -179,7 +179,7 @@ def test_live_logging_goes_through_richs_handler_above_the_bars(monkeypatch: pyt
     from common import logs
 
     monkeypatch.setenv("COLUMNS", "200")  # rich wraps a log line at the console's width
-    logs.configure("INFO")
+    logs.configure("INFO", ())
     before = logging.getLogger().handlers[:]
     out = io.StringIO()
     view = ProgressView(["short"], live=True, stream=out)

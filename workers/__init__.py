@@ -1,4 +1,5 @@
-"""specfleet workers. ``celery -A workers`` finds the Celery app in ``workers/celery.py``.
+"""specfleet workers. ``celery -A workers`` finds the Celery app in ``workers/celery.py``; a worker
+process starts in ``workers/bootstrap.py`` (``boot``).
 
 - ``pipeline/``: one task's work, message to kept row (prepare, reserve, call, rebuild, settle);
 - ``upstreams/``: who answers (OpenRouter, a vLLM/SGLang engine, the in-process fake);

@@ -1,6 +1,7 @@
 """Per-process state of a worker: settings, Redis, the upstream, run views, tokenizers.
 
-Built lazily on first use, after Celery's gevent patching, and shared by all greenlets.
+Built once per process by workers/bootstrap.py's ``boot`` (after Celery's gevent patching), which
+makes it the process's (``context()``); shared by all greenlets. Its clients open on first use.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from common import keys, tokenizer_pin
 from common.budget import group_commit
 from common.config import WorkerView
 from common.errors import ConfigError, TokenizerError
+from common.logs import RedactSecrets
 from common.manifest import resolve_tokenizer
 from common.redis_client import connect
 from common.settings import Settings
@@ -47,6 +49,8 @@ class WorkerContext:
 
     def __init__(self, settings: Settings, *, upstream: Upstream | None = None) -> None:
         self.settings = settings
+        #: Takes the settings' API keys (and anything shaped like one) out of a text: a dead letter's bytes.
+        self.scrub = RedactSecrets(list(settings.secrets)).scrub
         self._upstream = upstream
         self._runs: dict[str, WorkerView] = {}
         #: (tokenizer, revision, the pin as JSON) -> the loaded tokenizer
@@ -178,11 +182,17 @@ class WorkerContext:
 _context: WorkerContext | None = None
 
 
-def context() -> WorkerContext:
+def install(ctx: WorkerContext) -> None:
+    """Make ``ctx`` the process's context (workers/bootstrap.py's ``boot``, once per process)."""
     global _context
+    _context = ctx
+
+
+def context() -> WorkerContext:
+    """The process's context, as ``boot`` built it; never built here (it would read the settings again)."""
     if _context is None:
-        _context = WorkerContext(Settings.from_env())
+        raise RuntimeError("no worker context in this process: workers/bootstrap.py's boot() has not run")
     return _context
 
 
-__all__ = ["TokenizerError", "WorkerContext", "context"]
+__all__ = ["TokenizerError", "WorkerContext", "context", "install"]

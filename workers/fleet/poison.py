@@ -33,8 +33,8 @@ import binascii
 import contextlib
 import json
 import logging
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,11 +44,14 @@ import redis
 from common import keys, seal
 from common.contract import CONTRACT_VERSION, IDLE_QUEUE, TASK_NAME
 from common.errors import PoisonMessage
-from common.logs import RedactSecrets
 from common.redis_client import UNREACHABLE, deadline
 from workers import WORKER_ID
 
 log = logging.getLogger(__name__)
+
+#: What takes the API keys out of a dead letter's raw bytes: ``RedactSecrets(settings.secrets).scrub``
+#: (``WorkerContext.scrub``), handed in by the caller; this module reads no environment.
+Scrub = Callable[[str], str]
 
 #: The reasons, stable words for the list's readers. A message that is not JSON; JSON that is not a
 #: kombu envelope of a queue message; another task's; a body that is not our msgpack (empty, base64
@@ -63,7 +66,6 @@ WRITE_WAIT_S = 2.0
 _CONTENT_TYPE = "application/x-msgpack"
 _FIELDS: dict[str, type | tuple[type, ...]] = {"run": str, "dataset": str, "id": str, "where": str,
                                                 "messages": list, "tools": (list, type(None))}
-_scrub = RedactSecrets([os.environ.get(n, "") for n in ("OPENROUTER_API_KEY", "SPECFLEET_ENGINE_API_KEY")]).scrub
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ def _payload(envelope: dict[str, Any], props: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
-def admit(client: redis.Redis, raw: bytes, queue: str, *,
+def admit(client: redis.Redis, raw: bytes, queue: str, *, scrub: Scrub,
           unacked: tuple[str, str] | None = None) -> dict[str, Any] | None:
     """The envelope to deliver, or None: the message was dead-lettered (``unacked``: the unacked
     hash and index it was already recorded in, by workers/runtime/kombu_redis.py's multi-pop)."""
@@ -138,7 +140,7 @@ def admit(client: redis.Redis, raw: bytes, queue: str, *,
         if unacked is not None:  # the multi-pop took only messages with a tag (its Lua decoder's reading)
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 record = (unacked[0], unacked[1], str(json.loads(raw)["properties"]["delivery_tag"]))
-        dead_letter(client, raw, queue, Refusal(poison.reason, poison.detail), unacked=record)
+        dead_letter(client, raw, queue, Refusal(poison.reason, poison.detail), scrub=scrub, unacked=record)
         return None
 
 
@@ -182,7 +184,7 @@ def _sealed(client: redis.Redis, dataset: str, prompt_id: str, claimed: object) 
     return seal.sealed(key, dataset, prompt_id, claimed)
 
 
-def dead_letter(client: redis.Redis, raw: bytes, queue: str, refusal: Refusal, *,
+def dead_letter(client: redis.Redis, raw: bytes, queue: str, refusal: Refusal, *, scrub: Scrub,
                 unacked: tuple[str, str, str] | None = None) -> bool:
     """Move a refused message aside (``unacked``: hash, index and tag of its unacked record, removed
     in the same round trip); False when Redis could not take it (logged)."""
@@ -190,7 +192,7 @@ def dead_letter(client: redis.Redis, raw: bytes, queue: str, refusal: Refusal, *
     entry = {"reason": refusal.reason, "detail": refusal.detail, "queue": queue, "received_at": round(time.time(), 3),
              "worker": WORKER_ID, "bytes": len(raw), "truncated": len(raw) > len(kept),
              # latin-1 maps bytes to text one to one, so the scrub can see a key in any bytes.
-             "raw_b64": base64.b64encode(_scrub(kept.decode("latin-1")).encode("latin-1")).decode()}
+             "raw_b64": base64.b64encode(scrub(kept.decode("latin-1")).encode("latin-1")).decode()}
     pipe = client.pipeline(transaction=False)
     pipe.lpush(keys.DEAD_LETTERS, json.dumps(entry))
     pipe.ltrim(keys.DEAD_LETTERS, 0, keys.DEAD_LETTER_MAX - 1)

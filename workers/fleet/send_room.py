@@ -154,7 +154,7 @@ class SendRoom:
             self.on_open()
 
 
-#: This process's room: a worker's counts (``start``, from ``workers/celery.py``); anywhere else
+#: This process's room: a worker's counts (``start``, from workers/bootstrap.py's ``boot``); anywhere else
 #: (tests calling ``generate`` in process, tools) one no message is delivered to, so it counts nothing.
 _process_room = SendRoom(0)
 

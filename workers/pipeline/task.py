@@ -80,7 +80,7 @@ def _refused(ctx: WorkerContext, payload: TaskPayload, delivery_info: dict[str, 
     raw = json.dumps(payload, ensure_ascii=False, default=str).encode()
     # Unacked until recorded: a Redis that cannot take the entry now may in a moment.
     give_up = time.monotonic() + DEAD_LETTER_WAIT_S
-    while not poison.dead_letter(ctx.redis, raw, queue or "", refusal) and time.monotonic() < give_up:
+    while not poison.dead_letter(ctx.redis, raw, queue or "", refusal, scrub=ctx.scrub) and time.monotonic() < give_up:
         gevent.sleep(1.0)
     return True
 
@@ -90,12 +90,6 @@ def _datasets(ctx: WorkerContext, run: str) -> Collection[str] | None:
         return ctx.run(run).datasets.keys()
     except ConfigError:  # no such run in this Redis
         return None
-
-
-# Celery looks the result backend up per task through a thread-local, which gevent makes
-# greenlet-local: without this, every task (a new greenlet) builds a backend object of its own
-# (4% of a busy worker). There is no result backend (common/celeryconf.py): one shared object.
-generate_task.backend = app.backend
 
 
 __all__ = ["generate_task"]

@@ -4,8 +4,8 @@
 verified and its source fingerprint). ``install`` checks every fingerprint before it patches
 anything: the worker runs on the patched libraries exactly as verified, or refuses to start with
 one line (``refuse``) naming the package, its version and the patch. Called once, from
-``workers/celery.py`` (what ``celery -A workers`` loads after ``-P gevent`` patched the standard
-library and before kombu or Celery consume anything).
+workers/bootstrap.py's ``boot`` (on Celery's ``celeryd_init``: after ``-P gevent`` patched the
+standard library, before kombu or Celery consume anything).
 
 | module          | library | what                                                        |
 |-----------------|---------|-------------------------------------------------------------|
@@ -50,4 +50,4 @@ def refuse(exc: PatchDrift) -> NoReturn:
     """The worker's one line, and its exit before Celery starts consuming."""
     sys.stderr.write(f"specfleet worker: refusing to start: {exc}\n")
     sys.stderr.flush()
-    raise SystemExit(EXIT_PATCH_DRIFT)  # from the app's import: Celery ends with this code, no traceback
+    raise SystemExit(EXIT_PATCH_DRIFT)  # from the worker's boot: Celery ends with this code, no traceback
