@@ -152,3 +152,16 @@ def test_a_dead_letter_carries_no_key_of_the_settings(redis_client: redis.Redis)
     entry = json.loads(redis_client.lindex(keys.DEAD_LETTERS, 0) or b"{}")
     kept = base64.b64decode(entry["raw_b64"]).decode()
     assert "plain-engine-secret" not in kept and TEST_KEY not in kept and kept.count(REDACTED) == 2, kept
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"REDIS_URL": "redis://127.0.0.1:1/0", "SPECFLEET_CONCURRENCY": "lots"}, "SPECFLEET_CONCURRENCY='lots'"),
+    ({}, "REDIS_URL is not set"),
+])
+def test_a_bad_setting_stops_celerys_worker_in_one_line(env: dict[str, str], named: str) -> None:
+    # `celery -A workers worker` run by hand (`specfleet worker` refuses before it exec's celery).
+    out = subprocess.run([sys.executable, "-m", "celery", "-A", "workers", "worker", "-P", "gevent", "-c", "2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env})
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and named in lines[0], out.stdout + out.stderr

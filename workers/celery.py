@@ -9,6 +9,7 @@ workers/bootstrap.py's ``boot``, from Celery's ``celeryd_init`` signal.
 
 from __future__ import annotations
 
+import sys
 from functools import cached_property
 from typing import Any
 
@@ -16,6 +17,7 @@ from celery import Celery
 from celery.signals import celeryd_init
 
 from common.celeryconf import celery_config
+from common.errors import ConfigError
 from common.settings import Settings
 from workers import bootstrap
 from workers.batch.poll import PollBatches
@@ -32,8 +34,13 @@ class WorkerApp(Celery):
 
 
 def _conf(app: WorkerApp) -> dict[str, Any]:
-    settings = app.settings
-    return {**celery_config(settings, settings.require_redis_url()),
+    try:
+        settings = app.settings
+        url = settings.require_redis_url()
+    except ConfigError as exc:  # met inside Celery's command line: one line, not its traceback
+        sys.stderr.write(f"specfleet: {exc}\n")
+        raise SystemExit(exc.exit_code) from None
+    return {**celery_config(settings, url),
             "worker_consumer": "workers.fleet.consumer:Consumer"}  # binds its queues only once Redis takes writes
 
 
