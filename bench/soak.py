@@ -73,7 +73,7 @@ TRICKLE_EVERY_S, TRICKLE_S = 1.0, 15.0  # 15 s of trickle > the 6 s deadline: ev
 REDIS_DOWN_S = 3.0
 #: An answer whose worker was SIGKILLed this soon after it arrived may or may not have been settled.
 SETTLE_WINDOW_S = 5.0
-#: The prompt's lease as workers/pipeline/generate.py sizes it: 1.2 × timeout_s + backoff_max_s (0.5 in
+#: The prompt's lease as workers/pipeline/job.py sizes it: 1.2 × timeout_s + backoff_max_s (0.5 in
 #: harness/fleet.py's config) + 10 s.
 LEASE_S = 1.2 * TIMEOUT_S + 0.5 + 10
 #: A stopped worker's last line comes at its bound; the interpreter's exit after it, on a box with a

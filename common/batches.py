@@ -1,4 +1,4 @@
-"""Open Batch API batches as Redis records them (``workers/batch/records.py`` writes them): read by
+"""Open Batch API batches as Redis records them (``workers/pipeline/batch/records.py`` writes them): read by
 workers and by the producer's progress, ``specfleet status`` and the exporter.
 
 A record (``keys.BatchKeys.record``) is a batch's intent and what became of it: ``state`` posting

@@ -372,7 +372,7 @@ class Budget:
 
     def queue_renew(self, pipe: Any, prompt_id: str, lease: str, *, ttl_ms: int) -> None:
         """Adds ``renew`` to ``pipe`` (a MULTI with other writes: the batch path's intent record and the
-        leases its batch will live on are made together, workers/batch/records.py). Its reply is
+        leases its batch will live on are made together, workers/pipeline/batch/records.py). Its reply is
         ``[renewal]``; the script must be loaded (a reserve on this client loaded it)."""
         pipe.evalsha(self._script.sha, len(self.keys.budget_keys), *self.keys.budget_keys, "renew", prompt_id,
                      lease, now_ms(), ttl_ms)

@@ -258,7 +258,7 @@ class TokenMismatch(SpecfleetError):
         self.detail = detail
 
 
-# --- inside a worker's task (workers/pipeline/generate.py): how a prompt leaves its pipeline early ------
+# --- inside a worker's task (workers/pipeline/job.py): how a prompt leaves its pipeline early ------
 
 
 class PromptFailed(SpecfleetError):

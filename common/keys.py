@@ -124,7 +124,7 @@ def queue(dataset: str) -> str:
 
 
 class BatchKeys:
-    """The keys of one batch intent (workers/batch/records.py)."""
+    """The keys of one batch intent (workers/pipeline/batch/records.py)."""
 
     def __init__(self, intent: str) -> None:
         base = f"{PREFIX}:batch:{intent}"

@@ -48,7 +48,7 @@ class Outcome(enum.StrEnum):
     SKIPPED_STOPPED = "skipped:stopped"
     SKIPPED_OVER = "skipped:over"
     DEAD_LETTER = "dead_letter"
-    #: batch mode (workers/batch/): the prompt waits in a submitted batch; its outcome comes with the results
+    #: batch mode (workers/pipeline/batch/): the prompt waits in a submitted batch; its outcome comes with the results
     BATCHED = "batched"
 
 

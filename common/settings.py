@@ -149,7 +149,7 @@ class Settings:
 
     #: Batch mode: how long a worker waits for ``POST /api/v1/batches`` to answer (a batch uploads up
     #: to 200 MB). A POST without an answer may still have created its batch: it is looked for, never
-    #: posted again blindly, once 1.5x this has passed (workers/batch/poll.py).
+    #: posted again blindly, once 1.5x this has passed (workers/pipeline/batch/poll.py).
     batch_submit_timeout_s: float = field(default=120.0, metadata=_env("SPECFLEET_BATCH_SUBMIT_TIMEOUT_S", _number,
                                                                        minimum=1.0))
 

@@ -184,7 +184,7 @@ class AdmissionControl:
         return self.cfg.dataset_mode(run.cfg) == "batch"
 
     def full_batch_tokens(self, run: DatasetRun) -> int:
-        """A full batch's worst cases: ``batch_size`` x a request's worst case (workers/batch/tail.py)."""
+        """A full batch's worst cases: ``batch_size`` x a request's worst case (workers/pipeline/batch/tail.py)."""
         return self.cfg.request.batch_size * POLICY.worst_tokens(self.cfg.length_for(run.cfg.length).max_tokens)
 
     def _tail_stops(self, run: DatasetRun, st: DatasetState) -> bool:
@@ -195,7 +195,7 @@ class AdmissionControl:
 
     def in_live_tail(self, run: DatasetRun, st: DatasetState) -> bool:
         """``tail = "live"``: a batch-mode dataset whose room is under a full batch's worst cases has
-        its last round out and sends the rest live (workers/batch/tail.py): it needs no more of the
+        its last round out and sends the rest live (workers/pipeline/batch/tail.py): it needs no more of the
         fleet than a few live requests, so the next dataset need not wait for that round to land."""
         return (self.cfg.request.tail == "live" and self.batched(run) and st.state == "active"
                 and st.limit > 0 and st.limit - st.kept_tokens < self.full_batch_tokens(run))

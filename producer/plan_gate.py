@@ -10,7 +10,7 @@ counts the byte bound made optional start once the first wave has left. The plan
 into the gate.
 
 The workers' side of the hold (workers/fleet/gate.py, the throttle's Lua, ``openrouter.warm`` and the
-``warm`` call in workers/pipeline/generate.py) is the throttle's: the gate only sets and lifts it.
+``warm`` call in workers/pipeline/job.py) is the throttle's: the gate only sets and lifts it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """``regenerate = "all"``, in-process: every assistant turn of a conversation produced again, in order.
 
-The task body (``workers/pipeline/conversation.py``) against the session Valkey, with the in-process fake
-upstream or the real OpenRouter client over HTTP to the simulator. The prompt ids of every row are
-checked against ``AutoTokenizer.apply_chat_template`` on the row's own history: an oracle that
-shares no code with the rebuild.
+The task body (``handle`` in ``workers/pipeline/task.py``, which picks ``workers/pipeline/conversation.py``)
+against the session Valkey, with the in-process fake upstream or the real OpenRouter client over HTTP
+to the simulator. The prompt ids of every row are checked against ``AutoTokenizer.apply_chat_template``
+on the row's own history: an oracle that shares no code with the rebuild.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from simulator.run import SimHandle, start_in_thread
 from simulator.settings import SimSettings
 from tests.fleet import DEMO_TOKENIZER
 from workers.fleet.context import WorkerContext
-from workers.pipeline.conversation import handle
+from workers.pipeline.task import handle
 from workers.upstreams.fake import FakeUpstream, text_answer
 from workers.upstreams.openrouter import OpenRouterClient
 from workers.upstreams.upstream import Answer, Request

@@ -56,9 +56,11 @@ def _app(redis_client: redis.Redis) -> Celery:
 
 def _worker_task(monkeypatch: pytest.MonkeyPatch, app: Celery) -> Task:
     monkeypatch.setenv("REDIS_URL", app.conf.broker_url)  # the workers app reads it when its conf is first read
-    from workers.pipeline.task import generate_task
+    from workers.celery import app as workers_app
+    from workers.pipeline import task  # the app's include: its shared_task is declared on every app
 
-    assert generate_task.name == TASK_NAME
+    generate_task = workers_app.tasks[TASK_NAME]  # as the worker's app has it, with the worker's conf
+    assert generate_task.name == task.generate_task.name == TASK_NAME
     return generate_task
 
 

@@ -20,7 +20,7 @@ THROTTLE = files("common").joinpath("throttle.lua").read_text(encoding="utf-8")
 #: reads them by position), not a prompt's outcome.
 PRODUCER_OPS = {"run_open": {"run_open"}, "reap": {"reaped"}, "open": {"open"}, "close": {"closed"},
                 "reconcile": {"current", "mismatch", "reconciled"}}
-#: Outcomes the worker makes itself, never budget.lua (batched: batch mode's, workers/batch/).
+#: Outcomes the worker makes itself, never budget.lua (batched: batch mode's, workers/pipeline/batch/).
 WORKERS_OWN = {Outcome.SPOOLED, Outcome.SKIPPED_STOPPED, Outcome.SKIPPED_OVER, Outcome.DEAD_LETTER, Outcome.BATCHED}
 
 

@@ -20,10 +20,10 @@ from common.celeryconf import celery_config
 from common.errors import ConfigError
 from common.settings import Settings
 from workers import bootstrap
-from workers.batch.poll import PollBatches
 from workers.fleet.events import BatchedTaskEvents
 from workers.fleet.queues import FollowActiveQueues
 from workers.fleet.recovery import ReplaySpool, RestoreUnacked
+from workers.pipeline.batch.poll import PollBatches
 
 
 class WorkerApp(Celery):

@@ -5,8 +5,8 @@ The dataset row is split at its assistant turns: segment k holds the dataset's n
 k is asked with ``segment 0, turn 0, …, turn k-1, segment k``, where the turns are the target's own
 regenerated messages (reasoning included: the chat template renders history as it renders history,
 e.g. Kimi drops earlier reasoning), so the prompt ids of each row are what the model saw at that
-turn. Each turn runs the five steps of ``workers/pipeline/generate.py`` as one prompt whose id is the row
-key ``<id>#<turn>``: the budget admits, holds and counts per call, whatever its mode.
+turn. Each turn runs the five steps of ``workers/pipeline/job.py`` (single mode's ``generate``) as one
+prompt whose id is the row key ``<id>#<turn>``: the budget admits, holds and counts per call, whatever its mode.
 
 A kept turn's regenerated message is stored by the same ``budget.lua`` settle that counts its row
 (``keys.DatasetKeys.turns``), so a redelivered conversation reads back exactly the turns that were
@@ -28,13 +28,13 @@ from typing import Any
 import msgpack
 
 from common.budget import TurnKeep
-from common.contract import CONTRACT_VERSION, ResultRow, TaskPayload, row_key
+from common.contract import ResultRow, TaskPayload, row_key
 from common.keys import DatasetKeys
 from common.outcomes import Outcome
 from common.rebuild import ENDED_FINISH_REASONS, RebuiltRow
-from workers.batch.submit import submit
 from workers.fleet.context import WorkerContext
-from workers.pipeline.generate import Busy, generate
+from workers.pipeline.generate import generate
+from workers.pipeline.job import Busy
 from workers.upstreams.upstream import Answer
 
 log = logging.getLogger(__name__)
@@ -152,12 +152,3 @@ def generate_conversation(ctx: WorkerContext, payload: TaskPayload) -> Outcome |
         regenerated.append(record["message"])
     return outcome
 
-
-def handle(ctx: WorkerContext, payload: TaskPayload) -> Outcome | Busy:
-    """The task body: a conversation where its dataset regenerates every turn, a batch request where
-    it runs in batch mode (workers/batch/submit.py), else one prompt."""
-    if payload.get("v") == CONTRACT_VERSION and ctx.run(payload["run"]).regenerates_all(payload["dataset"]):
-        return generate_conversation(ctx, payload)
-    if payload.get("v") == CONTRACT_VERSION and ctx.run(payload["run"]).batched(payload["dataset"]):
-        return submit(ctx, payload)
-    return generate(ctx, payload)

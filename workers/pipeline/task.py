@@ -1,35 +1,41 @@
-"""The one Celery task. Thin on purpose: the work is in ``workers/pipeline/generate.py`` (one prompt) and
-``workers/pipeline/conversation.py`` (every turn of a conversation, ``regenerate = "all"``)."""
+"""The one Celery task. Thin on purpose: it picks the dataset's mode from ``MODES`` and the mode does
+the work, composing the steps of ``workers/pipeline/job.py``: one prompt (``generate.py``), every turn
+of a conversation (``conversation.py``, ``regenerate = "all"``) or batch mode (``batch/submit.py``).
+
+Declared with ``shared_task``, not on the app: the app (workers/celery.py) includes this module and
+sits above it, so nothing in workers/pipeline/ imports the app that imports workers/pipeline/."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import gevent
-from celery import Task
+from celery import Task, shared_task
 from celery.exceptions import Reject
 
-from common.contract import TASK_NAME, TaskPayload
+from common.config import WorkerView
+from common.contract import CONTRACT_VERSION, TASK_NAME, TaskPayload
 from common.errors import ConfigError, SpecfleetError
 from common.outcomes import Outcome
 from common.redis_client import REFUSED_WRITES
-from workers.celery import app
 from workers.fleet import poison, server, writes
 from workers.fleet.context import WorkerContext, context
 from workers.fleet.queues import refuse_run, serving
 from workers.fleet.send_room import SendRoom, process_room
-from workers.pipeline.conversation import handle
-from workers.pipeline.generate import Busy
+from workers.pipeline.batch.submit import submit
+from workers.pipeline.conversation import generate_conversation
+from workers.pipeline.generate import generate
+from workers.pipeline.job import Busy, Mode
 
 #: How long a refused message waits, unacked, for Redis to take its dead-letter entry.
 DEAD_LETTER_WAIT_S = 30.0
 
 
 # acks_late comes from common/celeryconf.py (task_acks_late): one place says it, and tests flip it there.
-@app.task(name=TASK_NAME, bind=True, max_retries=None, ignore_result=True)
+@shared_task(name=TASK_NAME, bind=True, max_retries=None, ignore_result=True)
 def generate_task(self: Task, payload: TaskPayload) -> str:
     """The prompt's ``Outcome`` as its plain word: what Celery logs and Flower shows."""
     room = process_room()
@@ -55,6 +61,23 @@ def generate_task(self: Task, payload: TaskPayload) -> str:
                 gevent.sleep(outcome.wait_s)
             outcome = _handle(context(), payload, room)
     return str(outcome)
+
+
+#: The mode table: (whether a dataset of the run is worked so, the mode), the first that holds;
+#: single mode (``generate``, one prompt live) for every other dataset.
+MODES: tuple[tuple[Callable[[WorkerView, str], bool], Mode], ...] = (
+    (WorkerView.regenerates_all, generate_conversation),  # regenerate = "all": every assistant turn
+    (WorkerView.batched, submit),  # [request] batch: through the Batch API at its price
+)
+
+
+def handle(ctx: WorkerContext, payload: TaskPayload) -> Outcome | Busy:
+    """The task body: the payload through its dataset's mode (``MODES``)."""
+    mode: Mode = generate
+    if payload.get("v") == CONTRACT_VERSION:  # another version: single mode refuses it, one line
+        view = ctx.run(payload["run"])
+        mode = next((m for holds, m in MODES if holds(view, payload["dataset"])), generate)
+    return mode(ctx, payload)
 
 
 def _handle(ctx: WorkerContext, payload: TaskPayload, room: SendRoom) -> Outcome | Busy:

@@ -10,7 +10,7 @@ in-flight budget), ``WeightExceedsBudgetError`` (one request over the whole bala
 saying the model does not exist or has no endpoints) and ``FatalUpstreamError`` (anything else a
 retry cannot fix; ``AnswerTooLargeError`` for a body over ``max_answer_bytes``, with the usage
 its tail says was billed). Retrying is the caller's job
-(``workers/pipeline/retry.py`` decides on the class; ``workers/pipeline/generate.py`` renews the lease between
+(``workers/pipeline/retry.py`` decides on the class; ``workers/pipeline/job.py`` renews the lease between
 attempts, so a stopped dataset makes no further upstream calls).
 """
 

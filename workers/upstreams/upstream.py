@@ -3,7 +3,7 @@
 ``Upstream`` has one method: a ``Request`` in, an ``Answer`` out, or one of the typed
 ``common.errors.UpstreamError`` classes raised (retryable, fatal for the prompt, refused account,
 misconfiguration). One call is one attempt: retrying, halting and accounting are the caller's
-(``workers/pipeline/retry.py``, ``workers/pipeline/generate.py``), so a second upstream (a vLLM server that returns
+(``workers/pipeline/retry.py``, ``workers/pipeline/job.py``), so a second upstream (a vLLM server that returns
 token ids, say) is one new module implementing ``complete`` and nothing else.
 
 Implementations: ``workers/upstreams/openrouter.py`` (HTTP) and ``workers/upstreams/fake.py`` (in-process,

@@ -43,9 +43,10 @@ from common.outcomes import Outcome
 from common.sampling import sampled
 from common.stats import DatasetStats
 from workers import WORKER_ID
-from workers.batch import records, tail
 from workers.fleet.context import WorkerContext
-from workers.pipeline.generate import Busy, _admission_outcome, _Job, generate, prepare
+from workers.pipeline.batch import records, tail
+from workers.pipeline.generate import generate
+from workers.pipeline.job import Busy, Job, admission_outcome, prepare
 from workers.upstreams.openrouter import request_body
 from workers.upstreams.openrouter_batch import BatchClient
 from workers.upstreams.upstream import Request
@@ -97,7 +98,7 @@ def body_of(view: WorkerView, payload: TaskPayload) -> dict[str, Any]:
 
 @dataclass
 class _Pending:
-    job: _Job
+    job: Job
     item: records.Item
     body: dict[str, Any]
     size: int
@@ -107,7 +108,7 @@ class _Pending:
 def submit(ctx: WorkerContext, payload: TaskPayload) -> Outcome | Busy:
     """One prompt of a batch-mode dataset: its outcome word now (failed, skipped, done…), or
     ``batched`` once its batch is recorded."""
-    job = _Job(ctx, payload)
+    job = Job(ctx, payload)
     if ctx.redis.hexists(DatasetKeys(job.dataset).batched, job.pid):
         return Outcome.BATCHED  # a redelivery: the batch that holds it settles it
     try:
@@ -136,7 +137,7 @@ class _GoLive:
 _LIVE = _GoLive()
 
 
-def _reserve(job: _Job, prompt_tokens: int) -> Outcome | Busy | _GoLive | None:
+def _reserve(job: Job, prompt_tokens: int) -> Outcome | Busy | _GoLive | None:
     ask = POLICY.ask(max_tokens=job.length.max_tokens, estimate_tokens=job.length.estimate_tokens,
                      prompt_tokens=prompt_tokens, price=batch_price(job.view))
     if tail.goes_live(job.view, job.budget, ask.worst_tokens):
@@ -152,7 +153,7 @@ def _reserve(job: _Job, prompt_tokens: int) -> Outcome | Busy | _GoLive | None:
     if admission.status == Outcome.OK:
         job.lease_set_at = t0
     log.info("%s/%s reserve (batch): %s %d", job.dataset, job.pid, admission.status, admission.value)
-    return _admission_outcome(job, admission)
+    return admission_outcome(job, admission)
 
 
 class _Gatherer:

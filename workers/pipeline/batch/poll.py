@@ -38,11 +38,11 @@ from common.contract import FAIL_BATCH_INVALID
 from common.errors import BatchRefused, BatchSubmitError, ConfigError, LostPoll
 from common.stats import DatasetStats
 from workers import WORKER_ID
-from workers.batch import records
-from workers.batch.results import settle_result
-from workers.batch.submit import batch_client, body_of, poll_ms, posting_lease_ms
 from workers.fleet import writes
 from workers.fleet.context import WorkerContext, context
+from workers.pipeline.batch import records
+from workers.pipeline.batch.results import settle_result
+from workers.pipeline.batch.submit import batch_client, body_of, poll_ms, posting_lease_ms
 from workers.upstreams.openrouter_batch import TERMINAL, BatchClient
 
 log = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from common.config import WorkerView
 from common.contract import FAIL_BATCH_ERROR, FAIL_INTERNAL, FAIL_TOKEN_MISMATCH
 from common.errors import PromptFailed, TokenMismatch, UpstreamError
 from common.stats import DatasetStats
-from workers.batch import records
-from workers.batch.submit import batch_client
 from workers.fleet.context import WorkerContext
-from workers.pipeline.generate import _Job, prepare, rebuild_row, settle
+from workers.pipeline.batch import records
+from workers.pipeline.batch.submit import batch_client
+from workers.pipeline.job import Job, prepare, rebuild_row, settle
 from workers.upstreams.upstream import Answer
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def row_cost(answer: Answer, price: Price | None) -> float:
 def settle_result(ctx: WorkerContext, view: WorkerView, intent: Intent, item: records.Item,
                   result: dict[str, Any]) -> tuple[str, float]:
     """The result's outcome word (kept, duplicate, failed) and the row cost counted for it."""
-    job = _Job(ctx, item.payload)
+    job = Job(ctx, item.payload)
     job.lease, job.attempts = item.lease, 1
     stats = DatasetStats(ctx.redis, intent.dataset)
     try:
