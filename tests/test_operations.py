@@ -91,6 +91,9 @@ def test_workers_follow_a_new_dataset_when_the_producer_says_so_not_at_their_nex
     # Polling alone, the first dataset would have waited up to 60 s, the second as long again.
     assert took_s < 30, f"{took_s:.1f} s\n{fleet.all_logs()}"
     assert fleet.log("w1").count("following specfleet.q.") == 2
+    # Each queue reached the consumer's running BRPOP at once (CLIENT UNBLOCK through the kombu patch),
+    # not when that BRPOP next returned.
+    assert ", from the next poll" not in fleet.log("w1"), fleet.log("w1")
 
 
 def test_a_worker_that_missed_the_broadcast_follows_a_new_queue_by_its_poll(

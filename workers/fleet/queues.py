@@ -17,8 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
+import redis
 from celery import bootsteps
 from celery.worker.control import control_command
 
@@ -29,9 +31,25 @@ from common.hf import auto_tokenizer
 from common.redis_client import REFUSED_WRITES
 from workers.fleet import server, writes
 from workers.fleet.context import context
-from workers.runtime.kombu_redis import wake_consumer
 
 log = logging.getLogger(__name__)
+
+
+def _next_poll(channel: Any, client: redis.Redis) -> bool:
+    return False  # unpatched kombu: the queue is read when the running BRPOP next returns
+
+
+#: Ends a consumer's running BRPOP so it starts over with the queue just added. It reads kombu's
+#: private poller, so the kombu patch hands it over (``on_follow``, from workers/runtime/kombu_redis.py's
+#: ``install``) rather than this module reaching up into the patches.
+_wake_consumer: Callable[[Any, redis.Redis], bool] = _next_poll
+
+
+def on_follow(wake: Callable[[Any, redis.Redis], bool]) -> None:
+    """Install how a followed queue reaches a consumer blocked in BRPOP now (the kombu patch's)."""
+    global _wake_consumer
+    _wake_consumer = wake
+
 
 #: Queue -> the run-config id it serves, as this worker last read ``keys.ACTIVE_QUEUES``: the run a
 #: task of that queue must name (workers/fleet/poison.py asks Redis again before refusing one).
@@ -121,7 +139,7 @@ class FollowActiveQueues(bootsteps.StartStopStep):
                 writes.refused(exc)
                 return
             server.serving(config_id)
-            woken = wake_consumer(c.task_consumer.channel, ctx.redis)
+            woken = _wake_consumer(c.task_consumer.channel, ctx.redis)
             log.info("following %s (run %s)%s", queue, config_id, "" if woken else ", from the next poll")
         # Only dataset queues a run has left: a queue the user added (``-Q other``, an
         # ``add_consumer`` broadcast) is theirs, not ours to undo.

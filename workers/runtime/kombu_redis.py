@@ -78,7 +78,7 @@ from kombu.utils.json import loads
 
 from common.redis_client import REFUSED_WRITES, UNREACHABLE
 from common.runtime import Patch, check
-from workers.fleet import writes
+from workers.fleet import queues, writes
 from workers.fleet.send_room import SendRoom
 
 log = logging.getLogger(__name__)
@@ -462,6 +462,7 @@ def install(room: SendRoom | None = None, admit: Admit | None = None) -> None:
     setattr(kombu_redis.MultiChannelPoller, "maybe_restore_messages", _maybe_restore_messages)  # noqa: B010
     setattr(kombu_redis.MultiChannelPoller, "on_poll_init", _on_poll_init)  # noqa: B010
     writes.on_resume(_catch_up)
+    queues.on_follow(wake_consumer)  # a queue followed is consumed now, not at the poll's next turn
     setattr(kombu_redis.QoS, "ack", _qos_ack)  # noqa: B010
 
 
