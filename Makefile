@@ -103,8 +103,8 @@ $(ENGINE_STAMP): $(LLAMA_SRC)/CMakeLists.txt
 # llama-server from the build the wheel left: its tools switched on for this one target, then off
 # again, so a rebuild of the wheel compiles no tool (with the tools on, llama.cpp adds tools/mtmd
 # itself: the wheel's own LLAVA_BUILD would add it twice). No web UI (it would be fetched or built
-# with npm).
-$(LLAMA_SERVER): $(ENGINE_STAMP)
+# with npm). Order-only: a venv made again (a fresh clone) does not rebuild a server that exists.
+$(LLAMA_SERVER): | $(ENGINE_STAMP)
 	cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAVA_BUILD=OFF \
 		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >/dev/null
 	cmake --build $(LLAMA_BUILD) --target llama-server
