@@ -285,7 +285,8 @@ def test_engine_urls_and_the_run_file(tmp_path: Path, world: World) -> None:
     assert load_config(run).worker_view().model.upstream == "vllm"
     assert _config("openrouter").config_id() != _config("vllm").config_id()
     run.write_text(text.replace('"vllm"', '"tgi"'))
-    with pytest.raises(ConfigError, match=r"run.toml:4: model.upstream: Input should be 'openrouter', 'vllm' or"):
+    kinds = "'openrouter', 'vllm', 'sglang' or 'llamacpp'"
+    with pytest.raises(ConfigError, match=rf"run.toml:4: model.upstream: Input should be {kinds}"):
         load_config(run)
     # A worker asked to run an engine run without the engine's URL refuses before any task.
     ctx = world.start("vllm", engine_url=None)

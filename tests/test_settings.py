@@ -50,6 +50,8 @@ _VARIABLES = {
     "SPECFLEET_QUEUE_WINDOW_PROMPTS": ("queue_window_prompts", "500", 500),
     "SPECFLEET_QUEUE_WINDOW_BYTES": ("queue_window_bytes", "1048576", 1 << 20),
     "SPECFLEET_BATCH_SUBMIT_TIMEOUT_S": ("batch_submit_timeout_s", "30", 30.0),
+    "SPECFLEET_TOKENIZER_FROM": ("tokenizer_from", "local", "local"),
+    "SPECFLEET_TOKENIZER_CACHE_DIR": ("tokenizer_cache_dir", "~/tok", Path.home() / "tok"),
 }
 
 

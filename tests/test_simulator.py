@@ -530,17 +530,19 @@ def test_unknown_model_answers_404_on_every_request(sim: SimHandle) -> None:
 
 
 def test_base_url_forms_and_wrong_paths(sim: SimHandle) -> None:
-    # The OpenAI-SDK base (".../api/v1") plus "/chat/completions" is the same route.
+    # The OpenAI-SDK base (".../api/v1") plus "/chat/completions" is the same route; so is an
+    # engine's "/v1" (vLLM, SGLang, llama.cpp serve there), which the simulator answers alike.
     assert sim.api_base + "/chat/completions" == sim.url + "/api/v1/chat/completions"
     assert chat(sim, body()).status_code == 200
-    for wrong in ("/api/v1/api/v1/chat/completions", "/chat/completions", "/v1/chat/completions",
+    assert requests.post(sim.url + "/v1/chat/completions", json=body(), headers=AUTH, timeout=5).status_code == 200
+    for wrong in ("/api/v1/api/v1/chat/completions", "/chat/completions", "/v1/v1/chat/completions",
                   "/api/v1/models/moonshotai/endpoints"):
         resp = requests.post(sim.url + wrong, json=body(), headers=AUTH, timeout=5)
         assert resp.status_code == 404, wrong
         assert resp.json()["error"]["code"] == 404
     get_models = requests.get(sim.url + "/api/v1/api/v1/models", timeout=5)
     assert get_models.status_code == 404
-    assert sim.stats()["requests"] == 1  # wrong paths never reached the chat route
+    assert sim.stats()["requests"] == 2  # wrong paths never reached the chat route
 
 
 def test_prompt_plus_max_tokens_must_fit_the_context(sim: SimHandle) -> None:
