@@ -115,7 +115,7 @@ class Busy:
 
 #: A mode: how a task's prompt (or conversation) is worked, composing this module's steps; the
 #: task's mode table (workers/pipeline/task.py) picks one per dataset.
-Mode = Callable[[WorkerContext, TaskPayload], "Outcome | Busy"]
+Mode = Callable[[WorkerContext, TaskPayload], Outcome | Busy]
 
 
 @dataclass(frozen=True)
