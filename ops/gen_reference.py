@@ -154,6 +154,8 @@ ROW_IN: dict[str, str] = {
     "turn": "`regenerate = \"all\"`",
     "key": "`regenerate = \"all\"`",
     "conversation_end": "a conversation's last row",
+    "sampling": "datasets with `sampling` recipes",
+    "quality": "degenerate answers",
 }
 
 
