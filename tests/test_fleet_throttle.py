@@ -138,10 +138,17 @@ def test_max_requests_per_s_caps_the_fleets_rate(fleet: Fleet) -> None:
     fleet.start_simulator("--latency-median-ms", "50", "--series-interval-s", str(SERIES_S))
     summary = _run(fleet, n, greenlets=20, request=f"temperature = 1.0\nmax_requests_per_s = {rate}")
     assert summary["results"] == n
+    # Over the run, requests started at most the cap's rate (a bucket of one: 1/rate apart). The
+    # run as a whole, not its busiest second at the simulator: a simulator starved of CPU on a busy
+    # box records a backlog of arrivals late, in one bucket (seen in CI: 52 "in one second" while
+    # the run held 20/s). Uncapped, 20 greenlets at 50 ms send the 120 in well under a second.
+    starts = sorted(r["start_s"] for r in fleet.sim_requests())
+    assert len(starts) == n
+    mean_rate = (n - 1) / (starts[-1] - starts[0])
+    assert mean_rate <= rate * 1.05, mean_rate
     per_bucket = [r["requests"] for r in _series(fleet)]
     window = round(1 / SERIES_S)
     busiest = max(sum(per_bucket[i:i + window]) for i in range(max(1, len(per_bucket) - window + 1)))
-    assert busiest <= rate + 1  # no one-second window over the cap (bucket of one: +1 at its edges)
     assert busiest >= rate - 2  # and the cap, not the fleet, was the limit
 
 
