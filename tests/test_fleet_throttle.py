@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import statistics
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -42,6 +44,28 @@ def _run(fleet: Fleet, n: int, *, workers: int = 2, greenlets: int = 40, request
     return read_summary(fleet.out, "T")
 
 
+@contextmanager
+def _limits_sampled(client: redis.Redis, *, every_s: float) -> Iterator[list[float]]:
+    """The fleet's throttle limit every ``every_s`` while requests are in flight, for the block's length."""
+    limits: list[float] = []
+    sampling = threading.Event()
+
+    def sample() -> None:
+        throttle = FleetThrottle(client)
+        while not sampling.wait(every_s):
+            snap = throttle.snapshot()
+            if snap.in_flight and snap.limit is not None:
+                limits.append(snap.limit)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield limits
+    finally:
+        sampling.set()
+        sampler.join(timeout=5)
+
+
 @pytest.mark.long
 def test_a_fleet_over_a_providers_capacity_keeps_its_429s_few_and_its_limit_near_it(
         fleet: Fleet, redis_client: redis.Redis) -> None:
@@ -52,23 +76,8 @@ def test_a_fleet_over_a_providers_capacity_keeps_its_429s_few_and_its_limit_near
                           "--capacity-retry-after-s", "1")
     # The limit as it stood through the run, not only at its end: a probe's 429 in the last second
     # cuts it with nothing after to grow it back (seen once inside the whole suite: 20 at the end).
-    limits: list[float] = []
-    sampling = threading.Event()
-
-    def sample() -> None:
-        throttle = FleetThrottle(redis_client)
-        while not sampling.wait(0.2):
-            snap = throttle.snapshot()
-            if snap.in_flight and snap.limit is not None:
-                limits.append(snap.limit)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with _limits_sampled(redis_client, every_s=0.2) as limits:
         summary = _run(fleet, n, request=ADAPTIVE)
-    finally:
-        sampling.set()
-        sampler.join(timeout=5)
     fleet.assert_exactly_once(redis_client, "T", n)
     assert summary["failed"] == 0
     sim = fleet.sim_stats()
@@ -187,23 +196,8 @@ def test_a_capacity_limit_holds_the_fleet_near_it_whatever_the_account_knows(
     capacity, n = 30, 900
     fleet.start_simulator("--latency-median-ms", "1000", "--latency-p99-ms", "1300", "--capacity-in-flight",
                           str(capacity), "--capacity-retry-after-s", "1", *ACCOUNTS[account])
-    limits: list[float] = []
-    sampling = threading.Event()
-
-    def sample() -> None:
-        throttle = FleetThrottle(redis_client)
-        while not sampling.wait(0.5):
-            snap = throttle.snapshot()
-            if snap.in_flight and snap.limit is not None:
-                limits.append(snap.limit)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with _limits_sampled(redis_client, every_s=0.5) as limits:
         summary = _run(fleet, n, greenlets=30, request=ADAPTIVE)
-    finally:
-        sampling.set()
-        sampler.join(timeout=5)
     fleet.assert_exactly_once(redis_client, "T", n)
     assert summary["results"] == n and summary["failed"] == 0, summary
     snap = FleetThrottle(redis_client).snapshot()
