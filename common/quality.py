@@ -16,9 +16,9 @@ still marked ``repetition``. Where a marked row goes is ``[request] degenerate``
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Protocol
+from typing import Any
 
-from common.rebuild import ENDED_FINISH_REASONS
+from common.rebuild import ENDED_FINISH_REASONS, AnswerParts
 
 #: Words per n-gram: long enough that ordinary prose (stock phrases, lists) rarely repeats one
 #: three times, short enough that a looping sentence is several of them.
@@ -30,17 +30,6 @@ MIN_COVERED = 0.5
 MIN_WORDS = 40
 
 DEGENERATE_REASONS = ("repetition", "empty_content", "unclosed_reasoning")
-
-
-class AnswerText(Protocol):
-    @property
-    def reasoning(self) -> str | None: ...
-    @property
-    def content(self) -> str | None: ...
-    @property
-    def tool_calls(self) -> list[dict[str, Any]] | None: ...
-    @property
-    def finish_reason(self) -> str: ...
 
 
 def repeated_share(text: str) -> float:
@@ -57,7 +46,7 @@ def repeated_share(text: str) -> float:
     return sum(covered) / len(words)
 
 
-def quality_of(answer: AnswerText) -> dict[str, Any] | None:
+def quality_of(answer: AnswerParts) -> dict[str, Any] | None:
     """The row's ``quality`` mark (``{"degenerate": reason, …}``), or None for an answer that is none of them."""
     ended = answer.finish_reason in ENDED_FINISH_REASONS
     reasoning = (answer.reasoning or "").strip()
