@@ -76,12 +76,13 @@ from common.outcomes import SKIPPED, Outcome
 from common.providers import UNKNOWN_QUANTIZATION, quantization_of, same_provider
 from common.quality import quality_of
 from common.rebuild import ENDED_FINISH_REASONS, RebuiltRow, RenderedPrompt, rebuild, render_prompt
-from common.redis_client import UNREACHABLE, deadline
+from common.redis_client import REFUSED_WRITES, UNREACHABLE, deadline
 from common.sampling import sampled
 from common.stats import DatasetStats
 from common.target import TargetTokenizer
 from common.usage_check import UsageVerdict, check_usage, halt_text
 from workers import WORKER_ID
+from workers.fleet import writes
 from workers.fleet.context import WorkerContext
 from workers.fleet.send_room import process_room
 from workers.fleet.spool import fail_or_spool, settle_or_spool
@@ -534,6 +535,12 @@ def _check_usage(job: Job, answer: Answer, rebuilt: RebuiltRow) -> UsageVerdict 
             verdict = check_usage(job.ctx.redis, job.payload["run"], job.view, answer.usage,
                                   prompt_tokens=rebuilt.prompt_tokens, completion_tokens=rebuilt.completion_tokens,
                                   ended=answer.finish_reason in ENDED_FINISH_REASONS, provider=answer.provider)
+    except REFUSED_WRITES as exc:
+        # Redis refusing writes is a state the worker says once (workers/fleet/writes.py) and waits
+        # out; a line per answer here would bury it (test_worker_redis_refuses: one line per state).
+        writes.refused(exc)
+        log.debug("%s/%s usage not checked: Redis refuses writes", job.dataset, job.pid)
+        return None
     except redis.RedisError as exc:
         log.warning("%s/%s usage not checked (Redis: %s: %s)", job.dataset, job.pid, type(exc).__name__, exc)
         return None
