@@ -168,7 +168,9 @@ def test_two_overlapping_datasets_ask_each_prompt_once_through_a_worker_kill(
     first_s: dict[str, float] = {}
     for r in sorted(answered, key=lambda r: r["start_s"]):
         if r["prompt"] in first_s:
-            assert first_s[r["prompt"]] < killed_s, "a prompt asked twice, not by the killed worker's loss"
+            # The victim's last requests may reach the simulator (its start_s) just after the
+            # SIGKILL: already on the wire. A re-ask of a lost one comes a lease (> 5 s) later.
+            assert first_s[r["prompt"]] < killed_s + 2.0, "a prompt asked twice, not by the killed worker's loss"
         first_s.setdefault(r["prompt"], r["start_s"])
     a_by_id, b_by_id = _rows_by_id(fleet.out, "A"), _rows_by_id(fleet.out, "B")
     assert sorted(a_by_id) == sorted(r["id"] for r in a_rows)
