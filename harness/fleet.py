@@ -134,8 +134,13 @@ class Fleet:
         self._leaders.add(proc.pid)
         return proc
 
+    def _store_id(self) -> bytes | None:
+        with redis.Redis.from_url(self.redis_url, socket_timeout=5) as client:
+            store: bytes | None = client.get(keys.STORE_ID)
+            return store
+
     def _take_warm(self, name: str, key: tuple[object, ...]) -> Warm | None:
-        warm = self.pool.take(key) if self.pool is not None else None
+        warm = self.pool.take(key, self._store_id()) if self.pool is not None else None
         if warm is not None:
             self.procs[name] = warm.proc
             self._leaders.add(warm.proc.pid)
@@ -288,8 +293,10 @@ class Fleet:
         for name, proc in self.procs.items():
             if name not in keep:
                 proc.wait()
+        store = self._store_id() if keep else None
         for name in keep:
             assert self.pool is not None
+            warm[name].warm.store = store
             self.pool.give(warm[name].key, warm[name].warm)
 
     def _kill(self, proc: Process) -> None:

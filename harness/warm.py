@@ -34,6 +34,11 @@ class Warm:
     settings: dict[str, Any] | None = None
     #: a worker's node name up to its ``@``: its pidbox binding must hold before it is handed on
     node: str = ""
+    #: a worker's: the Redis store id (``keys.STORE_ID``) when it was handed on. A test that empties
+    #: Redis whole (a restart without persistence: test_fleet, test_budget_fleet…) gives the store a
+    #: new id; a parked worker of the old one would take the next test's Redis for another and leave
+    #: (workers/fleet/server.py), so it is not handed out again.
+    store: bytes | None = None
 
 
 def kill_group(proc: Process) -> None:
@@ -55,10 +60,14 @@ class WarmPool:
         self._idle: list[tuple[tuple[object, ...], Warm]] = []
         self.max_idle = max_idle
 
-    def take(self, key: tuple[object, ...]) -> Warm | None:
+    def take(self, key: tuple[object, ...], store: bytes | None = None) -> Warm | None:
+        """A process started as ``key``; a worker only if it was parked on the store ``store``."""
         for i in reversed(range(len(self._idle))):
             if self._idle[i][0] == key:
                 warm = self._idle.pop(i)[1]
+                if warm.node and warm.store != store:
+                    self._end(warm)  # parked on a Redis since emptied whole: it would leave
+                    continue
                 if warm.proc.poll() is None:
                     warm.proc.send_signal(signal.SIGCONT)
                     return warm
