@@ -62,17 +62,20 @@ class FingerprintIndex:
     def bytes(self) -> int:
         return self._slots.itemsize * len(self._slots)
 
-    def owner(self, fp: int) -> int | None:
-        """Who added ``fp`` first, or None."""
-        key = fp >> _OWNER_BITS
+    def _probe(self, key: int) -> tuple[int, int | None]:
+        """Linear probing for ``key``: its slot's index and owner, or the empty slot it would take and None."""
         slots = self._slots
         mask = len(slots) - 1
         i = key & mask
         while held := slots[i]:
             if held >> _OWNER_BITS == key:
-                return (held & _OWNER_MASK) - 1
+                return i, (held & _OWNER_MASK) - 1
             i = (i + 1) & mask
-        return None
+        return i, None
+
+    def owner(self, fp: int) -> int | None:
+        """Who added ``fp`` first, or None."""
+        return self._probe(fp >> _OWNER_BITS)[1]
 
     def add(self, fp: int, owner: int) -> int | None:
         """Record ``fp`` for ``owner``; the earlier owner when it was already there (kept), else None."""
@@ -80,16 +83,12 @@ class FingerprintIndex:
             raise ValueError(f"owner {owner} is not in 0..{MAX_DATASETS - 1}")
         key = fp >> _OWNER_BITS
         with self._lock:
-            slots = self._slots
-            mask = len(slots) - 1
-            i = key & mask
-            while held := slots[i]:
-                if held >> _OWNER_BITS == key:
-                    return (held & _OWNER_MASK) - 1
-                i = (i + 1) & mask
-            slots[i] = (key << _OWNER_BITS) | (owner + 1)
+            i, first = self._probe(key)
+            if first is not None:
+                return first
+            self._slots[i] = (key << _OWNER_BITS) | (owner + 1)
             self._used += 1
-            if self._used > self._MAX_LOAD * len(slots):
+            if self._used > self._MAX_LOAD * len(self._slots):
                 self._grow()
         return None
 
