@@ -15,12 +15,14 @@ makes a worker load ``[model] tokenizer`` as its own host sees it instead, still
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -102,6 +104,29 @@ def check(folder: Path, pin: TokenizerPin) -> None:
                              f"manifest {_short(pin.chat_template_sha256)}")
 
 
+def _install(staging: Path, folder: Path, pin: TokenizerPin) -> None:
+    """Rename ``staging`` into ``folder``. A folder another process put there first is kept, never
+    removed: processes (or containers sharing the cache) may be loading it at this moment, and a
+    removal under them reads as "file absent" (it refused a run once, two replicas on one cache).
+    Only a folder that fails the check is moved aside, by rename, so no reader sees it half gone."""
+    for _ in range(3):
+        try:
+            os.rename(staging, folder)
+            return
+        except OSError:
+            if not folder.is_dir():
+                raise
+        try:
+            check(folder, pin)
+            return  # another process's rename won the race: its folder is as good
+        except TokenizerError:
+            damaged = folder.with_name(f".{folder.name}-damaged-{os.getpid()}-{time.monotonic_ns()}")
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(folder, damaged)
+            shutil.rmtree(damaged, ignore_errors=True)
+    raise TokenizerError(f"could not put the run's tokenizer in {folder}: it kept changing under this worker")
+
+
 def fetch(client: redis.Redis, pin: TokenizerPin, cache_dir: Path) -> Path | None:
     """The pin's files in a local folder (``cache_dir/<handoff>``), written from Redis once per host
     and checked; None where Redis no longer has them (expired)."""
@@ -128,12 +153,7 @@ def fetch(client: redis.Redis, pin: TokenizerPin, cache_dir: Path) -> Path | Non
                                      "tokenizer")
             (staging / name).write_bytes(data)
         check(staging, pin)
-        shutil.rmtree(folder, ignore_errors=True)
-        try:
-            os.rename(staging, folder)
-        except OSError:
-            if not folder.is_dir():  # another process's rename won the race: its folder is as good
-                raise
+        _install(staging, folder, pin)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     check(folder, pin)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from common.endpoints import Endpoints
 log = logging.getLogger(__name__)
 
 ACCOUNT_TIMEOUT_S = 10.0
+ACCOUNT_RETRY_PAUSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,18 @@ class Account:
 
 
 def _get(url: str, api_key: str, timeout_s: float) -> tuple[int, Any]:
-    resp = requests.get(url, timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}",
-                                                         "Accept": "application/json"})
+    """GET ``url``; asked once more after a connection error, a timeout, a 429 or a 5xx, since one
+    passing hiccup would otherwise leave the plan without the balance (and so without the in-flight
+    bound it starts the fleet from) for the whole run."""
+    headers = {"Authorization": f"Bearer {api_key}", "Accept": "application/json"}
+    try:
+        resp = requests.get(url, timeout=timeout_s, headers=headers)
+        transient = resp.status_code == 429 or resp.status_code >= 500
+    except (requests.ConnectionError, requests.Timeout):
+        transient = True
+    if transient:
+        time.sleep(ACCOUNT_RETRY_PAUSE_S)
+        resp = requests.get(url, timeout=timeout_s, headers=headers)
     try:
         body = resp.json()
     except ValueError:

@@ -158,7 +158,49 @@ def test_the_credits_endpoint_needs_a_management_key_and_the_plan_reads_403_as_u
     assert account.balance_usd is None and "403" in account.balance_unknown
     assert (account.key_limit_usd, account.key_remaining_usd, account.spendable_usd) == (20, 20, 20)
     managed = fetch_account(fleet.sim_url + "/api/v1", "sk-or-mgmt")  # the SDK's spelling of the base too
-    assert (managed.balance_usd, managed.spendable_usd) == (30, 20)
+    assert (managed.balance_usd, managed.spendable_usd) == (30, 20), managed
+
+
+def test_one_passing_upstream_hiccup_does_not_leave_the_plan_without_the_balance() -> None:
+    """A real HTTP server whose first answer to each account route is a 503 (then a timeout for the
+    credits route's second try in the second case): the first hiccup is asked again, a second one is
+    reported as unknown, with why."""
+    import http.server
+    import json
+    import threading
+
+    seen: dict[str, int] = {}
+    hang = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen[self.path] = seen.get(self.path, 0) + 1
+            if seen[self.path] == 1 or (hang.is_set() and self.path.endswith("/credits")):
+                body, status = b'{"error": {"code": 503, "message": "busy"}}', 503
+            elif self.path.endswith("/credits"):
+                body, status = json.dumps({"data": {"total_credits": 30, "total_usage": 4}}).encode(), 200
+            else:
+                body, status = json.dumps({"data": {"limit": 20, "limit_remaining": 15}}).encode(), 200
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}/api/v1"
+        account = fetch_account(base, "sk-or-mgmt", timeout_s=5)
+        assert (account.balance_usd, account.key_remaining_usd, account.spendable_usd) == (26, 15, 15), account
+        assert seen == {"/api/v1/key": 2, "/api/v1/credits": 2}
+        hang.set()
+        again = fetch_account(base, "sk-or-mgmt", timeout_s=5)
+        assert again.balance_usd is None and "HTTP 503" in again.balance_unknown, again
+    finally:
+        server.shutdown()
 
 
 # --- the plan ------------------------------------------------------------------------------------

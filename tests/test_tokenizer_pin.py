@@ -203,3 +203,43 @@ def test_the_cache_is_written_from_redis_checked_and_rewritten_when_damaged(
             check(folder, pin)
     finally:
         redis_client.delete(key)
+
+
+def _fetch_and_check_in_a_loop(redis_url: str, pin_json: str, cache: str, rounds: int) -> str:
+    """One process of a host (or container on a shared cache): fetch, then read the folder, as a
+    worker does before it loads it. Returns the first refusal's line, else ''."""
+    client = redis.Redis.from_url(redis_url)
+    pin = TokenizerPin.model_validate_json(pin_json)
+    for _ in range(rounds):
+        try:
+            folder = fetch(client, pin, Path(cache))
+            assert folder is not None
+            check(folder, pin)
+        except TokenizerError as exc:
+            return str(exc)
+    return ""
+
+
+def test_processes_fetching_into_one_cache_at_once_never_see_each_others_folder_half_gone(
+        redis_client: redis.Redis, redis_server: Any, tmp_path: Path) -> None:
+    """Two compose replicas on one cache once refused a run ("tokenizer_config.json … here absent"):
+    a fetch that lost the race removed the winner's folder while the winner checked it. Eight
+    processes fetch into one empty cache at once, 40 times; none may see the folder go missing."""
+    import multiprocessing
+
+    files = {p.name: _sha(p) for p in DEMO_TOKENIZER.iterdir()}
+    config = json.loads((DEMO_TOKENIZER / "tokenizer_config.json").read_text())
+    pin = TokenizerPin(files=files, chat_template_sha256=hashlib.sha256(config["chat_template"].encode()).hexdigest(),
+                       handoff=handoff_id(files) + "race")
+    key = keys.tokenizer_files(pin.handoff or "")
+    redis_client.hset(key, mapping={name: (DEMO_TOKENIZER / name).read_bytes() for name in files})
+    url = redis_server.connection_url
+    try:
+        with multiprocessing.get_context("spawn").Pool(8) as pool:
+            for attempt in range(40):  # each from an empty cache: every process races to write it
+                cache = tmp_path / f"cache{attempt}"
+                refusals = pool.starmap(_fetch_and_check_in_a_loop, [(url, pin.model_dump_json(), str(cache), 3)] * 8)
+                assert refusals == [""] * 8, (attempt, refusals)
+                assert [p.name for p in cache.iterdir()] == [pin.handoff]  # no staging or damaged folder left
+    finally:
+        redis_client.delete(key)
