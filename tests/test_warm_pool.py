@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import cast
 
-from harness.warm import Warm, WarmPool
+from harness.warm import Warm, WarmPool, sim_settings
 from harness.zygote import Process
 
 
@@ -32,3 +32,15 @@ def test_a_worker_parked_on_a_store_since_emptied_is_ended_not_handed_out(tmp_pa
     same.kill()
     same.wait()
     pool.close()
+
+
+def test_simulators_expecting_other_keys_are_never_handed_out_for_each_other(tmp_path: Path) -> None:
+    """The simulator's settings mask its keys ("<set>"); the pool's key must not: the account test
+    once got a simulator started with another test's management key (its credits route said 403)."""
+    def key(*args: str) -> tuple[object, ...]:
+        return sim_settings(args, tmp_path)[0]
+
+    assert key("--management-key", "sk-or-mgmt") == key("--management-key", "sk-or-mgmt")
+    assert key("--management-key", "sk-or-mgmt") != key("--management-key", "not-the-runs-key")
+    assert key("--expect-key", "a") != key("--expect-key", "b") != key()
+    assert "sk-or-mgmt" not in repr(key("--management-key", "sk-or-mgmt"))  # hashed, as the logs may show it
