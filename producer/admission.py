@@ -98,9 +98,10 @@ class AdmissionControl:
         if w is None or w.stream.exhausted:
             return 0
         queued = int(self.client.llen(run.budget.keys.queue))
+        cap = self.admittable(run)
         n = 0
         for _ in range(batches):
-            room = w.room(queued + n)
+            room = w.room(queued + n) if cap is None else min(w.room(queued + n), cap - queued - n)
             if room <= 0:
                 break
             # A batch is ~1 s of CPU on a starved box: the lock (10 s) must not lapse between ticks.
@@ -116,6 +117,30 @@ class AdmissionControl:
                 break
         run.enqueued += n
         return n
+
+    def admittable(self, run: DatasetRun) -> int | None:
+        """A hard-budget batch-mode dataset's prompts worth having queued: as many worst cases as its
+        free room holds (limit less kept, less the worst cases held by what is out); None: no cap.
+
+        Queued beyond that, a prompt only waits in a worker, a greenlet and a message held, until a
+        round of batches lands (minutes to hours): the next dataset, started meanwhile
+        (``room_held``), would find the fleet's pools full of them. Within one worst case of the end
+        the cap is lifted: the worker's reserve that answers "over" is what ends the dataset."""
+        if not self.batched(run):
+            return None
+        snap = run.budget.snapshot()
+        worst = POLICY.worst_tokens(self.cfg.length_for(run.cfg.length).max_tokens)
+        if snap.state != "active" or snap.rule != "hard" or snap.limit <= 0 or snap.limit - snap.kept_tokens < worst:
+            return None
+        return max(0, (snap.limit - snap.kept_tokens - snap.reserved_tokens) // worst)
+
+    def room_held(self, run: DatasetRun, st: DatasetState) -> bool:
+        """A hard-budget batch-mode dataset whose room is all held by what is out (its submitted or
+        gathering batches): it can admit nothing until they land, so the next dataset may start."""
+        worst = POLICY.worst_tokens(self.cfg.length_for(run.cfg.length).max_tokens)
+        return (self.batched(run) and st.state == "active" and st.budget_mode == "hard" and st.limit > 0
+                and not st.queued and st.reserved_tokens > 0
+                and st.limit - st.kept_tokens - st.reserved_tokens < worst <= st.limit - st.kept_tokens)
 
     def _lacking_outcome(self, run: DatasetRun, batch: list[Prompt]) -> list[Prompt]:
         if not batch:

@@ -288,13 +288,19 @@ class Runner:
 
     def _only_tail_left(self, run: DatasetRun) -> bool:
         """A batch-mode dataset lets the next one start once it has nothing left but its submitted
-        batches and (``tail = "live"``) the few live requests of its tail; it stays admitting, checked
-        on each tick, its results settling into its own rows and budget."""
+        batches, once its room is all held by the batches out (it admits nothing before they land),
+        or once (``tail = "live"``) only its last round and the few live requests of its tail are
+        left; it stays admitting, checked and fed on each tick, its results settling into its own
+        rows and budget."""
         if not self.admission.batched(run):
             return False
         st = read_state(self.client, run.name)
         if self.admission.only_batches_out(run, st):
             log.info("%s: every prompt left waits in a submitted batch: the next dataset starts", run.name)
+            return True
+        if self.admission.room_held(run, st):
+            log.info("%s: its room is held by the batches out (%s tokens), it admits nothing before they land: "
+                     "the next dataset starts", run.name, f"{st.reserved_tokens:,}")
             return True
         if self.admission.in_live_tail(run, st):
             log.info("%s: %s tokens of room, its last round out and the rest live: the next dataset starts",

@@ -147,3 +147,38 @@ def test_tail_stop_ends_admission_a_full_batch_short_and_sends_nothing_live(
     tail_s = next(p["t_s"] for p in _timeline(redis_client, "S") if budget - p["kept_tokens"] < size * WORST)
     late = [b for b in _records(redis_client, "S") if b["created_s"] > tail_s + 3.0]
     assert not late, (late, s)
+
+
+def test_the_next_dataset_starts_once_the_last_ones_room_is_held_by_its_first_round(
+        fleet: Fleet, redis_client: redis.Redis) -> None:
+    """Under a hard token budget a round holds the whole room until it lands (a batch latency, up to
+    hours): A admits nothing meanwhile, so B starts then, not after A's later rounds; A's queue is fed
+    only what its free room admits, so no A prompt waits in a worker for a round (B gets the pools);
+    each budget ends within one worst case, never over, each prompt once."""
+    fleet.start_simulator("--latency-median-ms", "20", "--batch-validate-s", "0.5", "--batch-run-s", "6",
+                          "--batch-finalize-s", "0.2")
+    budget = 30 * WORST  # round 1: 30 worst cases; its answers keep ~2/3 of them: more rounds follow
+    datasets = [{"name": name, "path": write_jsonl(fleet.tmp / f"{name}.jsonl", prompts(200, name.lower())),
+                 "length": "short", "budget_tokens": budget} for name in ("A", "B")]
+    config = fleet.write_config(datasets, request=_request(10))
+    fleet.start_worker("w1", concurrency=100)
+    fleet.run_producer(config, timeout_s=300)
+    for name in ("A", "B"):
+        fleet.assert_exactly_once(redis_client, name)
+        s = read_summary(fleet.out, name)
+        assert s["end_reason"] == "budget" and budget - WORST < s["tokens"] <= budget, (name, s)
+    a_batches = sorted(_records(redis_client, "A"), key=lambda x: x["created_s"])
+    b_started = min(x["created_s"] for x in _records(redis_client, "B"))
+    first_round_landed = min(x["settled_s"] for x in a_batches)
+    later_round = [x for x in a_batches if x["created_s"] > first_round_landed]
+    t0 = a_batches[0]["created_s"]
+    figures = (f"A: {len(a_batches)} batches, its first round landed at +{first_round_landed - t0:.1f} s, "
+               f"{len(later_round)} batches after it; B's first batch at {b_started - t0:+.1f} s")
+    print(figures)
+    assert later_round, "A needed one round only: the test proves nothing " + figures
+    assert b_started < first_round_landed, figures
+    # The producer fed A only what its free room admitted: A's prompts asked at most its budget's
+    # worst cases at once, so B's started with the fleet (its first batches within seconds).
+    log = fleet.log("producer")
+    assert "A: its room is held by the batches out" in log, log[-3000:]
+    assert _batches(fleet)["repeated_custom_ids"] == {}

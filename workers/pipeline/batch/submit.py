@@ -44,6 +44,7 @@ from common.sampling import sampled
 from common.stats import DatasetStats
 from workers import WORKER_ID
 from workers.fleet.context import WorkerContext
+from workers.fleet.send_room import process_room
 from workers.pipeline.batch import records, tail
 from workers.pipeline.generate import generate
 from workers.pipeline.job import Busy, Job, admission_outcome, prepare
@@ -145,7 +146,9 @@ def _reserve(job: Job, prompt_tokens: int) -> Outcome | Busy | _GoLive | None:
     t0 = time.monotonic()
     admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask)
     while admission.status == Outcome.WAIT:
-        gevent.sleep(POLICY.wait_poll_s * random.uniform(0.5, 1.5))
+        # Waiting for a round to land holds no request slot: the worker may take other datasets' prompts.
+        with process_room().parked():
+            gevent.sleep(POLICY.wait_poll_s * random.uniform(0.5, 1.5))
         if tail.goes_live(job.view, job.budget, ask.worst_tokens):
             return _LIVE  # a wait holds nothing: the live path asks the budget afresh
         t0 = time.monotonic()
