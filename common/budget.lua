@@ -6,6 +6,8 @@
 --                           tokens_limit    token budget; tokens_kept, tokens_kept_sq (sum of squares)
 --                                           and rows_kept of kept rows
 --                           tokens_held     sum of the token holds of live leases (hard: worst cases)
+--                           round_leases, round_held: how many of them are a batch round's
+--                                           statistical holds, and the sum of those holds
 --                           tokens_max_seen the largest answer kept or discarded so far: the hard rule's
 --                                           worst case when it exceeds max_tokens (our tokenizer may
 --                                           count more than the provider that enforced max_tokens)
@@ -16,7 +18,8 @@
 --                           admission_state active | exhausted | stopped
 --                           ended_by        tokens | usd | run_usd: the limit that exhausted it
 -- KEYS[2] done     SET    prompt ids whose row was kept: the exactly-once guard
--- KEYS[3] leases   HASH   prompt id -> "<lease>|<hold tokens>|<hold nano-usd>|<expires_ms>"
+-- KEYS[3] leases   HASH   prompt id -> "<lease>|<hold tokens>|<hold nano-usd>|<expires_ms>", and "|r"
+--                         after it for a batch round's statistical hold
 -- KEYS[4] failed   HASH   prompt id -> JSON {reason, attempts, detail}
 -- KEYS[5] results  STREAM kept rows, fields: id <prompt id>, row <msgpack row>
 -- KEYS[6] halt     STRING set when OpenRouter refused the account: nothing is admitted anywhere
@@ -43,6 +46,17 @@
 --     invariant. A settle keeps its row only if kept + tokens_held + tokens still fits (always true
 --     for an answer of a live lease within its hold); otherwise the row is discarded but billed
 --     (failed "over_budget"): kept never crosses the limit, whatever lands.
+--   Tokens, rule "hard", a batch round (reserve's z > 0): a round's answers land together, a batch
+--     latency (minutes to hours) after it was admitted, so holding each at its worst case makes a
+--     dataset take a round per ~2/3 of what is left. Once trust_rows rows are kept, a batch request
+--     holds its share of the round's statistical bound instead: with n such requests in flight
+--     holding R in all, the next one holds what brings R to (n+1) x m + z * s * sqrt((n+1) +
+--     (n+1)^2/rows) (m the kept mean, s the kept rows' deviation, at least 5% of W, (n+1)^2/rows the
+--     error of m itself), at least m and never more than W. So the n requests of a round hold n x m
+--     plus the whole margin: their answers overrun it with odds of about a normal tail beyond z.
+--     The same invariant admits it (kept + tokens_held + hold <= limit) and a settle without room
+--     is discarded as always, so kept still never crosses the limit; what an overrun costs is its
+--     discarded answers' dollars, which the dollar rule (always worst cases) still bounds.
 --   Tokens, rule "projected" (the earlier rule): the estimate E starts at a prior (weighing as
 --     prior_weight rows, or as the excess of in-flight over kept rows) and moves to the measured mean;
 --     in-flight requests are projected with the length-biased mean sum(x^2)/sum(x) (the long answers
@@ -70,9 +84,12 @@
 --     that would count twice.
 --
 -- ARGV[1] is the operation; the rest depends on it:
---   reserve id lease now_ms ttl_ms worst_tokens worst_nusd prior prior_weight trust_rows
+--   reserve id lease now_ms ttl_ms worst_tokens worst_nusd prior prior_weight trust_rows [z]
+--           z: a batch round's statistical hold (see the rule; 0 or absent: the worst case)
 --           -> {"ok", hold} | {"done"} (kept, or failed in this run) | {"stopped"} | {"busy", ms_left} | {"over", hold}
 --              | {"wait", hold} | {"halted"}
+--   round_hold worst_tokens z trust_rows -> {hold}: what a batch round's next request would hold now
+--           (read only; the worst case under the projected rule)
 --   renew   id lease now_ms ttl_ms -> {"ok"} | {"done"} | {"stopped"} | {"halted"} | {"lost"}
 --           Extends a live lease before a retry (works while exhausted; "stopped" ends it). "lost":
 --           the lease was reaped; no budget is taken: the caller releases and asks again later.
@@ -139,9 +156,21 @@ local function count_usage(raw)
   for field, n in pairs(cjson.decode(raw)) do add(stats, field, n) end
 end
 
+-- lease, hold tokens, hold nano-usd, expiry, and its suffix ("|r": a batch round's hold, else "").
 local function parse_lease(raw)
+  local round = ""
+  if string.sub(raw, -2) == "|r" then raw, round = string.sub(raw, 1, -3), "|r" end
   local lease, tok, usd, exp = string.match(raw, "^(.*)|(%d+)|(%d+)|(%d+)$")
-  return lease, tonumber(tok), tonumber(usd), tonumber(exp)
+  return lease, tonumber(tok), tonumber(usd), tonumber(exp), round
+end
+
+-- A lease's token hold taken (sign 1) or given back (-1), a batch round's counted apart too.
+local function hold_tokens(tok, round, sign)
+  add(budget, "tokens_held", sign * tok)
+  if round ~= "" then
+    add(budget, "round_leases", sign)
+    add(budget, "round_held", sign * tok)
+  end
 end
 
 local function hold_usd(n)
@@ -171,9 +200,9 @@ end
 
 -- An expired lease: its tokens go back, its dollars stay held as an orphan (see the header).
 local function orphan_lease(id, raw)
-  local holder, tok, usd = parse_lease(raw)
+  local holder, tok, usd, _, round = parse_lease(raw)
   redis.call("HDEL", leases, id)
-  add(budget, "tokens_held", -tok)
+  hold_tokens(tok, round, -1)
   if usd > 0 then
     redis.call("HSET", orphans, holder, int(usd))
     add(budget, "nusd_orphaned", usd)
@@ -185,10 +214,10 @@ end
 local function finish(id, lease)
   local raw = redis.call("HGET", leases, id)
   if raw then
-    local holder, tok, usd = parse_lease(raw)
+    local holder, tok, usd, _, round = parse_lease(raw)
     if holder == lease then
       redis.call("HDEL", leases, id)
-      add(budget, "tokens_held", -tok)
+      hold_tokens(tok, round, -1)
       hold_usd(-usd)
       return usd
     end
@@ -227,6 +256,20 @@ local function dollar_verdict(limit, spent, held, orphaned, worst)
   return nil
 end
 
+-- The hard rule's hold for the next request of a batch round (z > 0), and whether it is a round's
+-- statistical hold ("|r") or the worst case (""; z = 0, or too few rows kept to know the answers).
+local function round_hold(worst_tok, z, trust_rows)
+  local b = redis.call("HMGET", budget, "tokens_kept", "tokens_kept_sq", "rows_kept", "round_leases", "round_held")
+  local kept, kept_sq, rows, n, held = num(b[1]), num(b[2]), num(b[3]), num(b[4]), num(b[5])
+  if z <= 0 or rows < trust_rows or rows <= 0 or kept <= 0 then return worst_tok, "" end
+  local mean = kept / rows
+  local var = math.max(kept_sq / rows - mean * mean, (0.05 * worst_tok) ^ 2)
+  local bound = (n + 1) * mean + z * math.sqrt(var * ((n + 1) + (n + 1) * (n + 1) / rows))
+  -- Counted as the round's even at W (its first requests' shares of the margin exceed W - m): the
+  -- bound's n must be every request of the round.
+  return math.min(worst_tok, math.max(math.ceil(mean), math.ceil(bound - held))), "|r"
+end
+
 if op == "reserve" then
   local id, lease = ARGV[2], ARGV[3]
   local now, ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -263,11 +306,12 @@ if op == "reserve" then
   local r = redis.call("HMGET", run, "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
 
   local hold, tokens
+  local round = ""
   if rule == "hard" then
     worst_tok = math.max(worst_tok, num(b[11]))
-    hold = worst_tok
+    hold, round = round_hold(worst_tok, tonumber(ARGV[11] or "0") or 0, trust_rows)
     if kept + worst_tok > limit then tokens = "over"
-    elseif kept + held + worst_tok > limit then tokens = "wait" end
+    elseif kept + held + hold > limit then tokens = "wait" end
   else
     local in_flight = redis.call("HLEN", leases)
     local weight = math.max(prior_weight, in_flight - rows)
@@ -286,10 +330,18 @@ if op == "reserve" then
   if run_usd == "over" then exhaust("run_usd", true); return {"over", hold} end
   if tokens or usd or run_usd then return {"wait", hold} end
 
-  redis.call("HSET", leases, id, lease .. "|" .. int(hold) .. "|" .. int(worst_usd) .. "|" .. int(now + ttl))
-  add(budget, "tokens_held", hold)
+  redis.call("HSET", leases, id, lease .. "|" .. int(hold) .. "|" .. int(worst_usd) .. "|" .. int(now + ttl) .. round)
+  hold_tokens(hold, round, 1)
   hold_usd(worst_usd)
   return {"ok", hold}
+
+elseif op == "round_hold" then
+  -- What a batch round's next request would hold now (the producer queues what the room admits).
+  local worst_tok, z, trust_rows = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+  local b = redis.call("HMGET", budget, "tokens_rule", "tokens_max_seen")
+  worst_tok = math.max(worst_tok, num(b[2]))
+  if b[1] ~= "hard" then return {worst_tok} end
+  return {(round_hold(worst_tok, z, trust_rows))}
 
 elseif op == "renew" then
   local id, lease, now, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -302,10 +354,10 @@ elseif op == "renew" then
   if state ~= "active" and state ~= "exhausted" then return {"stopped"} end
   local raw = redis.call("HGET", leases, id)
   if raw then
-    local holder, tok, usd = parse_lease(raw)
+    local holder, tok, usd, _, round = parse_lease(raw)
     if holder == lease then
       -- The holder renews before each retry: a lease only has to outlive one attempt.
-      redis.call("HSET", leases, id, lease .. "|" .. int(tok) .. "|" .. int(usd) .. "|" .. int(now + ttl))
+      redis.call("HSET", leases, id, lease .. "|" .. int(tok) .. "|" .. int(usd) .. "|" .. int(now + ttl) .. round)
       return {"ok"}
     end
   end
@@ -383,11 +435,12 @@ elseif op == "reap" then
 elseif op == "open" then
   -- Holds are re-derived from the leases and orphans, so a crash between two writes can't leak
   -- budget; the run's dollars move by the same difference.
-  local tok, usd, orphaned = 0, 0, 0
+  local tok, usd, orphaned, round_n, round_tok = 0, 0, 0, 0, 0
   local all = redis.call("HGETALL", leases)
   for i = 2, #all, 2 do
-    local _, t, u = parse_lease(all[i])
+    local _, t, u, _, round = parse_lease(all[i])
     tok, usd = tok + t, usd + u
+    if round ~= "" then round_n, round_tok = round_n + 1, round_tok + t end
   end
   local o = redis.call("HVALS", orphans)
   for i = 1, #o do orphaned = orphaned + tonumber(o[i]) end
@@ -396,7 +449,7 @@ elseif op == "open" then
   add(run, "nusd_orphaned", orphaned - num(before[2]))
   redis.call("HSET", budget, "tokens_limit", ARGV[2], "nusd_limit", ARGV[3], "tokens_rule", ARGV[4],
              "admission_state", "active", "tokens_held", int(tok), "nusd_held", int(usd + orphaned),
-             "nusd_orphaned", int(orphaned))
+             "nusd_orphaned", int(orphaned), "round_leases", round_n, "round_held", int(round_tok))
   redis.call("HDEL", budget, "ended_by")
   for _, f in ipairs({"tokens_kept", "rows_kept", "tokens_kept_sq", "nusd_spent"}) do
     redis.call("HSETNX", budget, f, 0)

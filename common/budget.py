@@ -35,7 +35,8 @@ _SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
 #: Every field of the dataset budget hash and the run budget hash (see budget.lua's header).
 FIELDS = (
     "tokens_rule", "tokens_limit", "tokens_kept", "tokens_kept_sq", "tokens_held", "tokens_max_seen", "rows_kept",
-    "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned", "admission_state", "ended_by",
+    "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned", "admission_state", "ended_by", "round_leases",
+    "round_held",
 )
 
 Mode = Literal["hard", "projected"]
@@ -99,6 +100,11 @@ class BudgetPolicy:
     #: Kept rows after which the estimate is trusted to declare the budget full (projected rule);
     #: before, a full budget makes requests wait for in-flight ones to land.
     trust_rows: int = 20
+    #: A batch round's statistical hold (hard rule, budget.lua): held for n requests of a round is
+    #: n x the kept mean plus this many deviations of their sum (and of the mean's own error). 4: a
+    #: round overruns it about once in 30,000 (a normal tail); an overrun's rows are billed and
+    #: discarded, never kept over the cap.
+    batch_hold_z: float = 4.0
     #: Tokens a rebuilt turn may count beyond the provider's completion tokens (``</think>``,
     #: ``<|im_end|>``, re-tokenization): part of the hard rule's worst case.
     turn_overhead_tokens: int = 16
@@ -360,10 +366,17 @@ class Budget:
 
     # --- workers ---------------------------------------------------------------------------
 
-    def reserve(self, prompt_id: str, lease: str, *, ttl_ms: int, ask: Ask) -> Admission:
+    def reserve(self, prompt_id: str, lease: str, *, ttl_ms: int, ask: Ask, batch_round: bool = False) -> Admission:
+        """Admit a request (``batch_round``: one of a Batch API round, held on the round's
+        statistical bound once enough rows are kept, budget.lua's rule)."""
+        z = self.policy.batch_hold_z if batch_round else 0
         reply = self._call("reserve", prompt_id, lease, now_ms(), ttl_ms, ask.worst_tokens, ask.worst_nusd,
-                           ask.prior_tokens, self.policy.prior_weight_rows, self.policy.trust_rows)
+                           ask.prior_tokens, self.policy.prior_weight_rows, self.policy.trust_rows, z)
         return Admission(reply_outcome("reserve", reply[0]), int(reply[1]) if len(reply) > 1 else 0)
+
+    def round_hold(self, worst_tokens: int) -> int:
+        """The tokens a batch round's next request would hold now (read only)."""
+        return int(self._call("round_hold", worst_tokens, self.policy.batch_hold_z, self.policy.trust_rows)[0])
 
     def renew(self, prompt_id: str, lease: str, *, ttl_ms: int) -> Outcome:
         """Extend an admitted request's lease before a retry; takes no new budget. One of

@@ -119,8 +119,9 @@ class AdmissionControl:
         return n
 
     def admittable(self, run: DatasetRun) -> int | None:
-        """A hard-budget batch-mode dataset's prompts worth having queued: as many worst cases as its
-        free room holds (limit less kept, less the worst cases held by what is out); None: no cap.
+        """A hard-budget batch-mode dataset's prompts worth having queued: as many as its free room
+        (limit less kept, less what is held for what is out) admits at a batch round's hold
+        (budget.lua: the worst case, or the round's statistical share); None: no cap.
 
         Queued beyond that, a prompt only waits in a worker, a greenlet and a message held, until a
         round of batches lands (minutes to hours): the next dataset, started meanwhile
@@ -129,18 +130,23 @@ class AdmissionControl:
         if not self.batched(run):
             return None
         snap = run.budget.snapshot()
-        worst = POLICY.worst_tokens(self.cfg.length_for(run.cfg.length).max_tokens)
+        worst = self._worst_tokens(run)
         if snap.state != "active" or snap.rule != "hard" or snap.limit <= 0 or snap.limit - snap.kept_tokens < worst:
             return None
-        return max(0, (snap.limit - snap.kept_tokens - snap.reserved_tokens) // worst)
+        return max(0, (snap.limit - snap.kept_tokens - snap.reserved_tokens) // run.budget.round_hold(worst))
 
     def room_held(self, run: DatasetRun, st: DatasetState) -> bool:
         """A hard-budget batch-mode dataset whose room is all held by what is out (its submitted or
         gathering batches): it can admit nothing until they land, so the next dataset may start."""
-        worst = POLICY.worst_tokens(self.cfg.length_for(run.cfg.length).max_tokens)
-        return (self.batched(run) and st.state == "active" and st.budget_mode == "hard" and st.limit > 0
-                and not st.queued and st.reserved_tokens > 0
-                and st.limit - st.kept_tokens - st.reserved_tokens < worst <= st.limit - st.kept_tokens)
+        if not (self.batched(run) and st.state == "active" and st.budget_mode == "hard" and st.limit > 0
+                and not st.queued and st.reserved_tokens > 0):
+            return False
+        worst = self._worst_tokens(run)
+        free = st.limit - st.kept_tokens - st.reserved_tokens
+        return free < run.budget.round_hold(worst) and worst <= st.limit - st.kept_tokens
+
+    def _worst_tokens(self, run: DatasetRun) -> int:
+        return POLICY.worst_tokens(self.cfg.length_for(run.cfg.length).max_tokens)
 
     def _lacking_outcome(self, run: DatasetRun, batch: list[Prompt]) -> list[Prompt]:
         if not batch:

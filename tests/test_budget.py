@@ -400,3 +400,86 @@ def test_a_halted_account_admits_nothing_and_frees_the_lease(redis_client: redis
     assert (s.reserved_tokens, s.in_flight, s.state) == (0, 0, "active")
     redis_client.delete(HALT)  # what the next producer run does once the key or credits are fixed
     assert b.reserve("p2", "L2", ttl_ms=TTL_MS, ask=ask(10)).status == "ok"
+
+
+# --- a batch round's statistical hold -------------------------------------------------------------------
+
+W_BATCH = 1_040  # max_tokens 1,024 + the turn's overhead
+
+
+def _round(b: Budget, prefix: str, *, batch_round: bool = True) -> list[str]:
+    """Reserve until the budget says wait (or over): one round's admitted prompt ids."""
+    admitted = []
+    while b.reserve(f"{prefix}{len(admitted)}", f"L{prefix}{len(admitted)}", ttl_ms=TTL_MS, ask=ask(W_BATCH, 100),
+                    batch_round=batch_round).status == "ok":
+        admitted.append(f"{prefix}{len(admitted)}")
+    return admitted
+
+
+def _land(b: Budget, ids: list[str], lengths: list[int]) -> list[str]:
+    return [str(b.settle(pid, f"L{pid}", n, _row(pid), cost_usd=0)) for pid, n in zip(ids, lengths, strict=True)]
+
+
+def test_a_batch_round_after_the_first_holds_its_statistical_share_and_still_never_crosses_the_cap(
+        redis_client: redis.Redis) -> None:
+    """Round 1 (no rows yet) holds worst cases; once rows are kept a batch round holds the kept mean
+    plus its share of a z-deviation margin, so it admits ~1.4x what worst cases would; a live request
+    still holds its worst case, the dollars stay worst cases; and answers all at max_tokens, which
+    the margin does not cover, are billed and discarded, never kept over the cap."""
+    import random
+
+    rng = random.Random(7)
+    b = opened(redis_client, tokens=200 * W_BATCH, usd=1_000.0)
+    first = _round(b, "a")
+    assert len(first) == 200 and b.snapshot().reserved_tokens == 200 * W_BATCH
+    assert set(_land(b, first, [rng.randint(300, 1_000) for _ in first])) == {"kept"}
+    s = b.snapshot()
+    mean = s.kept_tokens / s.rows
+    room = s.limit - s.kept_tokens
+    second = _round(b, "b")
+    s2 = b.snapshot()
+    hard_invariant(s2)
+    by_worst_cases = room // W_BATCH
+    assert len(second) >= 1.3 * by_worst_cases, (len(second), by_worst_cases)
+    # Held: the round's mean plus a margin of several deviations of its sum (uniform: sd ~202).
+    margin = s2.reserved_tokens - len(second) * mean
+    assert 4 * 202 * len(second) ** 0.5 <= margin <= 4 * 202 * (len(second) * 2) ** 0.5 + W_BATCH, margin
+    assert s2.held_nusd == len(second) * 100 * U  # dollars: each request's worst case, as ever
+    hold = b.round_hold(W_BATCH)
+    assert mean < hold < W_BATCH
+    # A live request (the tail) holds its worst case: it waits where a batch request's share fits.
+    live = b.reserve("live", "Llive", ttl_ms=TTL_MS, ask=ask(W_BATCH, 100))
+    assert live.status == "wait" or live.value == W_BATCH
+    if live.status == "ok":
+        b.release("live", "Llive", cost_usd=0)
+    # Every answer at its worst: the margin cannot hold that; the cap does.
+    outcomes = _land(b, second, [1_024] * len(second))
+    s3 = b.snapshot()
+    hard_invariant(s3)
+    assert "discarded" in outcomes and s3.kept_tokens <= s3.limit
+    assert {pid for pid, o in zip(second, outcomes, strict=True) if o == "discarded"} == set(b.failures())
+
+
+def test_a_batch_rounds_answers_drawn_like_the_kept_ones_fit_its_hold(redis_client: redis.Redis) -> None:
+    """50 runs of two rounds with answers from one distribution (a skewed one: most short, a long
+    tail to max_tokens): no answer of the second round is discarded. Held at the mean alone (no
+    margin) about half the rounds would overrun."""
+    import random
+
+    discarded = admitted = 0
+    for trial in range(50):
+        rng = random.Random(trial)
+
+        def length(rng: random.Random = rng) -> int:
+            return min(1_024, int(rng.expovariate(1 / 400)) + 50)
+
+        b = opened(redis_client, f"t{trial}", tokens=150 * W_BATCH)
+        first = _round(b, f"t{trial}a")
+        _land(b, first, [length() for _ in first])
+        second = _round(b, f"t{trial}b")
+        admitted += len(second)
+        outcomes = _land(b, second, [length() for _ in second])
+        discarded += outcomes.count("discarded")
+        hard_invariant(b.snapshot())
+    assert admitted > 50 * 40, admitted  # the rounds were not trivially small
+    assert discarded == 0, f"{discarded} of {admitted} discarded"

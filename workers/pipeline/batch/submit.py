@@ -4,7 +4,8 @@ let the tasks go (their messages are acked: the batch record holds them now).
 
 - prepare: the live path's (render, count; ``prompt_too_long`` fails the prompt unsent, so one bad
   request never fails a batch).
-- reserve: the live path's rule, the worst case priced at the **batch** price; a full budget parks
+- reserve: the live path's rule, the worst case priced at the **batch** price (tokens: once enough
+  rows are kept, the round's statistical hold, common/budget.lua); a full budget parks
   the task (``wait``) as live, and a budget stop (``over``/``stopped``) submits nothing more. Once
   the room left is less than a full batch's worst cases, the task goes live instead (``tail.py``,
   ``[request] tail``): batches would only shrink from there, a batch latency per round.
@@ -144,7 +145,7 @@ def _reserve(job: Job, prompt_tokens: int) -> Outcome | Busy | _GoLive | None:
     if tail.goes_live(job.view, job.budget, ask.worst_tokens):
         return _LIVE
     t0 = time.monotonic()
-    admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask)
+    admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask, batch_round=True)
     while admission.status == Outcome.WAIT:
         # Waiting for a round to land holds no request slot: the worker may take other datasets' prompts.
         with process_room().parked():
@@ -152,7 +153,7 @@ def _reserve(job: Job, prompt_tokens: int) -> Outcome | Busy | _GoLive | None:
         if tail.goes_live(job.view, job.budget, ask.worst_tokens):
             return _LIVE  # a wait holds nothing: the live path asks the budget afresh
         t0 = time.monotonic()
-        admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask)
+        admission = job.budget.reserve(job.pid, job.lease, ttl_ms=job.ttl_ms, ask=ask, batch_round=True)
     if admission.status == Outcome.OK:
         job.lease_set_at = t0
     log.info("%s/%s reserve (batch): %s %d", job.dataset, job.pid, admission.status, admission.value)
