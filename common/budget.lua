@@ -7,7 +7,9 @@
 --                                           and rows_kept of kept rows
 --                           tokens_held     sum of the token holds of live leases (hard: worst cases)
 --                           round_leases, round_held: how many of them are a batch round's
---                                           statistical holds, and the sum of those holds
+--                                           requests, and the sum of their (mean) holds
+--                           round_margin    the round's margin, held beside them (part of tokens_held)
+--                           round_z, round_worst: the z and W it was last reckoned with
 --                           tokens_max_seen the largest answer kept or discarded so far: the hard rule's
 --                                           worst case when it exceeds max_tokens (our tokenizer may
 --                                           count more than the provider that enforced max_tokens)
@@ -43,17 +45,19 @@
 --     Settling frees the hold and adds the real cost (<= C), so spent + held <= limit holds after
 --     every step: spent never crosses the limit while answers cost no more than their worst case.
 --   Tokens, rule "hard" (the default): admitted only if kept + tokens_held + W <= limit, the same
---     invariant. A settle keeps its row only if kept + tokens_held + tokens still fits (always true
+--     invariant. A settle keeps its row only if kept + tokens_held (less a batch round's margin,
+--     below) + tokens still fits (always true
 --     for an answer of a live lease within its hold); otherwise the row is discarded but billed
 --     (failed "over_budget"): kept never crosses the limit, whatever lands.
 --   Tokens, rule "hard", a batch round (reserve's z > 0): a round's answers land together, a batch
 --     latency (minutes to hours) after it was admitted, so holding each at its worst case makes a
 --     dataset take a round per ~2/3 of what is left. Once trust_rows rows are kept, a batch request
---     holds its share of the round's statistical bound instead: with n such requests in flight
---     holding R in all, the next one holds what brings R to (n+1) x m + z * s * sqrt((n+1) +
---     (n+1)^2/rows) (m the kept mean, s the kept rows' deviation, at least 5% of W, (n+1)^2/rows the
---     error of m itself), at least m and never more than W. So the n requests of a round hold n x m
---     plus the whole margin: their answers overrun it with odds of about a normal tail beyond z.
+--     holds the kept mean m instead (at most W), and the round's n requests in flight hold, beside
+--     those, one margin z * s * sqrt(n + n^2/rows) (s the kept rows' deviation, at least 5% of W;
+--     n^2/rows the error of m itself; at most n worst cases in all). A landing answer may use the
+--     margin (the settle's check leaves it out); then the margin is reckoned again for the requests
+--     still out, within the room left. So a round overruns only when its answers' sum passes its
+--     means by more than the margin: odds of about a normal tail beyond z.
 --     The same invariant admits it (kept + tokens_held + hold <= limit) and a settle without room
 --     is discarded as always, so kept still never crosses the limit; what an overrun costs is its
 --     discarded answers' dollars, which the dollar rule (always worst cases) still bounds.
@@ -88,8 +92,8 @@
 --           z: a batch round's statistical hold (see the rule; 0 or absent: the worst case)
 --           -> {"ok", hold} | {"done"} (kept, or failed in this run) | {"stopped"} | {"busy", ms_left} | {"over", hold}
 --              | {"wait", hold} | {"halted"}
---   round_hold worst_tokens z trust_rows -> {hold}: what a batch round's next request would hold now
---           (read only; the worst case under the projected rule)
+--   round_hold worst_tokens z trust_rows -> {tokens}: what a batch round's next request would take
+--           now, its hold and what the round's margin grows by (read only; projected: the worst case)
 --   renew   id lease now_ms ttl_ms -> {"ok"} | {"done"} | {"stopped"} | {"halted"} | {"lost"}
 --           Extends a live lease before a retry (works while exhausted; "stopped" ends it). "lost":
 --           the lease was reaped; no budget is taken: the caller releases and asks again later.
@@ -198,11 +202,37 @@ local function set_kept(n, tokens, tokens_sq, cost)
   if cost > spent then spend(cost - spent) end
 end
 
+-- The margin of a batch round's n requests holding base_sum (see the rule), at most what n worst
+-- cases leave beside their holds.
+local function margin_for(n, base_sum, z, worst_tok)
+  local b = redis.call("HMGET", budget, "tokens_kept", "tokens_kept_sq", "rows_kept")
+  local kept, kept_sq, rows = num(b[1]), num(b[2]), num(b[3])
+  if n <= 0 or z <= 0 or rows <= 0 or kept <= 0 then return 0 end
+  local mean = kept / rows
+  local var = math.max(kept_sq / rows - mean * mean, (0.05 * worst_tok) ^ 2)
+  return math.max(0, math.min(math.ceil(z * math.sqrt(var * (n + n * n / rows))), n * worst_tok - base_sum))
+end
+
+-- round_margin reckoned again for the round's requests in flight now; never beyond the room the
+-- rest of what is held leaves (answers already out cannot be held back: kept + held <= limit).
+local function remargin()
+  local b = redis.call("HMGET", budget, "round_leases", "round_held", "round_margin", "round_z", "round_worst",
+                       "tokens_limit", "tokens_kept", "tokens_held")
+  local old = num(b[3])
+  local new = margin_for(num(b[1]), num(b[2]), num(b[4]), num(b[5]))
+  new = math.max(0, math.min(new, num(b[6]) - num(b[7]) - (num(b[8]) - old)))
+  if new ~= old then
+    add(budget, "tokens_held", new - old)
+    redis.call("HSET", budget, "round_margin", int(new))
+  end
+end
+
 -- An expired lease: its tokens go back, its dollars stay held as an orphan (see the header).
 local function orphan_lease(id, raw)
   local holder, tok, usd, _, round = parse_lease(raw)
   redis.call("HDEL", leases, id)
   hold_tokens(tok, round, -1)
+  if round ~= "" then remargin() end
   if usd > 0 then
     redis.call("HSET", orphans, holder, int(usd))
     add(budget, "nusd_orphaned", usd)
@@ -218,6 +248,7 @@ local function finish(id, lease)
     if holder == lease then
       redis.call("HDEL", leases, id)
       hold_tokens(tok, round, -1)
+      if round ~= "" then remargin() end
       hold_usd(-usd)
       return usd
     end
@@ -256,18 +287,14 @@ local function dollar_verdict(limit, spent, held, orphaned, worst)
   return nil
 end
 
--- The hard rule's hold for the next request of a batch round (z > 0), and whether it is a round's
--- statistical hold ("|r") or the worst case (""; z = 0, or too few rows kept to know the answers).
+-- The next request of a batch round (z > 0): its hold, "|r", and what the round's margin grows by
+-- with it; else (z = 0, or too few rows kept to know the answers) the worst case, "", 0.
 local function round_hold(worst_tok, z, trust_rows)
-  local b = redis.call("HMGET", budget, "tokens_kept", "tokens_kept_sq", "rows_kept", "round_leases", "round_held")
-  local kept, kept_sq, rows, n, held = num(b[1]), num(b[2]), num(b[3]), num(b[4]), num(b[5])
-  if z <= 0 or rows < trust_rows or rows <= 0 or kept <= 0 then return worst_tok, "" end
-  local mean = kept / rows
-  local var = math.max(kept_sq / rows - mean * mean, (0.05 * worst_tok) ^ 2)
-  local bound = (n + 1) * mean + z * math.sqrt(var * ((n + 1) + (n + 1) * (n + 1) / rows))
-  -- Counted as the round's even at W (its first requests' shares of the margin exceed W - m): the
-  -- bound's n must be every request of the round.
-  return math.min(worst_tok, math.max(math.ceil(mean), math.ceil(bound - held))), "|r"
+  local b = redis.call("HMGET", budget, "tokens_kept", "rows_kept", "round_leases", "round_held", "round_margin")
+  local kept, rows, n, base_sum = num(b[1]), num(b[2]), num(b[3]), num(b[4])
+  if z <= 0 or rows < trust_rows or rows <= 0 or kept <= 0 then return worst_tok, "", 0 end
+  local hold = math.min(worst_tok, math.ceil(kept / rows))
+  return hold, "|r", margin_for(n + 1, base_sum + hold, z, worst_tok) - num(b[5])
 end
 
 if op == "reserve" then
@@ -306,12 +333,12 @@ if op == "reserve" then
   local r = redis.call("HMGET", run, "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
 
   local hold, tokens
-  local round = ""
+  local round, grows, z = "", 0, tonumber(ARGV[11] or "0") or 0
   if rule == "hard" then
     worst_tok = math.max(worst_tok, num(b[11]))
-    hold, round = round_hold(worst_tok, tonumber(ARGV[11] or "0") or 0, trust_rows)
+    hold, round, grows = round_hold(worst_tok, z, trust_rows)
     if kept + worst_tok > limit then tokens = "over"
-    elseif kept + held + hold > limit then tokens = "wait" end
+    elseif kept + held + hold + grows > limit then tokens = "wait" end
   else
     local in_flight = redis.call("HLEN", leases)
     local weight = math.max(prior_weight, in_flight - rows)
@@ -332,6 +359,10 @@ if op == "reserve" then
 
   redis.call("HSET", leases, id, lease .. "|" .. int(hold) .. "|" .. int(worst_usd) .. "|" .. int(now + ttl) .. round)
   hold_tokens(hold, round, 1)
+  if round ~= "" then
+    redis.call("HSET", budget, "round_z", tostring(z), "round_worst", int(worst_tok))
+    remargin()
+  end
   hold_usd(worst_usd)
   return {"ok", hold}
 
@@ -341,7 +372,8 @@ elseif op == "round_hold" then
   local b = redis.call("HMGET", budget, "tokens_rule", "tokens_max_seen")
   worst_tok = math.max(worst_tok, num(b[2]))
   if b[1] ~= "hard" then return {worst_tok} end
-  return {(round_hold(worst_tok, z, trust_rows))}
+  local hold, _, grows = round_hold(worst_tok, z, trust_rows)
+  return {hold + grows}
 
 elseif op == "renew" then
   local id, lease, now, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -381,9 +413,11 @@ elseif op == "settle" then
     return {"duplicate", over_hold}
   end
   local b = redis.call("HMGET", budget, "tokens_rule", "tokens_limit", "tokens_kept", "tokens_held",
-                       "tokens_max_seen")
+                       "tokens_max_seen", "round_margin")
   if tokens > num(b[5]) then redis.call("HSET", budget, "tokens_max_seen", tokens) end
-  if b[1] == "hard" and num(b[3]) + num(b[4]) + tokens > num(b[2]) then
+  -- A batch round's margin is held for answers like this one: it may take it (the margin of the
+  -- round's requests still out is reckoned again, within the room left, once it is kept).
+  if b[1] == "hard" and num(b[3]) + num(b[4]) - num(b[6]) + tokens > num(b[2]) then
     redis.call("HSET", failed, id, cjson.encode({reason = "over_budget", attempts = attempts,
       detail = "answer of " .. tokens .. " tokens landed without room under the hard token cap: billed, not kept"}))
     mark_applied(id, lease, "discarded", over_hold)
@@ -394,6 +428,7 @@ elseif op == "settle" then
   local kept = redis.call("HINCRBY", budget, "tokens_kept", tokens)
   redis.call("HINCRBY", budget, "rows_kept", 1)
   redis.call("HINCRBY", budget, "tokens_kept_sq", int(tokens * tokens))
+  if num(b[6]) > 0 then remargin() end
   redis.call("HDEL", failed, id)
   redis.call("XADD", results, "*", "id", id, "row", row)
   if turn then
@@ -449,11 +484,12 @@ elseif op == "open" then
   add(run, "nusd_orphaned", orphaned - num(before[2]))
   redis.call("HSET", budget, "tokens_limit", ARGV[2], "nusd_limit", ARGV[3], "tokens_rule", ARGV[4],
              "admission_state", "active", "tokens_held", int(tok), "nusd_held", int(usd + orphaned),
-             "nusd_orphaned", int(orphaned), "round_leases", round_n, "round_held", int(round_tok))
+             "nusd_orphaned", int(orphaned), "round_leases", round_n, "round_held", int(round_tok), "round_margin", 0)
   redis.call("HDEL", budget, "ended_by")
   for _, f in ipairs({"tokens_kept", "rows_kept", "tokens_kept_sq", "nusd_spent"}) do
     redis.call("HSETNX", budget, f, 0)
   end
+  remargin()  -- the round's requests still out, if any, hold their margin again
   local b = redis.call("HMGET", budget, "tokens_kept", "rows_kept")
   return {"open", num(b[1]), num(b[2])}
 

@@ -36,7 +36,7 @@ _SCRIPT = files("common").joinpath("budget.lua").read_text(encoding="utf-8")
 FIELDS = (
     "tokens_rule", "tokens_limit", "tokens_kept", "tokens_kept_sq", "tokens_held", "tokens_max_seen", "rows_kept",
     "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned", "admission_state", "ended_by", "round_leases",
-    "round_held",
+    "round_held", "round_margin", "round_z", "round_worst",
 )
 
 Mode = Literal["hard", "projected"]
