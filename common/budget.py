@@ -217,10 +217,23 @@ class BudgetSnapshot:
     run_limit_nusd: int = _run("nusd_limit", state="run_budget_usd")
     run_spent_nusd: int = _run("nusd_spent")
     run_state: str = _run("admission_state", state=None)
+    #: A batch round's requests in flight and their (mean) holds (budget.lua's round hold).
+    round_leases: int = _budget("round_leases", state=None)
+    round_held: int = _budget("round_held", state=None)
 
     @property
     def run_exhausted(self) -> bool:
         return self.run_state == "exhausted"
+
+    def expected_room_tokens(self, trust_rows: int) -> int:
+        """The token room expected once what is in flight has landed: the limit less the kept
+        tokens, less each request out at the kept mean (a round's at its hold, the mean it was
+        admitted at). Before ``trust_rows`` rows the answers are unknown: the room less kept only."""
+        room = self.limit - self.kept_tokens
+        if self.rows < trust_rows or self.rows <= 0:
+            return room
+        mean = self.kept_tokens / self.rows
+        return int(room - self.round_held - max(0, self.in_flight - self.round_leases) * mean)
 
     def for_state(self) -> dict[str, Any]:
         """The totals under their ``DatasetState`` names, dollars in USD."""
