@@ -111,9 +111,13 @@
 --   reap    now_ms                 -> {"reaped", n}
 --   open    tokens_limit nusd_limit rule -> {"open", kept, rows}   (start or resume the dataset)
 --   close                          -> {"closed"}
---   reconcile last_id n_rows tokens tokens_sq cost_nusd check|apply id... -> {"current", rows} | {"mismatch", rows}
---           | {"reconciled", rows, lost}: done and the kept counters become the rows on disk (ids, up
---           to stream position last_id) plus those waiting in results after it (see the op).
+--   reconcile last_id n_rows tokens tokens_sq cost_nusd check|apply manifests id...
+--           -> {"current", rows} | {"mismatch", rows} | {"reconciled", rows, lost, dropped}: done and
+--           the kept counters become the rows on disk (ids, up to stream position last_id) plus those
+--           waiting in results after it (see the op), less the waiting rows whose manifest is not one
+--           of manifests (comma-separated; "": any), which are deleted and their prompts asked again.
+--   drop_rows (stream_id id tokens)... -> {"dropped", n}: rows waiting in results deleted and uncounted
+--           (their prompts asked again): another run's, that the collector does not write
 --   run_open nusd_limit            -> {"run_open", spent}   KEYS[1] is the run hash, KEYS[2..] the
 --           budget hashes of the run's datasets: the run's dollars are re-summed from them.
 local op = ARGV[1]
@@ -497,6 +501,21 @@ elseif op == "close" then
   redis.call("HSET", budget, "admission_state", "stopped")
   return {"closed"}
 
+elseif op == "drop_rows" then
+  -- Rows waiting in the results stream that the collector will not write (another run's, made under
+  -- a manifest its folder does not hold): deleted and no longer kept, so their prompts are asked again.
+  local n = 0
+  for i = 2, #ARGV, 3 do
+    local entry, id, t = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+    if redis.call("XDEL", results, entry) == 1 and redis.call("SREM", done, id) == 1 then
+      add(budget, "tokens_kept", -t)
+      add(budget, "rows_kept", -1)
+      add(budget, "tokens_kept_sq", -int(t * t))
+      n = n + 1
+    end
+  end
+  return {"dropped", n}
+
 elseif op == "reconcile" then
   -- The rows on disk up to the stream position last_id, and those waiting in the results stream
   -- after it, are what is kept: done and the kept counters become exactly these. An id done but in
@@ -505,19 +524,39 @@ elseif op == "reconcile" then
   local last_id, n, tokens, tokens_sq, cost = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),
     tonumber(ARGV[6])
   local truth, keys_n = {}, n
-  for i = 8, #ARGV do truth[ARGV[i]] = true end
-  local waiting = redis.call("XRANGE", results, "(" .. last_id, "+")
-  local rows, members = num(redis.call("HGET", budget, "rows_kept")), redis.call("SCARD", done)
-  if ARGV[7] == "check" then
-    if rows == members and rows == n + #waiting then return {"current", rows} end
-    return {"mismatch", rows}
+  for i = 9, #ARGV do truth[ARGV[i]] = true end
+  -- A row waiting in the stream that another run made under a manifest this folder does not hold
+  -- (the same dataset name, another config and output folder) is no row of this folder's.
+  local accepted, any = {}, ARGV[8] == ""
+  for m in string.gmatch(ARGV[8], "[^,]+") do accepted[m] = true end
+  local function foreign(row)
+    local m = cmsgpack.unpack(row).manifest
+    return not any and m ~= nil and not accepted[m]
   end
-  for _, e in ipairs(waiting) do
+  local waiting = redis.call("XRANGE", results, "(" .. last_id, "+")
+  local function fields(e)
     local f, id, row = e[2], nil, nil
     for j = 1, #f, 2 do
       if f[j] == "id" then id = f[j + 1] elseif f[j] == "row" then row = f[j + 1] end
     end
-    if id and not truth[id] then
+    return id, row
+  end
+  local rows, members = num(redis.call("HGET", budget, "rows_kept")), redis.call("SCARD", done)
+  if ARGV[7] == "check" then
+    for _, e in ipairs(waiting) do
+      local _, row = fields(e)
+      if row and foreign(row) then return {"mismatch", rows} end
+    end
+    if rows == members and rows == n + #waiting then return {"current", rows} end
+    return {"mismatch", rows}
+  end
+  local dropped = 0
+  for _, e in ipairs(waiting) do
+    local id, row = fields(e)
+    if row and foreign(row) then
+      redis.call("XDEL", results, e[1])
+      dropped = dropped + 1
+    elseif id and not truth[id] then
       truth[id] = true
       local t = tonumber(cmsgpack.unpack(row).num_tokens) or 0
       keys_n, tokens, tokens_sq = keys_n + 1, tokens + t, tokens_sq + t * t
@@ -527,7 +566,7 @@ elseif op == "reconcile" then
   for _, id in ipairs(redis.call("SMEMBERS", done)) do
     if not truth[id] then lost[#lost + 1] = id end
   end
-  if #lost == 0 and rows >= keys_n then return {"current", rows, 0} end
+  if #lost == 0 and rows >= keys_n then return {"current", rows, 0, 0} end
   for i = 1, #lost, 5000 do
     local part = {unpack(lost, i, math.min(i + 4999, #lost))}
     redis.call("SREM", done, unpack(part))
@@ -541,7 +580,7 @@ elseif op == "reconcile" then
   for id in pairs(truth) do add_ids[#add_ids + 1] = id end
   add_members(done, add_ids, 1)
   set_kept(keys_n, tokens, tokens_sq, cost)
-  return {"reconciled", keys_n, #lost}
+  return {"reconciled", keys_n, #lost, dropped}
 end
 
 return redis.error_reply("budget.lua: unknown operation " .. tostring(op))

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, fields
 from importlib.resources import files
 from typing import Any, Literal, Protocol
@@ -459,20 +459,30 @@ class Budget:
         """Expired leases (dead or stalled workers): tokens go back, dollars stay held as orphans."""
         return int(self._call("reap", now_ms())[1])
 
-    def agrees_with(self, last_id: str, rows: int) -> bool:
+    def agrees_with(self, last_id: str, rows: int, manifests: Collection[str] = ()) -> bool:
         """Whether the done set and the kept counters already count exactly ``rows`` rows on disk
-        (up to stream position ``last_id``) plus those waiting in the results stream after it."""
-        return bool(self._call("reconcile", last_id, rows, 0, 0, 0, "check")[0] == "current")
+        (up to stream position ``last_id``) plus those waiting in the results stream after it, each
+        made under one of ``manifests`` (empty: any)."""
+        reply = self._call("reconcile", last_id, rows, 0, 0, 0, "check", ",".join(manifests))
+        return bool(reply[0] == "current")
 
-    def reconcile(self, last_id: str, ids: Sequence[str], tokens: Sequence[int],
-                  costs_usd: Sequence[float]) -> tuple[int, int] | None:
+    def reconcile(self, last_id: str, ids: Sequence[str], tokens: Sequence[int], costs_usd: Sequence[float],
+                  manifests: Collection[str] = ()) -> tuple[int, int, int] | None:
         """Make the done set and the kept counters the rows on disk (``ids`` with their tokens and
-        costs, up to ``last_id``) plus those waiting in the results stream: an id done whose row is
-        in neither is asked again; ids Redis lost are done again, the dollars spent at least their
-        cost. (rows, lost) when it changed anything, else None."""
+        costs, up to ``last_id``) plus those waiting in the results stream, made under one of
+        ``manifests`` (empty: any; another run's rows, of another config, are deleted): an id done
+        whose row is in neither is asked again; ids Redis lost are done again, the dollars spent at
+        least their cost. (rows, lost, rows deleted) when it changed anything, else None."""
         reply = self._call("reconcile", last_id, len(ids), sum(tokens), sum(t * t for t in tokens),
-                           sum(to_nusd(c) for c in costs_usd), "apply", *ids)
-        return (int(reply[1]), int(reply[2])) if reply[0] == "reconciled" else None
+                           sum(to_nusd(c) for c in costs_usd), "apply", ",".join(manifests), *ids)
+        return (int(reply[1]), int(reply[2]), int(reply[3])) if reply[0] == "reconciled" else None
+
+    def drop_rows(self, rows: Sequence[tuple[str, str, int]]) -> int:
+        """Delete rows waiting in the results stream (``(stream id, prompt id, tokens)``) and count
+        them no longer kept, so their prompts are asked again; returns how many were."""
+        if not rows:
+            return 0
+        return int(self._call("drop_rows", *(x for row in rows for x in row))[1])
 
     def snapshot(self) -> BudgetSnapshot:
         pipe = self._client.pipeline(transaction=False)

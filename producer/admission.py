@@ -53,6 +53,9 @@ class AdmissionControl:
         self.tuning = tuning
         #: Duplicates and eval leaks, left out of every read of the run (common/prompt_filter.py).
         self.prompt_filter = RunFilter(cfg)
+        #: The output folder's manifests (the run's and those of earlier runs of the folder): a row
+        #: waiting in Redis under another is another folder's (producer/restore.py). Empty: any.
+        self.manifests: frozenset[str] = frozenset()
 
     def open(self, run: DatasetRun, writer: RowWriter, phase: DatasetPhase) -> Move:
         """Start the dataset: Redis made to agree with its shards, its failures given another
@@ -61,7 +64,7 @@ class AdmissionControl:
         ds, budget = run.cfg, run.budget
         k = budget.keys
         self.lock.refresh()  # the budget's calls are not fenced in their script: checked just before
-        restore_from_disk(self.client, self.hold, budget, writer, ds.regenerate)
+        restore_from_disk(self.client, self.hold, budget, writer, ds.regenerate, self.manifests)
         # Failures of an earlier run get another chance; the queue is rebuilt from the file.
         self.lock.write(("DEL", k.failed, k.queue))
         kept, rows = self.hold(lambda: budget.open(ds.budget_tokens, ds.budget_usd, self.cfg.run.budget_mode))

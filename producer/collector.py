@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, overload
 
 import msgpack
 import redis
 
+from common.budget import Budget
 from common.errors import OutputError, ProducerFenced, RedisRefusesWrites
 from common.keys import COLLECTOR_FENCE, DatasetKeys
 from common.redis_client import fence_command, fence_failed
@@ -32,6 +33,8 @@ from producer.rows import Fence, RowWriter, open_writer
 log = logging.getLogger(__name__)
 
 BATCH_ROWS = 2000
+#: A row's manifest key as msgpack writes it (a fixstr), followed by its value.
+_MANIFEST_KEY = b"\xa8manifest"
 #: A batch costs two fsyncs, a checkpoint rename and a WAITAOF whatever its size: the collector
 #: writes at most this often (unless a read came back full), so a busy run writes a few large
 #: batches a second instead of one per handful of rows. Rows reach disk at most this much later.
@@ -117,6 +120,36 @@ class Collector:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self._manifest_marks: tuple[bytes, ...] = ()
+
+    def accept_manifests(self, manifests: Collection[str]) -> None:
+        """Write only rows made under one of ``manifests`` (the folder's): a row of another (a killed
+        run of another config, still settling what it had in flight) is deleted and uncounted, its
+        prompt asked again (``Budget.drop_rows``). Rows naming no manifest are written."""
+        self._manifest_marks = tuple(_MANIFEST_KEY + msgpack.packb(m) for m in sorted(manifests))
+
+    def _foreign(self, packed: bytes) -> bool:
+        # A byte search first (rows are tens of KB, and all but a stray few are the run's); an
+        # unpack only to be sure of one that looks foreign.
+        if not self._manifest_marks or _MANIFEST_KEY not in packed:
+            return False
+        if any(mark in packed for mark in self._manifest_marks):
+            return False
+        manifest = _unpack(packed).get("manifest")
+        return manifest is not None and _MANIFEST_KEY + msgpack.packb(manifest) not in self._manifest_marks
+
+    def _drop_foreign(self, dataset: str, entries: list[tuple[bytes, dict[bytes, bytes]]]
+                      ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        foreign = [(sid, f) for sid, f in entries if self._foreign(f[b"row"])]
+        if not foreign:
+            return entries
+        rows = [(sid.decode(), f[b"id"].decode(), int(_unpack(f[b"row"]).get("num_tokens") or 0)) for sid, f in foreign]
+        dropped = Budget(self._client, dataset).drop_rows(rows)
+        log.warning("%s: %d rows made under a manifest this folder does not hold (a run of another config, "
+                    "killed, still settling its last requests) left out: their prompts are asked again",
+                    dataset, dropped)
+        gone = {sid for sid, _ in foreign}
+        return [(sid, f) for sid, f in entries if sid not in gone]
 
     def add(self, dataset: str) -> DatasetSink:
         with self._lock:
@@ -153,7 +186,7 @@ class Collector:
         total = 0
         for stream, entries in reply:
             sink = by_stream[stream.decode() if isinstance(stream, bytes) else stream]
-            total += sink.write(entries)
+            total += sink.write(self._drop_foreign(sink.dataset, entries))
             # Entries up to the checkpoint are on disk: Redis need not hold them any more. Fenced: a
             # stale producer's trim could drop rows the producer now holding the lock has not written.
             if self._fence is not None:

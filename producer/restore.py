@@ -4,6 +4,7 @@ shards on disk (the truth of what is kept), plus the rows waiting in the results
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 import msgpack
 import redis
@@ -17,11 +18,13 @@ log = logging.getLogger(__name__)
 
 
 def restore_from_disk(client: redis.Redis, hold: WriteHold, budget: Budget, writer: RowWriter,
-                      regenerate: str) -> None:
+                      regenerate: str, manifests: Collection[str] = ()) -> None:
     """Redis lost kept rows the shards hold (a server without persistence restarted): rebuilt from
     the shards. Redis counts rows the shards lack (written over by a producer that had lost its
-    lock, or a folder emptied by hand): those prompts are asked again."""
-    if hold(lambda: budget.agrees_with(writer.last_id, writer.rows)):
+    lock, or a folder emptied by hand): those prompts are asked again. Rows waiting in the results
+    stream under a manifest not in ``manifests`` (the folder's; empty: any) were made by another
+    run of the same dataset name for another folder and config: deleted, their prompts asked again."""
+    if hold(lambda: budget.agrees_with(writer.last_id, writer.rows, manifests)):
         return
     rows_in_redis = budget.snapshot().rows
     ids: list[str] = []
@@ -40,10 +43,15 @@ def restore_from_disk(client: redis.Redis, hold: WriteHold, budget: Budget, writ
                                               use_bin_type=True)
             if end:
                 ended.append(row["id"])
-    changed = hold(lambda: budget.reconcile(writer.last_id, ids, tokens, costs))
+    changed = hold(lambda: budget.reconcile(writer.last_id, ids, tokens, costs, manifests))
     if changed is None:
         return
-    rows, lost = changed
+    rows, lost, foreign = changed
+    if foreign:
+        log.warning("%s: %s rows waiting in Redis were made under a manifest this folder does not hold (another "
+                    "run of this dataset name, another config): left out, their prompts asked again",
+                    budget.keys.dataset, f"{foreign:,}")
+        lost -= foreign
     if lost:
         log.warning("%s: Redis counted %s kept rows the shards do not hold and the results stream does not "
                     "hold either: those prompts are asked again (the shards hold %s rows)", budget.keys.dataset,

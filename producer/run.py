@@ -40,7 +40,7 @@ from common.errors import (
     RedisRefusesWrites,
     SpecfleetError,
 )
-from common.manifest import Manifest, manifest_for, write_manifest
+from common.manifest import Manifest, manifest_for, read_manifests, write_manifest
 from common.redis_client import CLOCK, RedisOutage
 from common.settings import Settings
 from common.stats import DatasetStats
@@ -155,6 +155,8 @@ class Runner:
         self.manifest = manifest_for(self.cfg)
         try:
             write_manifest(self.out_dir, self.manifest)
+            self.admission.manifests = frozenset(read_manifests(self.out_dir))
+            self.collector.accept_manifests(self.admission.manifests)
         except OSError as exc:
             raise output_error(self.out_dir, exc) from None
         # The files themselves too, so a worker on any host loads the manifest's (common/tokenizer_pin.py).

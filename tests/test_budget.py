@@ -323,6 +323,28 @@ def test_reconcile_rebuilds_counts_and_dollars_from_the_rows_on_disk_once(redis_
 
 
 
+def test_rows_waiting_in_redis_under_a_manifest_the_folder_lacks_are_left_out_and_asked_again(
+        redis_client: redis.Redis) -> None:
+    """A run killed before it wrote its rows leaves them in the results stream; another run of the
+    same dataset name, with another config, into another folder, must not write them into its own
+    (they name a manifest that folder does not hold: a silent wrong row). The folder's own manifests'
+    rows, and rows that name none (older workers), are kept."""
+    b = opened(redis_client, tokens=100_000)
+    for pid, manifest in (("a1", "A"), ("a2", "A"), ("b1", "B"), ("n1", None)):
+        assert b.reserve(pid, f"L{pid}", ttl_ms=TTL_MS, ask=ask(500)).status == "ok"
+        row = {"id": pid, "num_tokens": 100, **({"manifest": manifest} if manifest else {})}
+        assert b.settle(pid, f"L{pid}", 100, msgpack.packb(row), cost_usd=0) == "kept"
+    assert b.agrees_with("0-0", 0) and b.agrees_with("0-0", 0, {"A", "B"})  # same folder: as ever
+    assert not b.agrees_with("0-0", 0, {"B"})
+    assert b.reconcile("0-0", [], [], [], {"B"}) == (2, 2, 2)
+    waiting = [msgpack.unpackb(f[b"row"])["id"] for _, f in redis_client.xrange(b.keys.results)]
+    s = b.snapshot()
+    assert sorted(waiting) == ["b1", "n1"] and (s.rows, s.kept_tokens) == (2, 200)
+    assert sorted(m.decode() for m in redis_client.smembers(b.keys.done)) == ["b1", "n1"]
+    assert b.reserve("a1", "La1b", ttl_ms=TTL_MS, ask=ask(500)).status == "ok"  # asked again
+    assert b.agrees_with("0-0", 0, {"B"})
+
+
 def test_large_sums_stay_exact_integers(redis_client: redis.Redis) -> None:
     # Past 1e14 a Lua number would reach Redis as "1e+14": every sum goes out as an integer string.
     b = opened(redis_client, tokens=10**12, usd=5_000_000.0, run_usd=5_000_000.0)

@@ -14,6 +14,7 @@ import redis
 import requests
 
 from common.budget import Budget
+from common.keys import DatasetKeys
 from tests.fleet import DEMO_TOKENIZER, Fleet, read_rows, read_summary, write_jsonl
 
 #: tests/conftest.py warm_pool: the tests share the simulators and workers they start alike
@@ -261,3 +262,39 @@ def test_a_pin_on_a_provider_that_does_not_serve_the_model_is_refused_before_any
     assert "provider_pin 'Gamma' does not serve moonshotai/kimi-k2.5 (its endpoints: Alpha Cloud, Beta)" in \
         fleet.log("producer")
     assert fleet.sim_stats()["requests"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_rows_a_killed_run_left_in_redis_do_not_reach_another_configs_folder(
+        fleet: Fleet, redis_client: redis.Redis) -> None:
+    """A run killed before it wrote its rows leaves them in Redis (the results stream is per dataset
+    name). Run again with another config into another folder, those rows named a manifest that
+    folder does not hold: they are left out and their prompts asked again, so every row there is
+    the new run's, and the warning says how many."""
+    import signal
+
+    from common.manifest import read_manifest
+    from producer.validate import validate
+
+    fleet.start_simulator("--latency-median-ms", "300")
+    fleet.start_worker("w1", concurrency=20)
+    first = fleet.one_dataset("M", 200)
+    fleet.start_producer(first, "killed")
+    fleet.wait_rows(redis_client, "M", 30, timeout_s=120)
+    fleet.signal("killed", signal.SIGKILL)
+    # The worker goes on settling what it holds: rows wait in the stream with nobody to write them.
+    results = DatasetKeys("M").results
+    fleet.wait_for(lambda: redis_client.xlen(results) >= 10, 60, "rows left in the stream")
+    other = fleet.tmp / "other-out"
+    second = first.with_name("second.toml")
+    second.write_text(first.read_text().replace("temperature = 1.0", "temperature = 0.5")
+                      .replace(f'dir = "{fleet.out}"', f'dir = "{other}"'))
+    log = fleet.run_producer(second, timeout_s=240, name="second")
+    manifest = read_manifest(other / "manifest.json")
+    rows = read_rows(other, "M")
+    assert len(rows) == 200 and {r["manifest"] for r in rows} == {manifest.manifest_id}, \
+        sorted({r["manifest"] for r in rows})
+    assert len({r["id"] for r in rows}) == 200
+    assert "made under a manifest this folder does not hold" in log, log[-3000:]
+    report = validate(other)
+    assert report.ok, [str(d) for d in report.defects[:5]]
