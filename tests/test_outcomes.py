@@ -19,7 +19,8 @@ THROTTLE = files("common").joinpath("throttle.lua").read_text(encoding="utf-8")
 #: The producer's operations: their replies are acknowledgements with numbers (common/budget.py
 #: reads them by position), not a prompt's outcome.
 PRODUCER_OPS = {"run_open": {"run_open"}, "reap": {"reaped"}, "open": {"open"}, "close": {"closed"},
-                "reconcile": {"current", "mismatch", "reconciled"}}
+                "reconcile": {"current", "mismatch", "reconciled"}, "drop_rows": {"dropped"},
+                "round_hold": set()}  # round_hold answers a number of tokens, no word
 #: Outcomes the worker makes itself, never budget.lua (batched: batch mode's, workers/pipeline/batch/).
 WORKERS_OWN = {Outcome.SPOOLED, Outcome.SKIPPED_STOPPED, Outcome.SKIPPED_OVER, Outcome.DEAD_LETTER, Outcome.BATCHED}
 
