@@ -84,11 +84,14 @@ def test_a_fleet_over_a_providers_capacity_keeps_its_429s_few_and_its_limit_near
     share = sim["capacity_429s"] / sim["requests"]
     print(f"429s {sim['capacity_429s']} of {sim['requests']} requests ({share:.1%}); "
           f"throttle {summary['throttle']}")
-    # The first wave (80 greenlets at once, before any 429 taught the fleet) is 50 of them; after it
-    # the fleet probes above the capacity once in a while, a 429 or two each time. Measured: 4.5%
-    # run alone (3 runs), 8.5% once inside the whole suite (4 test processes on 2 cores, slower
-    # reactions); with the shared limit bypassed, 24.8%.
-    assert share < 0.12
+    # The first wave (80 greenlets at once, before any 429 taught the fleet) is up to 50 of them,
+    # whatever the fleet does; after it the fleet probes above the capacity once in a while, a 429 or
+    # two each time. Judged on those probes: all 429s were 4.5% run alone (3 runs), 8.5% and 12.0%
+    # inside the whole suite (6 test processes on 2 cores: slower reactions, a 429 per late one),
+    # i.e. probes 0.8%, 4.9% and 8.4%; with the shared limit bypassed all 429s were 24.8% (~21% probes).
+    first_wave = 2 * 40 - capacity
+    probes = max(0, sim["capacity_429s"] - first_wave) / sim["requests"]
+    assert probes < 0.10, f"{probes:.1%} of requests were 429s after the first wave"
     assert summary["throttle"]["throttled"] == sim["capacity_429s"]  # the fleet counted what it got
     assert summary["throttle"]["limit"] is not None
     learned = limits[len(limits) // 4:]  # after the first quarter of the run: the first wave's lesson
