@@ -51,9 +51,9 @@
 --     (failed "over_budget"): kept never crosses the limit, whatever lands.
 --   Tokens, rule "hard", a batch round (reserve's z > 0): a round's answers land together, a batch
 --     latency (minutes to hours) after it was admitted, so holding each at its worst case makes a
---     dataset take a round per ~2/3 of what is left. Once trust_rows rows are kept, a batch request
+--     dataset take a round per ~2/3 of what is left. Once round_rows rows are kept, a batch request
 --     holds the kept mean m instead (at most W), and the round's n requests in flight hold, beside
---     those, one margin z * s * sqrt(n + n^2/rows) (s the kept rows' deviation, at least 5% of W;
+--     those, one margin z * s * sqrt(n + n^2/rows) (s the kept rows' deviation, at least 10% of W;
 --     n^2/rows the error of m itself; at most n worst cases in all). A landing answer may use the
 --     margin (the settle's check leaves it out); then the margin is reckoned again for the requests
 --     still out, within the room left. So a round overruns only when its answers' sum passes its
@@ -88,11 +88,12 @@
 --     that would count twice.
 --
 -- ARGV[1] is the operation; the rest depends on it:
---   reserve id lease now_ms ttl_ms worst_tokens worst_nusd prior prior_weight trust_rows [z]
---           z: a batch round's statistical hold (see the rule; 0 or absent: the worst case)
+--   reserve id lease now_ms ttl_ms worst_tokens worst_nusd prior prior_weight trust_rows [z round_rows]
+--           z: a batch round's statistical hold once round_rows rows are kept (see the rule; 0 or
+--           absent: the worst case)
 --           -> {"ok", hold} | {"done"} (kept, or failed in this run) | {"stopped"} | {"busy", ms_left} | {"over", hold}
 --              | {"wait", hold} | {"halted"}
---   round_hold worst_tokens z trust_rows -> {tokens}: what a batch round's next request would take
+--   round_hold worst_tokens z round_rows -> {tokens}: what a batch round's next request would take
 --           now, its hold and what the round's margin grows by (read only; projected: the worst case)
 --   renew   id lease now_ms ttl_ms -> {"ok"} | {"done"} | {"stopped"} | {"halted"} | {"lost"}
 --           Extends a live lease before a retry (works while exhausted; "stopped" ends it). "lost":
@@ -213,7 +214,7 @@ local function margin_for(n, base_sum, z, worst_tok)
   local kept, kept_sq, rows = num(b[1]), num(b[2]), num(b[3])
   if n <= 0 or z <= 0 or rows <= 0 or kept <= 0 then return 0 end
   local mean = kept / rows
-  local var = math.max(kept_sq / rows - mean * mean, (0.05 * worst_tok) ^ 2)
+  local var = math.max(kept_sq / rows - mean * mean, (0.1 * worst_tok) ^ 2)
   return math.max(0, math.min(math.ceil(z * math.sqrt(var * (n + n * n / rows))), n * worst_tok - base_sum))
 end
 
@@ -293,10 +294,10 @@ end
 
 -- The next request of a batch round (z > 0): its hold, "|r", and what the round's margin grows by
 -- with it; else (z = 0, or too few rows kept to know the answers) the worst case, "", 0.
-local function round_hold(worst_tok, z, trust_rows)
+local function round_hold(worst_tok, z, round_rows)
   local b = redis.call("HMGET", budget, "tokens_kept", "rows_kept", "round_leases", "round_held", "round_margin")
   local kept, rows, n, base_sum = num(b[1]), num(b[2]), num(b[3]), num(b[4])
-  if z <= 0 or rows < trust_rows or rows <= 0 or kept <= 0 then return worst_tok, "", 0 end
+  if z <= 0 or rows < round_rows or rows <= 0 or kept <= 0 then return worst_tok, "", 0 end
   local hold = math.min(worst_tok, math.ceil(kept / rows))
   return hold, "|r", margin_for(n + 1, base_sum + hold, z, worst_tok) - num(b[5])
 end
@@ -337,10 +338,10 @@ if op == "reserve" then
   local r = redis.call("HMGET", run, "nusd_limit", "nusd_spent", "nusd_held", "nusd_orphaned")
 
   local hold, tokens
-  local round, grows, z = "", 0, tonumber(ARGV[11] or "0") or 0
+  local round, grows, z, round_rows = "", 0, tonumber(ARGV[11] or "0") or 0, tonumber(ARGV[12] or "0") or 0
   if rule == "hard" then
     worst_tok = math.max(worst_tok, num(b[11]))
-    hold, round, grows = round_hold(worst_tok, z, trust_rows)
+    hold, round, grows = round_hold(worst_tok, z, round_rows)
     if kept + worst_tok > limit then tokens = "over"
     elseif kept + held + hold + grows > limit then tokens = "wait" end
   else
@@ -372,11 +373,11 @@ if op == "reserve" then
 
 elseif op == "round_hold" then
   -- What a batch round's next request would hold now (the producer queues what the room admits).
-  local worst_tok, z, trust_rows = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+  local worst_tok, z, round_rows = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
   local b = redis.call("HMGET", budget, "tokens_rule", "tokens_max_seen")
   worst_tok = math.max(worst_tok, num(b[2]))
   if b[1] ~= "hard" then return {worst_tok} end
-  local hold, _, grows = round_hold(worst_tok, z, trust_rows)
+  local hold, _, grows = round_hold(worst_tok, z, round_rows)
   return {hold + grows}
 
 elseif op == "renew" then

@@ -105,6 +105,9 @@ class BudgetPolicy:
     #: round overruns it about once in 30,000 (a normal tail); an overrun's rows are billed and
     #: discarded, never kept over the cap.
     batch_hold_z: float = 4.0
+    #: Kept rows before a batch round holds on them: enough that a tail one answer in a few dozen
+    #: reaches is likely seen (and the margin's deviation is at least 10% of the worst case).
+    batch_hold_rows: int = 100
     #: Tokens a rebuilt turn may count beyond the provider's completion tokens (``</think>``,
     #: ``<|im_end|>``, re-tokenization): part of the hard rule's worst case.
     turn_overhead_tokens: int = 16
@@ -384,12 +387,13 @@ class Budget:
         statistical bound once enough rows are kept, budget.lua's rule)."""
         z = self.policy.batch_hold_z if batch_round else 0
         reply = self._call("reserve", prompt_id, lease, now_ms(), ttl_ms, ask.worst_tokens, ask.worst_nusd,
-                           ask.prior_tokens, self.policy.prior_weight_rows, self.policy.trust_rows, z)
+                           ask.prior_tokens, self.policy.prior_weight_rows, self.policy.trust_rows, z,
+                           self.policy.batch_hold_rows)
         return Admission(reply_outcome("reserve", reply[0]), int(reply[1]) if len(reply) > 1 else 0)
 
     def round_hold(self, worst_tokens: int) -> int:
         """The tokens a batch round's next request would hold now (read only)."""
-        return int(self._call("round_hold", worst_tokens, self.policy.batch_hold_z, self.policy.trust_rows)[0])
+        return int(self._call("round_hold", worst_tokens, self.policy.batch_hold_z, self.policy.batch_hold_rows)[0])
 
     def renew(self, prompt_id: str, lease: str, *, ttl_ms: int) -> Outcome:
         """Extend an admitted request's lease before a retry; takes no new budget. One of

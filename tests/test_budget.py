@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import time
+from collections.abc import Callable
 
 import msgpack
 import pytest
@@ -448,8 +450,6 @@ def test_a_batch_round_after_the_first_holds_its_statistical_share_and_still_nev
     plus its share of a z-deviation margin, so it admits ~1.4x what worst cases would; a live request
     still holds its worst case, the dollars stay worst cases; and answers all at max_tokens, which
     the margin does not cover, are billed and discarded, never kept over the cap."""
-    import random
-
     rng = random.Random(7)
     b = opened(redis_client, tokens=200 * W_BATCH, usd=1_000.0)
     first = _round(b, "a")
@@ -482,18 +482,27 @@ def test_a_batch_round_after_the_first_holds_its_statistical_share_and_still_nev
     assert {pid for pid, o in zip(second, outcomes, strict=True) if o == "discarded"} == set(b.failures())
 
 
-def test_a_batch_rounds_answers_drawn_like_the_kept_ones_fit_its_hold(redis_client: redis.Redis) -> None:
-    """50 runs of two rounds with answers from one distribution (a skewed one: most short, a long
-    tail to max_tokens): no answer of the second round is discarded. Held at the mean alone (no
-    margin) about half the rounds would overrun."""
-    import random
+def _skewed(rng: random.Random) -> int:
+    """Most answers short, a long tail to max_tokens."""
+    return min(1_024, int(rng.expovariate(1 / 400)) + 50)
 
+
+def _rare_long(rng: random.Random) -> int:
+    """Nearly all answers ~100 tokens, one in 30 cut at max_tokens: the tail a small first round may miss."""
+    return 1_024 if rng.random() < 1 / 30 else rng.randint(80, 120)
+
+
+@pytest.mark.parametrize("draw", [_skewed, _rare_long], ids=["skewed", "rare-long"])
+def test_a_batch_rounds_answers_drawn_like_the_kept_ones_fit_its_hold(
+        redis_client: redis.Redis, draw: Callable[[random.Random], int]) -> None:
+    """50 runs of two rounds with answers from one distribution: no answer of the second round is
+    discarded. Held at the mean alone (no margin) about half the rounds would overrun."""
     discarded = admitted = 0
     for trial in range(50):
         rng = random.Random(trial)
 
         def length(rng: random.Random = rng) -> int:
-            return min(1_024, int(rng.expovariate(1 / 400)) + 50)
+            return draw(rng)
 
         b = opened(redis_client, f"t{trial}", tokens=150 * W_BATCH)
         first = _round(b, f"t{trial}a")
