@@ -393,8 +393,11 @@ class Budget:
         return Admission(reply_outcome("reserve", reply[0]), int(reply[1]) if len(reply) > 1 else 0)
 
     def round_hold(self, worst_tokens: int) -> int:
-        """The tokens a batch round's next request would hold now (read only)."""
-        return int(self._call("round_hold", worst_tokens, self.policy.batch_hold_z, self.policy.batch_hold_rows)[0])
+        """The tokens a batch round's next request would hold now. Read only, so not fenced: the
+        producer asks it on every tick, and a WAITAOF there would only wait for the disk."""
+        reply = self._script(keys=self.keys.budget_keys,
+                             args=["round_hold", worst_tokens, self.policy.batch_hold_z, self.policy.batch_hold_rows])
+        return int(reply[0])
 
     def renew(self, prompt_id: str, lease: str, *, ttl_ms: int) -> Outcome:
         """Extend an admitted request's lease before a retry; takes no new budget. One of

@@ -437,8 +437,16 @@ def wake_consumer(channel: Any, client: redis.Redis) -> bool:
         # its last read brought); an UNBLOCK would find nothing to end (it answered 0 and the log
         # said "from the next poll" once in CI while the first request went out at once).
         return True
-    with contextlib.suppress(redis.RedisError):
-        return bool(client.execute_command("CLIENT", "UNBLOCK", client_id))
+    # A BRPOP just sent may not be blocked at the server yet (UNBLOCK answers 0): asked once more
+    # a moment later, while the consumer is still in that read.
+    for attempt in range(2):
+        with contextlib.suppress(redis.RedisError):
+            if client.execute_command("CLIENT", "UNBLOCK", client_id):
+                return True
+        if attempt == 0:
+            gevent.sleep(0.05)
+            if not getattr(channel, "_in_poll", None):
+                return True  # that read ended meanwhile: the next one lists the new queue
     return False
 
 
